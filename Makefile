@@ -1,0 +1,34 @@
+# Two commands set up a fresh machine:  `make train`  and  `make test`.
+# Both create .venv with the machine's python3 if it is missing and install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/default.py
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: train test bench clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Stamp files: reinstall only when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(PY) -m jaxtrain.main --config $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_step.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

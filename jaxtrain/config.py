@@ -1,0 +1,193 @@
+"""Config schema, defaults and validation.
+
+`base_config()` is the full schema: every key a run may set, grouped by component. Recipes in
+`configs/` start from it and change values; a key the schema does not have is an error. `validate`
+runs once at startup, before anything compiles or touches the workdir, and raises `ConfigError`
+naming the first bad field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.models.transformer import REMAT_POLICIES, ModelConfig
+
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad config value. `str()` is the one line shown to the user: '<field>: <reason>'."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"
+
+    # `steps` sets the schedule's length; `stop_at` (0 = off) ends this invocation early at that step
+    # with a checkpoint, e.g. to fit a job's time slot. Rerunning continues the same schedule.
+    c.train = dict(steps=200, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0)
+
+    # -1 = all remaining devices. `rules` is a preset name (jaxtrain.mesh.PRESETS) or an explicit
+    # table such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated).
+    c.mesh = dict(data=-1, fsdp=1, tensor=1, rules="dp_fsdp_tp")
+
+    c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
+                   tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
+                   rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
+
+    c.optim = dict(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+                   weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
+
+    # `dir` empty = ~/.cache/jaxtrain/data/<corpus>_v<vocab_size>. `vocab_size` is the tokenizer's;
+    # it may be smaller than model.vocab_size (padding rows for better matmul shapes).
+    c.data = dict(corpus="kjv", dir="", vocab_size=8192, heldout_docs=200)
+
+    c.eval = dict(every_steps=50, batches=4, at_start=True)
+
+    c.checkpoint = dict(every_steps=100, keep=3)
+
+    # `fingerprints`: also append each step's batch hash to WORKDIR/data_fingerprints.<process>.jsonl,
+    # an audit trail that proves a resumed run saw exactly the batches an uninterrupted one would.
+    c.log = dict(every_steps=10, fingerprints=False)
+
+    c.sample = dict(prompt="And God said", max_new_tokens=40, temperature=0.8, top_k=40)
+    return c
+
+
+# --- Validation ------------------------------------------------------------------------------------
+
+def _unknown_keys(cfg, schema, prefix="") -> list[str]:
+    out = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            out.append(path)
+        elif isinstance(schema[key], ml_collections.ConfigDict):
+            out += _unknown_keys(cfg[key], schema[key], path + ".")
+    return out
+
+
+def _positive_int(cfg, field: str, allow_zero=False):
+    value = cfg
+    for part in field.split("."):
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        raise ConfigError(field, f"must be a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}")
+    return value
+
+
+def _number(value, field, lo=None, hi=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ConfigError(field, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ConfigError(field, f"must be <= {hi}, got {value!r}")
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> dict:
+    """Checks every field. Returns derived facts the run needs: the resolved mesh shape and rules."""
+    unknown = _unknown_keys(cfg, base_config())
+    if unknown:
+        raise ConfigError(unknown[0], "unknown key (not in jaxtrain.config.base_config)")
+
+    if not isinstance(cfg.workdir, str) or not cfg.workdir.strip():
+        raise ConfigError("workdir", "must be a non-empty path")
+
+    # Mesh and rules.
+    try:
+        shape = mesh_lib.resolve_shape(cfg.mesh, num_devices)
+        rules = mesh_lib.resolve_rules(cfg.mesh.rules)
+    except (ValueError, TypeError) as e:
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field if field.startswith("mesh") else "mesh", reason or str(e)) from None
+    unused = mesh_lib.unused_axes(shape, rules)
+    if unused:
+        raise ConfigError(f"mesh.{unused[0]}", f"size {shape[unused[0]]} but mesh.rules={cfg.mesh.rules!r} "
+                          f"maps nothing to {unused[0]!r}; use a preset that does (e.g. 'dp_fsdp_tp')")
+
+    # Train.
+    for f in ("steps", "batch_size", "seq_len", "microbatches"):
+        _positive_int(cfg, f"train.{f}")
+    _positive_int(cfg, "train.seed", allow_zero=True)
+    _positive_int(cfg, "train.stop_at", allow_zero=True)
+    t = cfg.train
+    dp = mesh_lib.data_parallel_size(shape, rules)
+    if t.batch_size % t.microbatches:
+        raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}")
+    micro = t.batch_size // t.microbatches
+    if micro % dp:
+        raise ConfigError("train.batch_size", f"microbatch of {micro} sequences is not divisible by the "
+                          f"data-parallel size {dp} (mesh axes {rules.get('batch')})")
+    if t.batch_size % process_count:
+        raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by the {process_count} processes")
+
+    # Model.
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+        _positive_int(cfg, f"model.{f}")
+    m = cfg.model
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+    if m.head_dim % 2:
+        raise ConfigError("model.head_dim", f"must be even for RoPE, got {m.head_dim}")
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError("model.remat", f"unknown policy {m.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+    for f in ("dtype", "param_dtype"):
+        if m[f] not in DTYPES:
+            raise ConfigError(f"model.{f}", f"unknown dtype {m[f]!r}; choose one of {list(DTYPES)}")
+    _number(m.rope_theta, "model.rope_theta", lo=0, lo_open=True)
+    _number(m.norm_eps, "model.norm_eps", lo=0, lo_open=True)
+    _number(m.init_std, "model.init_std", lo=0, lo_open=True)
+
+    # Optimizer.
+    o = cfg.optim
+    _number(o.lr, "optim.lr", lo=0, lo_open=True)
+    _positive_int(cfg, "optim.warmup_steps", allow_zero=True)
+    if o.warmup_steps > t.steps:
+        raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} exceeds train.steps={t.steps}")
+    if o.schedule not in SCHEDULES:
+        raise ConfigError("optim.schedule", f"unknown schedule {o.schedule!r}; choose one of {list(SCHEDULES)}")
+    _number(o.min_lr_ratio, "optim.min_lr_ratio", lo=0, hi=1)
+    _number(o.decay_fraction, "optim.decay_fraction", lo=0, hi=1)
+    _number(o.weight_decay, "optim.weight_decay", lo=0)
+    _number(o.clip_norm, "optim.clip_norm", lo=0)  # 0 disables clipping
+    _number(o.b1, "optim.b1", lo=0, hi=1)
+    _number(o.b2, "optim.b2", lo=0, hi=1)
+    _number(o.eps, "optim.eps", lo=0, lo_open=True)
+
+    # Data, eval, checkpoint, log, sample.
+    if cfg.data.corpus != "kjv":
+        raise ConfigError("data.corpus", f"unknown corpus {cfg.data.corpus!r}; only 'kjv' ships so far")
+    _positive_int(cfg, "data.vocab_size")
+    if cfg.data.vocab_size < 258:
+        raise ConfigError("data.vocab_size", f"must be at least 258 (256 bytes + 2 special tokens), got {cfg.data.vocab_size}")
+    if cfg.data.vocab_size > m.vocab_size:
+        raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's data.vocab_size={cfg.data.vocab_size}")
+    _positive_int(cfg, "data.heldout_docs")
+    _positive_int(cfg, "eval.every_steps", allow_zero=True)
+    _positive_int(cfg, "eval.batches")
+    _positive_int(cfg, "checkpoint.every_steps")
+    _positive_int(cfg, "checkpoint.keep")
+    _positive_int(cfg, "log.every_steps")
+    _positive_int(cfg, "sample.max_new_tokens", allow_zero=True)
+    _number(cfg.sample.temperature, "sample.temperature", lo=0)
+    _positive_int(cfg, "sample.top_k", allow_zero=True)
+    return {"mesh_shape": shape, "rules": rules, "data_parallel": dp}
+
+
+def model_config(cfg: ml_collections.ConfigDict, backend: str) -> ModelConfig:
+    """Resolves `auto` dtypes: float32 on CPU (faster there with XLA), bf16 compute + f32 params elsewhere."""
+    m = dict(cfg.model)
+    if m["dtype"] == "auto":
+        m["dtype"] = "float32" if backend == "cpu" else "bfloat16"
+    if m["param_dtype"] == "auto":
+        m["param_dtype"] = "float32"
+    return ModelConfig(**m)

@@ -1,0 +1,165 @@
+"""Device mesh and logical axis rules.
+
+Parameters and activations name their dimensions with *logical* axes ("embed", "mlp", "batch", ...).
+A rule table maps each logical axis to zero or more *mesh* axes; XLA then inserts the collectives.
+
+The mesh axes have fixed meanings:
+  data    pure replicas (gradients all-reduced; put it on the slowest links)
+  fsdp    replicas that also shard params, grads and optimizer state (ZeRO-3)
+  tensor  Megatron-style model parallelism over heads / mlp / vocab
+A preset picks which of them are active. A mesh axis larger than 1 that the preset does not use is a
+config error rather than silently wasted devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+
+_TP = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+# Logical axis -> mesh axis (or tuple of mesh axes). Unlisted logical axes are replicated.
+PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "dp": {"batch": "data"},
+    "fsdp": {"batch": "fsdp", "embed": "fsdp"},
+    "fsdp_tp": {"batch": "fsdp", "embed": "fsdp", **_TP},
+    "dp_fsdp_tp": {"batch": ("data", "fsdp"), "embed": "fsdp", **_TP},
+}
+# Activations use different names for the model dimension so that FSDP shards the weights' "embed"
+# dimension without also sharding the activations' hidden dimension.
+ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+_ACT_TO_PARAM = {"act_heads": "q_heads", "act_kv_heads": "kv_heads", "act_mlp": "mlp", "act_vocab": "vocab"}
+
+
+def resolve_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Fills in the one -1 axis and checks the product. Raises ValueError naming the axis."""
+    sizes = {a: int(sizes[a]) for a in AXES}
+    for axis, n in sizes.items():
+        if n == 0 or n < -1:
+            raise ValueError(f"mesh.{axis}: must be a positive size or -1, got {n}")
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh.{free[1]}: only one axis may be -1 (also {free[0]})")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"mesh.{free[0]}: -1 cannot fill {num_devices} devices, the other axes multiply to {fixed}")
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        shape = "x".join(str(sizes[a]) for a in AXES)
+        raise ValueError(f"mesh.data: mesh {shape} has {fixed} devices but JAX sees {num_devices}")
+    return sizes
+
+
+def resolve_rules(rules) -> dict[str, tuple[str, ...]]:
+    """A preset name, a table string "logical=axis+axis,...", or a mapping -> {logical: mesh axes}."""
+    if isinstance(rules, str) and "=" in rules:
+        pairs = [item.split("=", 1) for item in rules.replace(" ", "").split(",") if item]
+        rules = {name: tuple(a for a in axes.split("+") if a) for name, axes in pairs}
+    elif isinstance(rules, str):
+        if rules not in PRESETS:
+            raise ValueError(f"mesh.rules: unknown preset {rules!r}; choose one of {sorted(PRESETS)}")
+        rules = PRESETS[rules]
+    table = dict(rules.items()) if hasattr(rules, "items") else dict(rules)
+    out = {}
+    for logical, axes in table.items():
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        unknown = [a for a in axes if a not in AXES]
+        if unknown:
+            raise ValueError(f"mesh.rules: {logical!r} maps to unknown mesh axis {unknown[0]!r}")
+        out[str(logical)] = axes
+    for act, param in _ACT_TO_PARAM.items():
+        out.setdefault(act, out.get(param, ()))
+    return out
+
+
+def unused_axes(shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]) -> list[str]:
+    used = {a for axes in rules.values() for a in axes}
+    return [a for a in AXES if shape[a] > 1 and a not in used]
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices)
+
+
+def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh,
+             rules: Mapping[str, tuple[str, ...]]) -> P:
+    """PartitionSpec for an array of `shape` whose dims carry logical `names`.
+
+    A mapping that does not divide its dimension, or whose mesh axis is already taken by an earlier
+    dimension, is dropped (that dimension is replicated). An array with no names at all falls back to
+    FSDP on its largest dimension that the fsdp axis divides.
+    """
+    if names is None:
+        return _fsdp_fallback(shape, mesh, rules)
+    taken: set[str] = set()
+    spec = []
+    for size, name in zip(shape, names):
+        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1) if name else ()
+        if not axes or taken & set(axes) or size % math.prod(mesh.shape[a] for a in axes):
+            spec.append(None)
+            continue
+        taken |= set(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def _fsdp_fallback(shape, mesh, rules) -> P:
+    fsdp_active = any("fsdp" in axes for axes in rules.values()) and mesh.shape["fsdp"] > 1
+    spec = [None] * len(shape)
+    if fsdp_active:
+        candidates = [i for i, n in enumerate(shape) if n % mesh.shape["fsdp"] == 0]
+        if candidates:
+            spec[max(candidates, key=lambda i: shape[i])] = "fsdp"
+    return P(*spec)
+
+
+def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules) -> object:
+    """NamedShardings for a pytree of abstract arrays, given a matching tree of logical names (or None)."""
+    # The names tree leads: its leaves (a PartitionSpec of names, or None) sit where the arrays are.
+    return jax.tree.map(
+        lambda names, x: NamedSharding(mesh, spec_for(x.shape, names, mesh, rules)),
+        logical_tree, abstract_tree, is_leaf=lambda n: n is None or isinstance(n, P))
+
+
+# --- Activation constraints -------------------------------------------------------------------------
+# The model calls `constrain(x, names)`; it is a no-op unless a step function is being traced inside
+# `activation_sharding(mesh, rules)`. This keeps the model free of mesh plumbing.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxtrain_activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Mapping[str, tuple[str, ...]]):
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(x.shape, names, mesh, rules)))
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+    """Sharding of [batch, seq] input arrays (config validation guarantees the batch divides)."""
+    axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
+    return NamedSharding(mesh, P(axes or None, None))
+
+
+def data_parallel_size(shape: Mapping[str, int], rules) -> int:
+    """How many ways the global batch is split."""
+    return int(np.prod([shape[a] for a in rules.get("batch", ())])) if rules.get("batch") else 1

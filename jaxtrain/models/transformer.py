@@ -1,0 +1,194 @@
+"""Llama-style decoder in Flax NNX: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+
+Every parameter names its dimensions with logical axes (`out_sharding`), which `jaxtrain.mesh`
+turns into shardings. Layers are created stacked (leading "layers" axis) and run with `lax.scan`,
+so compile time does not grow with depth.
+
+Packed batches: `segment_ids` (0 = padding) keep attention inside each document and `positions`
+restart at every document, so RoPE sees each document as if it were alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.mesh import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    tie_embeddings: bool = True
+    remat: str = "none"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
+    dtype = jnp.dtype(cfg.param_dtype)
+    value = (jnp.ones(shape, dtype) if ones else
+             jax.random.normal(rngs.params(), shape, dtype) * (cfg.init_std if std is None else std))
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (cfg.d_model,), ("norm",), cfg, ones=True)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, rotate-half form. x: [B, T, N, D], positions: [B, T]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * freq  # [B, T, 1, half]
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids):
+    """[B, 1, T, T] boolean: causal, same document, and never attending to padding."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids != 0)[:, None, :]
+    return (causal[None] & same_doc & real)[:, None]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (d, h, hd), ("embed", "q_heads", "head_dim"), cfg)
+        self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), cfg)
+        self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), cfg)
+        # Scaled down like GPT-2 so the residual stream does not grow with depth.
+        self.wo = _param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), cfg,
+                         std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x, positions, mask):
+        dt = x.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = constrain(out, ("batch", "seq", "act_heads", None))
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x):
+        dt = x.dtype
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, mask):
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+    def __call__(self, tokens, positions, segment_ids):
+        """tokens, positions, segment_ids: int [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        mask = attention_mask(segment_ids)
+
+        block_def, block_state = nnx.split(self.blocks)
+
+        def layer(x, state):
+            return nnx.merge(block_def, state)(x, positions, mask), None
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, block_state)
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
+        return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def build(cfg: ModelConfig, seed: int) -> Transformer:
+    with nnx.use_eager_sharding(False):
+        return Transformer(cfg, nnx.Rngs(params=seed))
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (the input embedding is a gather, not counted;
+    the output projection is, tied or not)."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * cfg.d_model * cfg.d_ff
+    return cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token, counted as MaxText does for a dense decoder:
+    6 * N_matmul (forward 2, backward 4) plus causal attention 6 * L * S * H * d_head
+    (QK^T and AV are 2 * 2 * S * H * d_head per token forward, halved for causality, times 3 for fwd+bwd).
+    Remat recomputation is not counted: MFU measures useful work."""
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

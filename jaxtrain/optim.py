@@ -1,0 +1,49 @@
+"""Optimizer and learning-rate schedules from `config.optim`."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to `lr`, then the named decay down to `lr * min_lr_ratio` at `total_steps`.
+
+    wsd (warmup-stable-decay) holds `lr` and decays linearly over the last `decay_fraction` of the run.
+    """
+    lr, warmup = optim_cfg.lr, optim_cfg.warmup_steps
+    floor = lr * optim_cfg.min_lr_ratio
+    rest = max(total_steps - warmup, 1)
+    kind = optim_cfg.schedule
+    if kind == "constant":
+        after = optax.constant_schedule(lr)
+    elif kind == "cosine":
+        after = optax.cosine_decay_schedule(lr, rest, alpha=optim_cfg.min_lr_ratio)
+    elif kind == "linear":
+        after = optax.linear_schedule(lr, floor, rest)
+    elif kind == "wsd":
+        decay = max(int(round(rest * optim_cfg.decay_fraction)), 1)
+        after = optax.join_schedules([optax.constant_schedule(lr), optax.linear_schedule(lr, floor, decay)],
+                                     [rest - decay])
+    else:
+        raise ValueError(f"optim.schedule: unknown schedule {kind!r}")
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def decay_mask(params):
+    """True where weight decay applies: every weight except norm scales and biases."""
+    def decays(path, _):
+        names = [str(getattr(k, "key", k)) for k in path]
+        return not any("norm" in n or "bias" in n for n in names)
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+    parts = []
+    if optim_cfg.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
+    parts.append(optax.adamw(schedule(optim_cfg, total_steps), b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                             weight_decay=optim_cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)

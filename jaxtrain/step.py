@@ -1,0 +1,83 @@
+"""Pure train and eval steps.
+
+State is a plain dict {"step", "params", "opt_state"} of arrays; the model graph is rebuilt from its
+static `graphdef` only while tracing, so the jitted step is a plain function of arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain import mesh as mesh_lib
+
+
+def next_token_targets(batch):
+    """Targets are the next token; a position counts only if the next token is in the same document."""
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    next_seg = jnp.concatenate([seg[:, 1:], jnp.zeros_like(seg[:, :1])], axis=1)
+    weights = ((seg != 0) & (next_seg == seg)).astype(jnp.float32)
+    return targets, weights
+
+
+def loss_sum(graphdef, params, batch):
+    """Summed token cross-entropy (f32) and the number of scored tokens."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    targets, weights = next_token_targets(batch)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def split_microbatches(x, n: int):
+    """[B, ...] -> [n, B/n, ...] taking every n-th row, so each microbatch spans every data shard."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
+                    microbatches: int, mesh, rules) -> Callable:
+    def train_step(state, batch):
+        with mesh_lib.activation_sharding(mesh, rules):
+            # Normalise by the whole batch's token count so that accumulation equals one big step.
+            total = jnp.maximum(next_token_targets(batch)[1].sum(), 1.0)
+            grad_fn = jax.value_and_grad(lambda p, mb: loss_sum(graphdef, p, mb)[0] / total)
+
+            if microbatches == 1:
+                loss, grads = grad_fn(state["params"], batch)
+            else:
+                def accumulate(carry, mb):
+                    loss, grads = grad_fn(state["params"], mb)
+                    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+                zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+                micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
+                (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+
+            grad_norm = optax.global_norm(grads)
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+
+            # A non-finite loss or gradient never reaches the weights: keep the old ones for this step.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_state = {"step": state["step"] + 1,
+                         "params": keep(params, state["params"]),
+                         "opt_state": keep(opt_state, state["opt_state"])}
+            metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
+                       "finite": finite, "tokens": total}
+            return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef, mesh, rules) -> Callable:
+    def eval_step(params, batch):
+        with mesh_lib.activation_sharding(mesh, rules):
+            return loss_sum(graphdef, params, batch)
+
+    return eval_step

@@ -1,0 +1,220 @@
+"""The training run, top to bottom: config -> data -> mesh -> state -> compiled step -> loop -> sample.
+
+`run(config)` is what `python -m jaxtrain.main` and notebooks call. It returns a summary dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import config as config_lib
+from jaxtrain import hooks as hooks_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import metrics as metrics_lib
+from jaxtrain import optim, step as step_lib
+from jaxtrain.data import pipeline, prepare, tokenizer as tokenizer_lib
+from jaxtrain.models import transformer
+
+def data_dir(config) -> str:
+    return config.data.dir or str(Path.home() / ".cache" / "jaxtrain" / "data" /
+                                  f"{config.data.corpus}_v{config.data.vocab_size}_h{config.data.heldout_docs}")
+
+
+def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
+    """(graphdef, abstract state, state shardings, init function), all without allocating a parameter."""
+    abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_names = nnx.get_partition_spec(abstract_params).to_pure_dict()
+    abstract_params = abstract_params.to_pure_dict()
+
+    def init():
+        params = nnx.split(transformer.build(model_cfg, seed))[1].to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    abstract_state = jax.eval_shape(init)
+    # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated.
+    opt_names = optax.tree_map_params(optimizer, lambda _, names: names, abstract_state["opt_state"], param_names,
+                                      transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, P))
+    names = {"step": None, "params": param_names, "opt_state": opt_names}
+    shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
+    return graphdef, abstract_state, shardings, init
+
+
+def global_batch(local: dict, sharding: NamedSharding) -> dict:
+    """Process-local numpy rows -> one global jax.Array per key (works the same on one or many hosts)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything compiled for one config on one mesh. `train_step(state, batch)` donates `state`."""
+    mesh: Mesh
+    rules: dict
+    model_cfg: transformer.ModelConfig
+    graphdef: object
+    abstract_state: dict  # ShapeDtypeStructs carrying the shardings: the restore target
+    shardings: dict
+    batch_sharding: NamedSharding
+    init: Callable[[], dict]
+    train_step: Callable
+    eval_step: Callable
+
+    def evaluate(self, params, batches) -> float:
+        """Mean token loss over process-local numpy batches."""
+        sums = [self.eval_step(params, global_batch(b, self.batch_sharding)) for b in batches]
+        loss_sum, count = np.sum(jax.device_get(sums), axis=0)
+        return float(loss_sum / max(count, 1.0))
+
+
+def build_trainer(config, mesh_shape: dict, rules: dict, devices=None) -> Trainer:
+    """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them."""
+    mesh = mesh_lib.make_mesh(mesh_shape, devices)
+    model_cfg = config_lib.model_config(config, jax.default_backend())
+    optimizer = optim.make_optimizer(config.optim, config.train.steps)
+    graphdef, abstract_state, shardings, init = abstract_train_state(model_cfg, optimizer, mesh, rules,
+                                                                     config.train.seed)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    train_step = jax.jit(
+        step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
+                                 config.train.microbatches, mesh, rules),
+        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
+                        in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)
+    return Trainer(mesh=mesh, rules=rules, model_cfg=model_cfg, graphdef=graphdef,
+                   abstract_state=ckpt_lib.abstract_with_shardings(abstract_state, shardings),
+                   shardings=shardings, batch_sharding=batch_sharding,
+                   init=jax.jit(init, out_shardings=shardings), train_step=train_step, eval_step=eval_step)
+
+
+def run(config, print_fn=print) -> dict:
+    t_start = time.perf_counter()
+    # ===== Config: validated before anything compiles or touches the workdir ===========================
+    facts = config_lib.validate(config, jax.device_count(), jax.process_count())
+    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+    train_cfg = config.train
+    is_main = jax.process_index() == 0
+    say = print_fn if is_main else (lambda *a, **k: None)
+
+    # ===== Data: prepared (or reused) before the workdir is created ====================================
+    ddir = data_dir(config)
+    prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
+    tok = tokenizer_lib.load(os.path.join(ddir, "tokenizer.json"))
+
+    # ===== Workdir and metric writers ==================================================================
+    workdir = Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
+                                          metrics_lib.TensorBoardWriter(workdir / "tensorboard")])
+        writer.write_hparams(config.to_dict())
+    else:
+        writer = metrics_lib.MetricWriter()
+
+    # ===== Mesh, model, optimizer, jitted steps =======================================================
+    trainer = build_trainer(config, mesh_shape, rules)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
+    say(f"mesh {dict(trainer.mesh.shape)} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
+        f"{trainer.model_cfg.dtype} compute | devices {jax.device_count()} x {jax.devices()[0].device_kind}")
+
+    # ===== Data iterators ==============================================================================
+    train_iter = pipeline.train_iterator(ddir, seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size,
+                                         seed=train_cfg.seed, process_index=jax.process_index(),
+                                         process_count=jax.process_count())
+    eval_data = pipeline.eval_batches(ddir, seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size,
+                                      num_batches=config.eval.batches, process_index=jax.process_index(),
+                                      process_count=jax.process_count())
+
+    # ===== State: restore the latest checkpoint or initialise ==========================================
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+    start = checkpointer.latest_step() or 0
+    if start >= train_cfg.steps:
+        say(f"run already finished: checkpoint at step {start} >= train.steps={train_cfg.steps}; nothing to do")
+        checkpointer.close()
+        writer.close()
+        return {"finished": True, "step": start, "resumed": True}
+    if start:
+        state = checkpointer.restore(start, trainer.abstract_state, train_iter)
+        say(f"resumed from checkpoint at step {start}")
+    else:
+        state = trainer.init()
+
+    # ===== Compile the train step ahead of time (the first step is then a step, not a compile) =======
+    t = time.perf_counter()
+    abstract_batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32,
+                                              sharding=trainer.batch_sharding)
+                      for k in ("tokens", "segment_ids", "positions")}
+    train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
+
+    # ===== Hooks =======================================================================================
+    clock = hooks_lib.Clock()
+    peak, peak_source = metrics_lib.peak_flops()
+    flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, train_cfg.seq_len)
+    say(f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP per token")
+    log_hook = hooks_lib.LogHook(every=config.log.every_steps, total_steps=train_cfg.steps, start_step=start,
+                                 tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
+                                 flops_per_token=flops_per_token, peak_flops=peak, writer=writer, clock=clock,
+                                 print_fn=say)
+    eval_hook = hooks_lib.EvalHook(every=config.eval.every_steps, total_steps=train_cfg.steps,
+                                   evaluate=lambda params: trainer.evaluate(params, eval_data),
+                                   writer=writer, clock=clock, print_fn=say)
+    ckpt_hook = hooks_lib.CheckpointHook(every=config.checkpoint.every_steps, checkpointer=checkpointer,
+                                         data_iterator=train_iter, clock=clock, start_step=start)
+    hooks = [log_hook, eval_hook, ckpt_hook]
+    if config.log.fingerprints:
+        hooks.append(hooks_lib.FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
+                                               pipeline.tokens_per_batch_fingerprint))
+
+    # ===== Train =======================================================================================
+    if start == 0 and config.eval.at_start:
+        eval_hook.run(0, state["params"])
+    last = min(train_cfg.stop_at or train_cfg.steps, train_cfg.steps)
+    say(f"training steps {start + 1}..{last} of {train_cfg.steps}, "
+        f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens per step")
+    step = start
+    try:
+        for step in range(start + 1, last + 1):
+            local = next(train_iter)
+            state, metrics = train_step(state, global_batch(local, trainer.batch_sharding))
+            for hook in hooks:
+                hook(step, state, metrics, local)
+        for hook in hooks:
+            hook.end(step, state)
+    finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
+        checkpointer.close()
+        writer.close()
+
+    # ===== Sample ======================================================================================
+    text = ""
+    if config.sample.max_new_tokens:
+        from jaxtrain import generate
+        ids = generate.sample(trainer.graphdef, state["params"], tok.encode(config.sample.prompt).ids,
+                              window=train_cfg.seq_len, max_new_tokens=config.sample.max_new_tokens,
+                              temperature=config.sample.temperature, top_k=config.sample.top_k,
+                              seed=train_cfg.seed, stop_id=tokenizer_lib.EOS_ID)
+        text = config.sample.prompt + tok.decode(ids)
+        say(f"sample: {text}")
+
+    evals = eval_hook.history
+    summary = {"finished": step >= train_cfg.steps, "step": step, "resumed": bool(start), "eval": evals,
+               "wall_s": time.perf_counter() - t_start, "data_dir": ddir, "sample": text}
+    if is_main:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["state"] = state  # for notebooks and tests; not part of summary.json
+    say(f"done: {step} steps in {summary['wall_s']:.0f}s" +
+        (f", eval_loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else ""))
+    return summary

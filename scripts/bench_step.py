@@ -1,0 +1,69 @@
+"""Train-step throughput and MFU against the matmul peak measured in the same run.
+
+    python scripts/bench_step.py [--config configs/bench_cpu.py] [--steps 20] [--config.model.remat=full]
+
+The batch is synthetic (uniform random tokens, one document per row) so only the step is timed; the data
+pipeline has its own benchmark. Ends with one JSON line, e.g.
+{"tokens_per_sec": ..., "mfu": ..., "peak_gflops": ..., "step_ms": ..., ...}
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Model/batch config.", lock_config=True)
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (after 2 warm-up steps).")
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from jaxtrain import config as config_lib, metrics, train
+    from jaxtrain.models import transformer
+
+    cfg = _CONFIG.value
+    facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    t = time.perf_counter()
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    state = trainer.init()
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    rng = np.random.default_rng(0)
+    local = {"tokens": rng.integers(2, cfg.data.vocab_size, (b, s), dtype=np.int32),
+             "segment_ids": np.ones((b, s), np.int32),
+             "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
+    batch = train.global_batch(local, trainer.batch_sharding)
+    for _ in range(2):  # compile + one warm step
+        state, m = trainer.train_step(state, batch)
+    jax.block_until_ready(m)
+    startup_s = time.perf_counter() - t
+
+    times = []
+    for _ in range(_STEPS.value):
+        t = time.perf_counter()
+        state, m = trainer.train_step(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+
+    # Peak measured after the steps, on the same (now warm) machine.
+    peak = metrics.measure_matmul_flops()
+    flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, s)
+    tok_s = b * s / step_s
+    result = {"config": cfg.workdir, "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+              "dtype": trainer.model_cfg.dtype, "remat": cfg.model.remat, "step_ms": 1e3 * step_s,
+              "tokens_per_sec": tok_s, "model_gflops_per_sec": tok_s * flops_per_token / 1e9,
+              "peak_gflops": peak / 1e9, "mfu": tok_s * flops_per_token / peak,
+              "startup_to_warm_s": startup_s, "loss": float(m["loss"])}
+    print(f"step {1e3 * step_s:.1f} ms (median of {len(times)}) | {tok_s:,.0f} tok/s | "
+          f"{result['model_gflops_per_sec']:.1f} model GFLOP/s | peak {peak / 1e9:.0f} GFLOP/s | "
+          f"MFU {100 * result['mfu']:.1f}%", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
