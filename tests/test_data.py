@@ -22,260 +22,265 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("kjv") / "data")
-  prepare.prepare_default_corpus(path, VOCAB)
-  return path
+    path = str(tmp_path_factory.mktemp("kjv") / "data")
+    prepare.prepare_default_corpus(path, VOCAB)
+    return path
 
 
 def records(data_dir, split):
-  """All documents of a split as tuples of token ids, in file order."""
-  manifest = prepare.load_manifest(data_dir)
-  paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]]
-  source = grain.sources.ArrayRecordDataSource(paths)
-  dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-  return [tuple(np.frombuffer(source[i], dtype).tolist()) for i in range(len(source))]
+    """All documents of a split as tuples of token ids, in file order."""
+    manifest = prepare.load_manifest(data_dir)
+    paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]]
+    source = grain.sources.ArrayRecordDataSource(paths)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    return [tuple(np.frombuffer(source[i], dtype).tolist()) for i in range(len(source))]
 
 
 def token_stream(batches):
-  """Non-pad tokens of the batches, row after row."""
-  return np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches]).tolist()
+    """Non-pad tokens of the batches, row after row."""
+    return np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches]).tolist()
 
 
 def split_docs(stream):
-  """Complete documents (ending with EOS) of a token stream; drops the tail."""
-  docs, start = [], 0
-  for i, t in enumerate(stream):
-    if t == tokenizer.EOS_ID:
-      docs.append(tuple(stream[start : i + 1]))
-      start = i + 1
-  return docs
+    """Complete documents (ending with EOS) of a token stream; drops the tail."""
+    docs, start = [], 0
+    for i, t in enumerate(stream):
+        if t == tokenizer.EOS_ID:
+            docs.append(tuple(stream[start : i + 1]))
+            start = i + 1
+    return docs
 
 
 def take(it, n):
-  return [next(it) for _ in range(n)]
+    return [next(it) for _ in range(n)]
 
 
 def fingerprints(batches):
-  return [pipeline.tokens_per_batch_fingerprint(b) for b in batches]
+    return [pipeline.tokens_per_batch_fingerprint(b) for b in batches]
 
 
 # ----------------------------------------------------------------- prepare
 
 
 def test_records_decode_to_source_documents(data_dir):
-  tok = tokenizer.load(os.path.join(data_dir, "tokenizer.json"))
-  decoded = []
-  for split in ("train", "heldout"):
-    for rec in records(data_dir, split):
-      assert rec[-1] == tokenizer.EOS_ID and tokenizer.EOS_ID not in rec[:-1]
-      decoded.append(tok.decode(rec[:-1]))
-  assert sorted(decoded) == sorted(prepare.read_kjv_documents())
-  assert len(records(data_dir, "heldout")) == 200
+    tok = tokenizer.load(os.path.join(data_dir, "tokenizer.json"))
+    decoded = []
+    for split in ("train", "heldout"):
+        for rec in records(data_dir, split):
+            assert rec[-1] == tokenizer.EOS_ID and tokenizer.EOS_ID not in rec[:-1]
+            decoded.append(tok.decode(rec[:-1]))
+    assert sorted(decoded) == sorted(prepare.read_kjv_documents())
+    assert len(records(data_dir, "heldout")) == 200
 
 
 def test_manifest_counts_and_hashes(data_dir):
-  m = prepare.load_manifest(data_dir)
-  assert (m["vocab_size"], m["heldout_docs"], m["seed"], m["dtype"]) == (VOCAB, 200, 0, "uint16")
-  assert m["tokenizer"]["sha256"] == tokenizer.file_hash(os.path.join(data_dir, "tokenizer.json"))
-  assert len(m["splits"]["train"]) == prepare.NUM_TRAIN_SHARDS
-  for split, shards in m["splits"].items():
-    recs = records(data_dir, split)
-    assert sum(s["docs"] for s in shards) == len(recs)
-    assert sum(s["tokens"] for s in shards) == sum(map(len, recs))
-    for s in shards:
-      assert s["sha256"] == tokenizer.file_hash(os.path.join(data_dir, s["file"]))
+    m = prepare.load_manifest(data_dir)
+    assert (m["vocab_size"], m["heldout_docs"], m["seed"], m["dtype"]) == (VOCAB, 200, 0, "uint16")
+    assert m["tokenizer"]["sha256"] == tokenizer.file_hash(os.path.join(data_dir, "tokenizer.json"))
+    assert len(m["splits"]["train"]) == prepare.NUM_TRAIN_SHARDS
+    for split, shards in m["splits"].items():
+        recs = records(data_dir, split)
+        assert sum(s["docs"] for s in shards) == len(recs)
+        assert sum(s["tokens"] for s in shards) == sum(map(len, recs))
+        for s in shards:
+            assert s["sha256"] == tokenizer.file_hash(os.path.join(data_dir, s["file"]))
 
 
 def test_tokenizer_is_deterministic_and_round_trips():
-  texts = prepare.read_kjv_documents()[:300] + ["<|endoftext|> stays text — Æ’"]
-  a, b = tokenizer.train_bpe(texts, 400), tokenizer.train_bpe(texts, 400)
-  assert a.to_str() == b.to_str()
-  assert (a.token_to_id("<|pad|>"), a.token_to_id("<|endoftext|>")) == (0, 1)
-  for t in texts:
-    ids = a.encode(t).ids
-    assert tokenizer.EOS_ID not in ids and a.decode(ids) == t
+    texts = prepare.read_kjv_documents()[:300] + ["<|endoftext|> stays text — Æ’"]
+    a, b = tokenizer.train_bpe(texts, 400), tokenizer.train_bpe(texts, 400)
+    assert a.to_str() == b.to_str()
+    assert (a.token_to_id("<|pad|>"), a.token_to_id("<|endoftext|>")) == (0, 1)
+    for t in texts:
+        ids = a.encode(t).ids
+        assert tokenizer.EOS_ID not in ids and a.decode(ids) == t
 
 
 def test_reuse_does_not_touch_files(data_dir, capsys):
-  before = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
-  start = time.perf_counter()
-  manifest = prepare.prepare_default_corpus(data_dir, VOCAB)
-  assert time.perf_counter() - start < 0.5
-  assert manifest == prepare.load_manifest(data_dir)
-  after = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
-  assert after == before
-  assert capsys.readouterr().out == ""  # Reuse is silent; only real work prints.
+    before = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
+    start = time.perf_counter()
+    manifest = prepare.prepare_default_corpus(data_dir, VOCAB)
+    assert time.perf_counter() - start < 0.5
+    assert manifest == prepare.load_manifest(data_dir)
+    after = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
+    assert after == before
+    assert capsys.readouterr().out == ""  # Reuse is silent; only real work prints.
 
 
-@pytest.mark.parametrize("kwargs, setting", [
-    (dict(vocab_size=1024), "vocab_size"),
-    (dict(vocab_size=VOCAB, seed=1), "seed"),
-    (dict(vocab_size=VOCAB, heldout_docs=100), "heldout_docs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, setting",
+    [
+        (dict(vocab_size=1024), "vocab_size"),
+        (dict(vocab_size=VOCAB, seed=1), "seed"),
+        (dict(vocab_size=VOCAB, heldout_docs=100), "heldout_docs"),
+    ],
+)
 def test_different_settings_raise(data_dir, kwargs, setting):
-  with pytest.raises(DataError, match=setting) as e:
-    prepare.prepare_default_corpus(data_dir, **kwargs)
-  assert data_dir in str(e.value)
+    with pytest.raises(DataError, match=setting) as e:
+        prepare.prepare_default_corpus(data_dir, **kwargs)
+    assert data_dir in str(e.value)
 
 
 def test_missing_data_dir_raises(tmp_path):
-  missing = str(tmp_path / "nope")
-  with pytest.raises(DataError, match=re.escape(missing)):
-    prepare.load_manifest(missing)
-  with pytest.raises(DataError, match=re.escape(missing)):
-    pipeline.train_iterator(missing, seq_len=SEQ, global_batch=2, seed=0)
-  with pytest.raises(DataError, match=re.escape(missing)):
-    pipeline.eval_batches(missing, seq_len=SEQ, global_batch=2, num_batches=1)
+    missing = str(tmp_path / "nope")
+    with pytest.raises(DataError, match=re.escape(missing)):
+        prepare.load_manifest(missing)
+    with pytest.raises(DataError, match=re.escape(missing)):
+        pipeline.train_iterator(missing, seq_len=SEQ, global_batch=2, seed=0)
+    with pytest.raises(DataError, match=re.escape(missing)):
+        pipeline.eval_batches(missing, seq_len=SEQ, global_batch=2, num_batches=1)
 
 
 def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
-  def crash(out_dir, settings):
-    open(os.path.join(out_dir, "tokenizer.json"), "w").close()
-    raise KeyboardInterrupt
+    def crash(out_dir, settings):
+        open(os.path.join(out_dir, "tokenizer.json"), "w").close()
+        raise KeyboardInterrupt
 
-  monkeypatch.setattr(prepare, "_prepare_into", crash)
-  with pytest.raises(KeyboardInterrupt):
-    prepare.prepare_default_corpus(str(tmp_path / "data"), VOCAB)
-  assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(prepare, "_prepare_into", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_default_corpus(str(tmp_path / "data"), VOCAB)
+    assert os.listdir(tmp_path) == []
 
 
 def test_concurrent_preparers_and_cli(tmp_path):
-  out = str(tmp_path / "data")
-  cmd = [sys.executable, "-m", "jaxtrain.data.prepare", "--output", out, "--vocab_size", str(VOCAB)]
-  procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for _ in range(2)]
-  results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
-  assert [rc for _, _, rc in results] == [0, 0], results
-  assert os.listdir(tmp_path) == ["data"]  # No temp dir left behind.
-  assert len(records(out, "heldout")) == 200
+    out = str(tmp_path / "data")
+    cmd = [sys.executable, "-m", "jaxtrain.data.prepare", "--output", out, "--vocab_size", str(VOCAB)]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    assert [rc for _, _, rc in results] == [0, 0], results
+    assert os.listdir(tmp_path) == ["data"]  # No temp dir left behind.
+    assert len(records(out, "heldout")) == 200
 
-  bad = subprocess.run(cmd[:-1] + ["1024"], cwd=REPO, capture_output=True, text=True)
-  assert bad.returncode == 2
-  assert bad.stderr.count("\n") == 1 and "vocab_size" in bad.stderr and out in bad.stderr
+    bad = subprocess.run(cmd[:-1] + ["1024"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "vocab_size" in bad.stderr and out in bad.stderr
 
 
 # ---------------------------------------------------------------- pipeline
 
 
 def check_packing(batch, local_batch):
-  for key in ("tokens", "segment_ids", "positions"):
-    assert batch[key].shape == (local_batch, SEQ) and batch[key].dtype == np.int32
-  for tok, seg, pos in zip(batch["tokens"], batch["segment_ids"], batch["positions"]):
-    pad = seg == 0
-    assert (tok[pad] == tokenizer.PAD_ID).all() and (pos[pad] == 0).all()
-    assert tokenizer.PAD_ID not in tok[~pad]
-    assert seg[0] == 1 and pos[0] == 0
-    same = seg[1:] == seg[:-1]
-    assert (pos[1:][same] == pos[:-1][same] + 1).all()  # Positions count up in a doc...
-    assert (pos[1:][~same] == 0).all()  # ...and restart at each new doc.
-    new_doc = ~same & ~pad[1:]
-    assert (seg[1:][new_doc] == seg[:-1][new_doc] + 1).all()
-    assert (tok[:-1][new_doc] == tokenizer.EOS_ID).all()  # A doc ends in EOS before the next.
+    for key in ("tokens", "segment_ids", "positions"):
+        assert batch[key].shape == (local_batch, SEQ) and batch[key].dtype == np.int32
+    for tok, seg, pos in zip(batch["tokens"], batch["segment_ids"], batch["positions"]):
+        pad = seg == 0
+        assert (tok[pad] == tokenizer.PAD_ID).all() and (pos[pad] == 0).all()
+        assert tokenizer.PAD_ID not in tok[~pad]
+        assert seg[0] == 1 and pos[0] == 0
+        same = seg[1:] == seg[:-1]
+        assert (pos[1:][same] == pos[:-1][same] + 1).all()  # Positions count up in a doc...
+        assert (pos[1:][~same] == 0).all()  # ...and restart at each new doc.
+        new_doc = ~same & ~pad[1:]
+        assert (seg[1:][new_doc] == seg[:-1][new_doc] + 1).all()
+        assert (tok[:-1][new_doc] == tokenizer.EOS_ID).all()  # A doc ends in EOS before the next.
 
 
 def test_packing_keeps_every_token(data_dir):
-  batches = take(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=0), 60)
-  for b in batches:
-    check_packing(b, 8)
-  stream = token_stream(batches)
-  assert len(stream) == 60 * 8 * SEQ  # Endless training stream: no padding at all.
-  docs = split_docs(stream)
-  # Cutting the stream at EOS yields whole train documents, each once: so no
-  # token was dropped or duplicated, including in docs longer than a row.
-  train = collections.Counter(records(data_dir, "train"))
-  assert all(train[d] >= c for d, c in collections.Counter(docs).items())
-  assert max(map(len, docs)) > 3 * SEQ
+    batches = take(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=0), 60)
+    for b in batches:
+        check_packing(b, 8)
+    stream = token_stream(batches)
+    assert len(stream) == 60 * 8 * SEQ  # Endless training stream: no padding at all.
+    docs = split_docs(stream)
+    # Cutting the stream at EOS yields whole train documents, each once: so no
+    # token was dropped or duplicated, including in docs longer than a row.
+    train = collections.Counter(records(data_dir, "train"))
+    assert all(train[d] >= c for d, c in collections.Counter(docs).items())
+    assert max(map(len, docs)) > 3 * SEQ
 
 
 def test_padding_of_a_finite_stream():
-  docs = [np.arange(10, 10 + n, dtype=np.int32) for n in (3, 6, 2)]
-  ds = grain.MapDataset.source(docs).map(lambda x: {"tokens": x}).to_iter_dataset()
-  batches = list(pipeline._pack_and_batch(ds, seq_len=4, batch_size=1))
-  b = {k: np.concatenate([x[k] for x in batches]).tolist() for k in batches[0]}
-  assert b["tokens"] == [[10, 11, 12, 10], [11, 12, 13, 14], [15, 10, 11, 0]]
-  assert b["segment_ids"] == [[1, 1, 1, 2], [1, 1, 1, 1], [1, 2, 2, 0]]
-  assert b["positions"] == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 1, 0]]
+    docs = [np.arange(10, 10 + n, dtype=np.int32) for n in (3, 6, 2)]
+    ds = grain.MapDataset.source(docs).map(lambda x: {"tokens": x}).to_iter_dataset()
+    batches = list(pipeline._pack_and_batch(ds, seq_len=4, batch_size=1))
+    b = {k: np.concatenate([x[k] for x in batches]).tolist() for k in batches[0]}
+    assert b["tokens"] == [[10, 11, 12, 10], [11, 12, 13, 14], [15, 10, 11, 0]]
+    assert b["segment_ids"] == [[1, 1, 1, 2], [1, 1, 1, 1], [1, 2, 2, 0]]
+    assert b["positions"] == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 1, 0]]
 
 
 def test_eval_batches_are_deterministic_and_wrap(data_dir):
-  kw = dict(seq_len=SEQ, global_batch=8)
-  heldout = records(data_dir, "heldout")
-  num = sum(map(len, heldout)) // (8 * SEQ) + 5  # More than one pass.
-  batches = pipeline.eval_batches(data_dir, num_batches=num, **kw)
-  assert len(batches) == num
-  for b in batches:
-    check_packing(b, 8)
-  assert split_docs(token_stream(batches))[: len(heldout) + 1] == heldout + heldout[:1]
-  again = pipeline.eval_batches(data_dir, num_batches=3, **kw)
-  assert fingerprints(again) == fingerprints(batches[:3])
+    kw = dict(seq_len=SEQ, global_batch=8)
+    heldout = records(data_dir, "heldout")
+    num = sum(map(len, heldout)) // (8 * SEQ) + 5  # More than one pass.
+    batches = pipeline.eval_batches(data_dir, num_batches=num, **kw)
+    assert len(batches) == num
+    for b in batches:
+        check_packing(b, 8)
+    assert split_docs(token_stream(batches))[: len(heldout) + 1] == heldout + heldout[:1]
+    again = pipeline.eval_batches(data_dir, num_batches=3, **kw)
+    assert fingerprints(again) == fingerprints(batches[:3])
 
 
 @pytest.mark.parametrize("k", [0, 5])
 def test_exact_resume(data_dir, k):
-  kw = dict(seq_len=SEQ, global_batch=8, seed=3)
-  it = pipeline.train_iterator(data_dir, **kw)
-  take(it, k)
-  state = json.loads(json.dumps(it.get_state()))  # As Orbax stores it.
-  expected = fingerprints(take(it, 5))
-  fresh = pipeline.train_iterator(data_dir, **kw)
-  fresh.set_state(state)
-  assert fingerprints(take(fresh, 5)) == expected
+    kw = dict(seq_len=SEQ, global_batch=8, seed=3)
+    it = pipeline.train_iterator(data_dir, **kw)
+    take(it, k)
+    state = json.loads(json.dumps(it.get_state()))  # As Orbax stores it.
+    expected = fingerprints(take(it, 5))
+    fresh = pipeline.train_iterator(data_dir, **kw)
+    fresh.set_state(state)
+    assert fingerprints(take(fresh, 5)) == expected
 
 
 def test_resume_through_orbax(data_dir, tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  kw = dict(seq_len=SEQ, global_batch=8, seed=3)
-  it = pipeline.train_iterator(data_dir, **kw)
-  take(it, 5)
-  with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
-    mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-    mngr.wait_until_finished()
-    expected = fingerprints(take(it, 5))
-    fresh = pipeline.train_iterator(data_dir, **kw)
-    mngr.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
-  assert fingerprints(take(fresh, 5)) == expected
+    ocp = pytest.importorskip("orbax.checkpoint")
+    kw = dict(seq_len=SEQ, global_batch=8, seed=3)
+    it = pipeline.train_iterator(data_dir, **kw)
+    take(it, 5)
+    with ocp.CheckpointManager(str(tmp_path / "ckpt")) as mngr:
+        mngr.save(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+        expected = fingerprints(take(it, 5))
+        fresh = pipeline.train_iterator(data_dir, **kw)
+        mngr.restore(5, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+    assert fingerprints(take(fresh, 5)) == expected
 
 
 def test_seeds(data_dir):
-  def first(seed):
-    return fingerprints(take(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=seed), 5))
+    def first(seed):
+        return fingerprints(take(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=seed), 5))
 
-  assert first(0) == first(0)
-  assert first(0) != first(1)
+    assert first(0) == first(0)
+    assert first(0) != first(1)
 
 
 def test_each_epoch_is_a_new_shuffle(data_dir):
-  # 400 "processes" give process 0 a tiny shard (about 11 docs): a cheap way
-  # to see several epochs.
-  n_proc = 400
-  shard = records(data_dir, "train")[0::n_proc]
-  rows = 3 * sum(map(len, shard)) // SEQ + 1
-  it = pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=n_proc, seed=0,
-                               process_index=0, process_count=n_proc)
-  docs = split_docs(token_stream(take(it, rows)))
-  n = len(shard)
-  epochs = [docs[i * n : (i + 1) * n] for i in range(3)]
-  for e in epochs:
-    assert sorted(e) == sorted(shard)  # Every epoch is a permutation of the shard.
-  assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    # 400 "processes" give process 0 a tiny shard (about 11 docs): a cheap way
+    # to see several epochs.
+    n_proc = 400
+    shard = records(data_dir, "train")[0::n_proc]
+    rows = 3 * sum(map(len, shard)) // SEQ + 1
+    it = pipeline.train_iterator(
+        data_dir, seq_len=SEQ, global_batch=n_proc, seed=0, process_index=0, process_count=n_proc
+    )
+    docs = split_docs(token_stream(take(it, rows)))
+    n = len(shard)
+    epochs = [docs[i * n : (i + 1) * n] for i in range(3)]
+    for e in epochs:
+        assert sorted(e) == sorted(shard)  # Every epoch is a permutation of the shard.
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
 
 
 def test_process_sharding(data_dir):
-  train = records(data_dir, "train")
-  seen = []
-  for p in range(2):
-    # Long rows, fewer batches: one full epoch of this process's shard.
-    kw = dict(seq_len=1024, global_batch=16, seed=0, process_index=p, process_count=2)
-    it = pipeline.train_iterator(data_dir, **kw)
-    n_docs = len(train[p::2])
-    batches = take(it, sum(map(len, train[p::2])) // (8 * 1024) + 2)
-    assert batches[0]["tokens"].shape == (8, 1024)
-    seen.append(split_docs(token_stream(batches))[:n_docs])
-  # Each train document is read by exactly one process.
-  assert collections.Counter(seen[0]) + collections.Counter(seen[1]) == collections.Counter(train)
-  assert len(seen[0]) + len(seen[1]) == len(train)
+    train = records(data_dir, "train")
+    seen = []
+    for p in range(2):
+        # Long rows, fewer batches: one full epoch of this process's shard.
+        kw = dict(seq_len=1024, global_batch=16, seed=0, process_index=p, process_count=2)
+        it = pipeline.train_iterator(data_dir, **kw)
+        n_docs = len(train[p::2])
+        batches = take(it, sum(map(len, train[p::2])) // (8 * 1024) + 2)
+        assert batches[0]["tokens"].shape == (8, 1024)
+        seen.append(split_docs(token_stream(batches))[:n_docs])
+    # Each train document is read by exactly one process.
+    assert collections.Counter(seen[0]) + collections.Counter(seen[1]) == collections.Counter(train)
+    assert len(seen[0]) + len(seen[1]) == len(train)
 
 
 def test_batch_must_divide_over_processes(data_dir):
-  with pytest.raises(DataError, match="process_count"):
-    pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=5, seed=0, process_count=2)
+    with pytest.raises(DataError, match="process_count"):
+        pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=5, seed=0, process_count=2)
