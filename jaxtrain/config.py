@@ -33,7 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # `steps` sets the schedule's length; `stop_at` (0 = off) ends this invocation early at that step
     # with a checkpoint, e.g. to fit a job's time slot. Rerunning continues the same schedule.
-    c.train = dict(steps=200, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0)
+    c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0)
 
     # -1 = all remaining devices. `rules` is a preset name (jaxtrain.mesh.PRESETS) or an explicit
     # table such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated).
@@ -43,7 +43,7 @@ def base_config() -> ml_collections.ConfigDict:
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
                    rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 
-    c.optim = dict(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+    c.optim = dict(lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
                    weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
 
     # `dir` empty = ~/.cache/jaxtrain/data/<corpus>_v<vocab_size>. `vocab_size` is the tokenizer's;
@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = dict(every_steps=50, batches=4, at_start=True)
 
-    c.checkpoint = dict(every_steps=100, keep=3)
+    c.checkpoint = dict(every_steps=50, keep=3)
 
     # `fingerprints`: also append each step's batch hash to WORKDIR/data_fingerprints.<process>.jsonl,
     # an audit trail that proves a resumed run saw exactly the batches an uninterrupted one would.

@@ -6,7 +6,7 @@ path), 3 non-finite loss.
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
@@ -22,6 +22,8 @@ def _parse(argv):
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:  # Orbax logs every file operation at INFO
+        logging.set_verbosity(logging.WARNING)
     from jaxtrain import config as config_lib, hooks, train  # after flag parsing: keeps --help fast
     from jaxtrain.data.prepare import DataError
 
