@@ -58,7 +58,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
                 (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
 
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
 

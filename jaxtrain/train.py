@@ -37,11 +37,10 @@ def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
     """(graphdef, abstract state, state shardings, init function), all without allocating a parameter."""
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
-    param_names = nnx.get_partition_spec(abstract_params).to_pure_dict()
-    abstract_params = abstract_params.to_pure_dict()
+    param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
 
     def init():
-        params = nnx.split(transformer.build(model_cfg, seed))[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     abstract_state = jax.eval_shape(init)
