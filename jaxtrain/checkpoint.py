@@ -6,6 +6,8 @@ can resume on a different mesh or device count.
 
 from __future__ import annotations
 
+import os
+
 import grain
 import jax
 import orbax.checkpoint as ocp
@@ -13,6 +15,9 @@ import orbax.checkpoint as ocp
 
 class Checkpointer:
     def __init__(self, directory, *, keep: int, async_save: bool = True):
+        directory = str(directory)
+        if "://" not in directory:  # Orbax's tensorstore writer needs absolute local paths
+            directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(
             directory, options=options,
