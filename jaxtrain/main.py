@@ -4,6 +4,7 @@ Exit codes: 0 done (or already finished), 2 bad config or input (one line on std
 path), 3 non-finite loss.
 """
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -15,9 +16,26 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 def _parse(argv):
     try:
         return flags.FLAGS(argv)
-    except (flags.Error, KeyError, AttributeError, TypeError, ValueError, FileNotFoundError) as e:
+    except (KeyError, AttributeError) as e:
+        print(f"error: {_unknown_override(argv, e)}", file=sys.stderr)
+        sys.exit(2)
+    except (flags.Error, TypeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
         sys.exit(2)
+
+
+def _unknown_override(argv, e) -> str:
+    """config_flags reports `--config.model.foo=1` as a bare "'foo'" (plus a multi-line did-you-mean);
+    name the field the way ConfigError does: '<field>: <reason>'."""
+    text = str(e)
+    key = next(iter(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)), None)
+    for arg in argv[1:]:
+        name = arg.lstrip("-").split("=", 1)[0]
+        if key and name.startswith("config.") and key in name.split(".")[1:]:
+            hint = re.search(r'Did you mean "([^"]+)"', text)
+            suffix = f"; did you mean {hint.group(1)!r}?" if hint else ""
+            return f"{name.removeprefix('config.')}: unknown key (not in jaxtrain.config.base_config){suffix}"
+    return text.splitlines()[0]
 
 
 def main(argv):

@@ -1,0 +1,228 @@
+"""The Llama-style decoder: causality, packed-document isolation, GQA, a numpy reference, FLOP count."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain.models import transformer
+
+# Small enough to run eagerly in milliseconds; H != KV so that grouped-query attention is exercised.
+SMALL = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 24}
+
+
+def build(**overrides):
+    cfg = transformer.ModelConfig(**{**SMALL, **overrides})
+    return cfg, transformer.build(cfg, seed=0)
+
+
+def randomized(model, seed=1, std=0.3):
+    """The same model with every parameter (norm scales included) drawn at random, large enough that
+    every term of the forward pass changes the logits visibly."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        is_scale = str(getattr(path[-1], "key", path[-1])) == "scale"
+        return ((1.0 if is_scale else 0.0) + rng.normal(0.0, std, x.shape)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(draw, params)
+    return nnx.merge(graphdef, params), params
+
+
+def logits(model, tokens, positions, segment_ids):
+    return np.asarray(
+        model(np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(segment_ids, np.int32))
+    )
+
+
+# --- Causality and packing ---------------------------------------------------------------------------
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    _, model = build()
+    model, _ = randomized(model)
+    rng = np.random.default_rng(0)
+    B, T, t = 2, 12, 5
+    tokens = rng.integers(2, SMALL["vocab_size"], (B, T))
+    positions = np.broadcast_to(np.arange(T), (B, T))
+    seg = np.ones((B, T))
+    changed = tokens.copy()
+    changed[:, t + 1 :] = (tokens[:, t + 1 :] + 1 + rng.integers(0, 10, (B, T - t - 1))) % SMALL["vocab_size"]
+
+    a, b = logits(model, tokens, positions, seg), logits(model, changed, positions, seg)
+    np.testing.assert_allclose(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
+    # The change itself is visible from position t+1 on (otherwise the check above proves nothing).
+    assert np.abs(a[:, t + 1 :] - b[:, t + 1 :]).max() > 1e-3
+
+
+def test_packed_documents_are_isolated():
+    """Row 0 packs doc1 (5 tokens) then doc2 (7 tokens) with positions restarting; row 1 holds doc2 alone
+    at positions 0.. followed by padding. doc2's logits must be the same in both rows."""
+    _, model = build()
+    model, _ = randomized(model)
+    rng = np.random.default_rng(1)
+    doc1, doc2 = rng.integers(2, 64, 5), rng.integers(2, 64, 7)
+    T = 12
+    packed = np.concatenate([doc1, doc2])
+    packed_seg = np.array([1] * 5 + [2] * 7)
+    packed_pos = np.array(list(range(5)) + list(range(7)))
+    alone = np.concatenate([doc2, np.zeros(T - 7, int)])
+    alone_seg = np.array([1] * 7 + [0] * (T - 7))
+    alone_pos = np.array(list(range(7)) + [0] * (T - 7))
+
+    out = logits(model, np.stack([packed, alone]), np.stack([packed_pos, alone_pos]), np.stack([packed_seg, alone_seg]))
+    np.testing.assert_allclose(out[0, 5:], out[1, :7], rtol=1e-5, atol=1e-5)
+
+    # Changing doc1 leaves doc2 untouched (but does change doc1's own logits).
+    other_doc1 = (doc1 + 7) % 64
+    out2 = logits(model, np.concatenate([other_doc1, doc2])[None], packed_pos[None], packed_seg[None])
+    np.testing.assert_allclose(out2[0, 5:], out[0, 5:], rtol=1e-5, atol=1e-5)
+    assert np.abs(out2[0, :5] - out[0, :5]).max() > 1e-3
+
+    # Control: the same row with one segment id (no isolation) does see doc1, so the mask is what isolates.
+    leaky = logits(model, packed[None], packed_pos[None], np.ones((1, T)))
+    assert np.abs(leaky[0, 5:] - out[0, 5:]).max() > 1e-3
+
+
+# --- Parameters: GQA shapes, tied vs untied ------------------------------------------------------------
+
+
+def param_shapes(model):
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape)
+        for path, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    }
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_gqa_param_shapes_tied_and_untied(tie):
+    _, model = build(n_heads=8, n_kv_heads=2, tie_embeddings=tie)
+    L, V, D, H, KV, HD, F = 2, 64, 16, 8, 2, 8, 24
+    expected = {
+        "embed": (V, D),
+        "blocks/attn/wq": (L, D, H, HD),
+        "blocks/attn/wk": (L, D, KV, HD),
+        "blocks/attn/wv": (L, D, KV, HD),
+        "blocks/attn/wo": (L, H, HD, D),
+        "blocks/attn_norm/scale": (L, D),
+        "blocks/mlp/w_gate": (L, D, F),
+        "blocks/mlp/w_up": (L, D, F),
+        "blocks/mlp/w_down": (L, F, D),
+        "blocks/mlp_norm/scale": (L, D),
+        "final_norm/scale": (D,),
+    }
+    if not tie:
+        expected["unembed"] = (D, V)
+    assert param_shapes(model) == expected
+    out = logits(model, np.ones((3, 5)), np.broadcast_to(np.arange(5), (3, 5)), np.ones((3, 5)))
+    assert out.shape == (3, 5, V) and np.isfinite(out).all()
+
+
+def test_tied_model_uses_embedding_as_output_head():
+    """Tied: the embedding row of a token absent from the input is still that token's output-head
+    column, so scaling it scales exactly that logit. Untied: the same change does nothing, and the
+    `unembed` matrix is the head (zeroing it zeroes the logits)."""
+    tok, pos, seg = np.array([[2, 3, 4, 5]]), np.arange(4)[None], np.ones((1, 4))
+    absent = 10
+    for tie in (True, False):
+        _, model = build(tie_embeddings=tie)
+        model, params = randomized(model, seed=4)
+        graphdef = nnx.graphdef(model)
+        base = logits(model, tok, pos, seg)
+        scaled = jax.tree.map(np.array, params)
+        scaled["embed"][absent] *= 3.0
+        out = logits(nnx.merge(graphdef, scaled), tok, pos, seg)
+        others = np.arange(SMALL["vocab_size"]) != absent
+        np.testing.assert_array_equal(out[..., others], base[..., others])
+        if tie:
+            np.testing.assert_allclose(out[..., absent], 3.0 * base[..., absent], rtol=1e-5)
+            assert np.abs(base[..., absent]).min() > 1e-3
+        else:
+            np.testing.assert_array_equal(out[..., absent], base[..., absent])
+            zeroed = jax.tree.map(np.array, params)
+            zeroed["unembed"][:] = 0.0
+            assert np.all(logits(nnx.merge(graphdef, zeroed), tok, pos, seg) == 0)
+
+
+# --- Forward pass against an independent numpy reference -----------------------------------------------
+
+
+def reference_forward(p, cfg, tokens, positions, seg):
+    """Float64 numpy Llama: RMSNorm, RoPE (rotate-half), GQA (query head n reads kv head n // (H/KV)),
+    SwiGLU, pre-norm residuals; attention causal, within a segment, never to padding (segment 0)."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), p)
+    H, KV, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    group = H // KV
+
+    def rms(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * scale
+
+    def rope(x):  # x [B, T, N, HD]
+        half = HD // 2
+        freq = cfg.rope_theta ** (-np.arange(half) / half)
+        ang = positions[:, :, None, None] * freq
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+    T = tokens.shape[1]
+    allowed = np.tril(np.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    x = p["embed"][tokens]
+    for l in range(cfg.n_layers):
+        blk = jax.tree.map(lambda a, l=l: a[l], p["blocks"])
+        h = rms(x, blk["attn_norm"]["scale"])
+        q = rope(np.einsum("btd,dnh->btnh", h, blk["attn"]["wq"]))
+        k = rope(np.einsum("btd,dnh->btnh", h, blk["attn"]["wk"]))
+        v = np.einsum("btd,dnh->btnh", h, blk["attn"]["wv"])
+        out = np.zeros_like(q)
+        for n in range(H):
+            s = np.einsum("bqh,bkh->bqk", q[:, :, n], k[:, :, n // group]) / np.sqrt(HD)
+            s = np.where(allowed, s, -np.inf)
+            w = np.where(allowed, np.exp(s - s.max(-1, keepdims=True, initial=-1e30)), 0.0)
+            w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)  # a padded query attends to nothing
+            out[:, :, n] = np.einsum("bqk,bkh->bqh", w, v[:, :, n // group])
+        x = x + np.einsum("btnh,nhd->btd", out, blk["attn"]["wo"])
+        h = rms(x, blk["mlp_norm"]["scale"])
+        gate, up = h @ blk["mlp"]["w_gate"], h @ blk["mlp"]["w_up"]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ blk["mlp"]["w_down"]
+    x = rms(x, p["final_norm"]["scale"])
+    return x @ (p["embed"].T if cfg.tie_embeddings else p["unembed"])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_forward_matches_numpy_reference(tie):
+    cfg, model = build(n_heads=4, n_kv_heads=2, tie_embeddings=tie)
+    model, params = randomized(model, seed=3)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(2, 64, (2, 9))
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 0, 0]])
+    got = logits(model, tokens, positions, seg)
+    want = reference_forward(params, cfg, tokens, positions, seg)
+    real = seg != 0  # padded query positions attend to nothing: their output is unspecified
+    np.testing.assert_allclose(got[real], want[real], rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+# --- FLOP count ------------------------------------------------------------------------------------------
+
+
+def test_train_flops_per_token_hand_computed():
+    cfg = transformer.ModelConfig(vocab_size=100, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=40)
+    # Per layer: wq 16*4*8=512, wk 16*2*8=256, wv 256, wo 512 -> 1536; MLP 3*16*40=1920 -> 3456.
+    # 3 layers -> 10368, plus the output head 16*100=1600 -> 11968 matmul params.
+    # 6 * 11968 = 71808; attention 6 * L * S * H * d_head = 6*3*64*4*8 = 36864; total 108672.
+    assert transformer.matmul_params(cfg) == 11968
+    assert transformer.train_flops_per_token(cfg, 64) == 108672
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_matmul_params_match_the_built_model(tie):
+    """Every real parameter except the input-embedding gather and the norm scales is a matmul weight
+    (tied: the embedding table is the output head, so it counts once)."""
+    cfg, model = build(tie_embeddings=tie)
+    shapes = param_shapes(model)
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    norms = sum(int(np.prod(s)) for k, s in shapes.items() if k.endswith("scale"))
+    gather_only = 0 if tie else int(np.prod(shapes["embed"]))
+    assert transformer.matmul_params(cfg) == total - norms - gather_only
