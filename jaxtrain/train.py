@@ -113,16 +113,6 @@ def run(config, print_fn=print) -> dict:
     prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     tok = tokenizer_lib.load(os.path.join(ddir, "tokenizer.json"))
 
-    # ===== Workdir and metric writers ==================================================================
-    workdir = Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
-                                          metrics_lib.TensorBoardWriter(workdir / "tensorboard")])
-        writer.write_hparams(config.to_dict())
-    else:
-        writer = metrics_lib.MetricWriter()
-
     # ===== Mesh, model, optimizer, jitted steps =======================================================
     trainer = build_trainer(config, mesh_shape, rules)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
@@ -137,14 +127,23 @@ def run(config, print_fn=print) -> dict:
                                       num_batches=config.eval.batches, process_index=jax.process_index(),
                                       process_count=jax.process_count())
 
-    # ===== State: restore the latest checkpoint or initialise ==========================================
+    # ===== Workdir: a finished run is left exactly as it is ===========================================
+    workdir = Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
     start = checkpointer.latest_step() or 0
     if start >= train_cfg.steps:
         say(f"run already finished: checkpoint at step {start} >= train.steps={train_cfg.steps}; nothing to do")
         checkpointer.close()
-        writer.close()
         return {"finished": True, "step": start, "resumed": True}
+    if is_main:
+        writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
+                                          metrics_lib.TensorBoardWriter(workdir / "tensorboard")])
+        writer.write_hparams(config.to_dict())
+    else:
+        writer = metrics_lib.MetricWriter()
+
+    # ===== State: restore the latest checkpoint or initialise ==========================================
     if start:
         state = checkpointer.restore(start, trainer.abstract_state, train_iter)
         say(f"resumed from checkpoint at step {start}")
@@ -184,11 +183,15 @@ def run(config, print_fn=print) -> dict:
     last = min(train_cfg.stop_at or train_cfg.steps, train_cfg.steps)
     say(f"training steps {start + 1}..{last} of {train_cfg.steps}, "
         f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens per step")
-    step = start
+    step, previous = start, None
     try:
         for step in range(start + 1, last + 1):
             local = next(train_iter)
             state, metrics = train_step(state, global_batch(local, trainer.batch_sharding))
+            # At most two steps in flight: enough to overlap host work with the device, and it bounds the
+            # queue (hundreds of queued collectives time out XLA's CPU rendezvous on simulated devices).
+            jax.block_until_ready(previous)
+            previous = metrics
             for hook in hooks:
                 hook(step, state, metrics, local)
         for hook in hooks:
