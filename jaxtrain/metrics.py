@@ -10,6 +10,7 @@ is the machine's, not multiplied by the device count.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -57,7 +58,8 @@ class TensorBoardWriter(MetricWriter):
 
     def write_scalars(self, step, scalars):
         for k, v in scalars.items():
-            self._writer.add_scalar(k, _plain(v), int(step))
+            if (value := _plain(v)) is not None:
+                self._writer.add_scalar(k, value, int(step))
 
     def write_hparams(self, hparams):
         self._writer.add_text("config", "```\n" + json.dumps(hparams, indent=1, default=str) + "\n```")
@@ -91,8 +93,9 @@ class MultiWriter(MetricWriter):
 
 
 def _plain(v):
-    v = np.asarray(v).item() if not isinstance(v, (int, float, str)) else v
-    return v
+    """A JSON-safe Python scalar; non-finite floats (e.g. MFU on an unknown device) become None."""
+    v = v if isinstance(v, (int, float, str)) else np.asarray(v).item()
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 # --- Peak FLOP/s -----------------------------------------------------------------------------------

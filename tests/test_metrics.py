@@ -1,0 +1,40 @@
+"""Metric writers: strict JSON lines, and TensorBoard events that skip what JSON writes as null."""
+
+import json
+import math
+import struct
+
+import numpy as np
+
+from jaxtrain import metrics
+
+
+def test_jsonl_is_strict_json_and_nonfinite_becomes_null(tmp_path):
+    w = metrics.JsonlWriter(tmp_path / "m.jsonl")
+    w.write_scalars(3, {"loss": np.float32(2.5), "mfu": float("nan"), "tokens_per_sec": 10})
+    w.close()
+    line = (tmp_path / "m.jsonl").read_text().strip()
+    record = json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))  # no NaN tokens
+    assert record == {"step": 3, "loss": 2.5, "mfu": None, "tokens_per_sec": 10}
+
+
+def _scalar_events(logdir):
+    """(tag, step, value) from TFRecord-framed event files: u64 length, u32 crc, payload, u32 crc."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in logdir.glob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_tensorboard_writes_finite_scalars_only(tmp_path):
+    w = metrics.TensorBoardWriter(tmp_path)
+    w.write_scalars(1, {"loss": 2.0, "mfu": math.inf})
+    w.close()
+    assert _scalar_events(tmp_path) == [("loss", 1, 2.0)]
