@@ -108,7 +108,8 @@ class EvalHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """Saves every `every` steps and wherever the run ends (last step, `train.stop_at`, an error)."""
+    """Saves every `every` steps and where the run ends normally (last step or `train.stop_at`).
+    After an error nothing new is saved: the state may be half-donated."""
 
     def __init__(self, *, every: int, checkpointer, data_iterator, clock: Clock, start_step: int):
         self.every, self.ckpt, self.data, self.clock = every, checkpointer, data_iterator, clock

@@ -19,7 +19,6 @@ import math
 from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
@@ -32,9 +31,9 @@ PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "fsdp_tp": {"batch": "fsdp", "embed": "fsdp", **_TP},
     "dp_fsdp_tp": {"batch": ("data", "fsdp"), "embed": "fsdp", **_TP},
 }
-# Activations use different names for the model dimension so that FSDP shards the weights' "embed"
-# dimension without also sharding the activations' hidden dimension.
-ACTIVATION_AXES = ("batch", "seq", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+# Activations use their own names ("act_embed", "act_mlp", ...) so that FSDP shards the weights' "embed"
+# dimension without also sharding the activations' hidden dimension. By default an activation axis
+# follows its parameter twin (tensor parallelism); "act_embed" is unmapped unless a table maps it.
 _ACT_TO_PARAM = {"act_heads": "q_heads", "act_kv_heads": "kv_heads", "act_mlp": "mlp", "act_vocab": "vocab"}
 
 
@@ -162,4 +161,4 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 
 def data_parallel_size(shape: Mapping[str, int], rules) -> int:
     """How many ways the global batch is split."""
-    return int(np.prod([shape[a] for a in rules.get("batch", ())])) if rules.get("batch") else 1
+    return math.prod(shape[a] for a in rules.get("batch", ()))

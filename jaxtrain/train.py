@@ -28,6 +28,7 @@ from jaxtrain import optim, step as step_lib
 from jaxtrain.data import pipeline, prepare, tokenizer as tokenizer_lib
 from jaxtrain.models import transformer
 
+
 def data_dir(config) -> str:
     return config.data.dir or str(Path.home() / ".cache" / "jaxtrain" / "data" /
                                   f"{config.data.corpus}_v{config.data.vocab_size}_h{config.data.heldout_docs}")
@@ -113,6 +114,16 @@ def run(config, print_fn=print) -> dict:
     prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     tok = tokenizer_lib.load(os.path.join(ddir, "tokenizer.json"))
 
+    # ===== Workdir: a finished run is left exactly as it is ===========================================
+    workdir = Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
+    start = checkpointer.latest_step() or 0
+    if start >= train_cfg.steps:
+        say(f"run already finished: checkpoint at step {start} >= train.steps={train_cfg.steps}; nothing to do")
+        checkpointer.close()
+        return {"finished": True, "step": start, "resumed": True}
+
     # ===== Mesh, model, optimizer, jitted steps =======================================================
     trainer = build_trainer(config, mesh_shape, rules)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
@@ -127,15 +138,7 @@ def run(config, print_fn=print) -> dict:
                                       num_batches=config.eval.batches, process_index=jax.process_index(),
                                       process_count=jax.process_count())
 
-    # ===== Workdir: a finished run is left exactly as it is ===========================================
-    workdir = Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
-    start = checkpointer.latest_step() or 0
-    if start >= train_cfg.steps:
-        say(f"run already finished: checkpoint at step {start} >= train.steps={train_cfg.steps}; nothing to do")
-        checkpointer.close()
-        return {"finished": True, "step": start, "resumed": True}
+    # ===== Metric writers ==============================================================================
     if is_main:
         writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
                                           metrics_lib.TensorBoardWriter(workdir / "tensorboard")])
