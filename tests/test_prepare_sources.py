@@ -26,7 +26,7 @@ def read_back(data_dir):
     for r in src.__getitems__(range(len(src))):
         ids = np.frombuffer(r, dtype=np.dtype(m["dtype"]).newbyteorder("<")).tolist()
         assert ids[-1] == tokenizer.EOS_ID
-        docs.append(tok.decode(ids[:-1], skip_special_tokens=False))
+        docs.append(tok.decode(ids[:-1]))
     return sorted(docs)
 
 

@@ -1,25 +1,37 @@
-"""Prepares the default corpus (KJV Bible) as tokenized ArrayRecord shards.
+"""Prepares text as tokenized ArrayRecord shards: the default corpus (KJV Bible), or your own files and datasets.
 
 Layout of a prepared data dir:
-  tokenizer.json                              byte-level BPE trained on train docs
+  tokenizer.json (or tokenizer.model)         byte-level BPE trained on train docs, or the one given
   train-0000i-of-0000N.array_record           one record per document
-  heldout-00000-of-00001.array_record
-  manifest.json                               settings, dtype, per-shard stats
+  train-0000i-of-0000N.array_record.lengths.npy   tokens per record (the pipeline's index)
+  heldout-0000i-of-0000N.array_record         held-out documents (+ .lengths.npy)
+  manifest.json                               settings, inputs (sha256), dtype, EOS id, per-shard docs/tokens/sha256
 
-A record is one document's token ids followed by EOS_ID, as little-endian
+A record is one document's token ids followed by the tokenizer's EOS id, as little-endian
 uint16 bytes (int32 when the vocab does not fit 16 bits).
+
+With --input, the inputs are cut into shards of about 256 MB of text, each tokenized by a worker process
+and written to a sibling work dir `.<name>.partial`; the finished dir is renamed into place as a whole. An
+interrupted run resumes there, redoing only unfinished shards; a rerun on the same inputs touches nothing.
 
 Usage:
   python -m jaxtrain.data.prepare --output DIR --vocab_size 8192            # default corpus (KJV)
   python -m jaxtrain.data.prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json]
+  python -m jaxtrain.data.prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import contextlib
+import dataclasses
 import errno
+import fcntl
+import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -37,6 +49,8 @@ FORMAT = 1  # Bump when the on-disk layout changes, so old dirs are refused.
 NUM_TRAIN_SHARDS = 4
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
+TOKENIZER_SPM = "tokenizer.model"
+LENGTHS_SUFFIX = ".lengths.npy"
 # Settings that define a data dir's content; a mismatch means "different data".
 SETTINGS = ("format", "corpus", "vocab_size", "heldout_docs", "seed")
 
@@ -95,6 +109,17 @@ def verified_tokenizer(data_dir: str) -> str:
     return path
 
 
+def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
+    """The data dir's verified tokenizer, with the EOS id its documents end with."""
+    manifest = load_manifest(data_dir)
+    try:  # the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name
+        tok = tok_lib.load(verified_tokenizer(data_dir), manifest.get("eos_token"))
+    except tok_lib.TokenizerError as e:
+        raise DataError(str(e)) from None
+    tok.eos_id = manifest.get("eos_id", tok.eos_id)
+    return tok
+
+
 def _cut(value, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -114,57 +139,31 @@ def _check_settings(data_dir: str, manifest: dict, wanted: dict) -> dict:
 
 def _write_split(out_dir: str, split: str, token_lists: list[np.ndarray], num_shards: int) -> list[dict]:
     """Writes contiguous runs of documents to shards; returns their manifest rows."""
-    shards = []
-    for i, idx in enumerate(np.array_split(np.arange(len(token_lists)), num_shards)):
-        name = f"{split}-{i:05d}-of-{num_shards:05d}.array_record"
-        # group_size:1 makes every record its own chunk: cheap random access for
-        # the global shuffle (ArrayRecordDataSource warns otherwise).
-        writer = ArrayRecordWriter(os.path.join(out_dir, name), "group_size:1")
-        for j in idx:
-            writer.write(token_lists[j].tobytes())
-        writer.close()
-        shards.append(
-            {
-                "file": name,
-                "docs": len(idx),
-                "tokens": int(sum(len(token_lists[j]) for j in idx)),
-                "sha256": tok_lib.file_hash(os.path.join(out_dir, name)),
-            }
-        )
-    return shards
+    return [_write_shard(os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}.array_record"),
+                         [token_lists[j] for j in idx])
+            for i, idx in enumerate(np.array_split(np.arange(len(token_lists)), num_shards))]
 
 
-def _prepare_into(out_dir: str, settings: dict, docs: list[str] | None = None, tokenizer: str | None = None,
-                  num_shards: int = NUM_TRAIN_SHARDS) -> dict:
-    """Does the actual work into `out_dir` (a private temp dir); `docs` defaults to the KJV corpus."""
-    docs = read_kjv_documents() if docs is None else docs
+def _prepare_into(out_dir: str, settings: dict) -> dict:
+    """Prepares the KJV corpus into `out_dir` (a private temp dir): in memory, it is 4 MB."""
+    docs = read_kjv_documents()
     if not 0 < settings["heldout_docs"] < len(docs):
         raise DataError(f"heldout_docs must be in [1, {len(docs) - 1}], got {settings['heldout_docs']}")
     train, heldout = split_documents(docs, settings["heldout_docs"], settings["seed"])
-
-    if tokenizer is None:
-        # Train on train docs only, so held-out loss is not flattered by the vocab.
-        tok = tok_lib.train_bpe(train, settings["vocab_size"])
-        tok.save(os.path.join(out_dir, TOKENIZER))
-    else:
-        shutil.copyfile(tokenizer, os.path.join(out_dir, TOKENIZER))  # The data dir must be self-contained.
-        tok = tok_lib.load(tokenizer)
-    vocab_size = tok.get_vocab_size()
-    dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<i4")
-    eos = np.array([tok_lib.EOS_ID], dtype=dtype)
-    token_lists = [
-        np.concatenate([np.asarray(e.ids, dtype=dtype), eos])
-        for e in tok.encode_batch(train + heldout)  # Rust threads: fast on 2 cores.
-    ]
+    # Train on train docs only, so held-out loss is not flattered by the vocab.
+    tok_lib.train_bpe(train, settings["vocab_size"]).save(os.path.join(out_dir, TOKENIZER))
+    tok = tok_lib.load(os.path.join(out_dir, TOKENIZER))
+    dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
+    token_lists = _tokenize(tok, train + heldout, dtype)  # Rust threads: fast on 2 cores.
     return {
         **settings,
         "dtype": dtype.name,
         "byte_order": "little",
         "pad_id": tok_lib.PAD_ID,
-        "eos_id": tok_lib.EOS_ID,
-        "tokenizer": {"file": TOKENIZER, "sha256": tok_lib.file_hash(os.path.join(out_dir, TOKENIZER))},
+        "eos_id": tok.eos_id,
+        "tokenizer": {"file": TOKENIZER, "sha256": tok_lib.file_hash(os.path.join(out_dir, TOKENIZER)), "kind": "hf"},
         "splits": {
-            "train": _write_split(out_dir, "train", token_lists[: len(train)], min(num_shards, len(train))),
+            "train": _write_split(out_dir, "train", token_lists[: len(train)], min(NUM_TRAIN_SHARDS, len(train))),
             "heldout": _write_split(out_dir, "heldout", token_lists[len(train) :], 1),
         },
     }
@@ -233,6 +232,181 @@ def _existing_manifest(data_dir: str, settings: dict) -> dict | None:
     return None
 
 
+# --- Your own data: planned shards, tokenized in parallel, resumable shard by shard ---------------------
+
+SOURCES_FORMAT = 2  # layout of a `prepare --input` dir (inputs identified by content, per-shard heldout)
+SHARD_BYTES = 256 << 20  # default text per train shard
+TOKENIZER_SAMPLE_BYTES = 1 << 30  # at most this much train text teaches a new BPE
+PARTIAL = ".partial"  # sibling work dir `.<name>.partial`: finished shards survive an interrupted run
+
+
+@dataclasses.dataclass
+class ShardPlan:
+    index: int
+    pieces: list  # [(source index, start, stop)], see sources.Source.pieces
+    size: int  # estimated bytes of text
+    heldout: int  # held-out documents drawn from this shard
+
+
+def plan_shards(srcs: list, text_split: str, num_shards: int | None, heldout_docs: int) -> list[ShardPlan]:
+    """Contiguous groups of source pieces of about equal text size, in input order; the held-out documents
+    are spread over them in proportion to size (largest remainder), so no shard needs to see another."""
+    total = sum(s.size for s in srcs)
+    n = num_shards or max(1, -(-total // SHARD_BYTES))
+    target = max(1, -(-total // n))
+    pieces = [(i, a, b, size) for i, s in enumerate(srcs) for a, b, size in s.pieces(target, text_split)]
+    sizes = np.array([p[3] for p in pieces], np.float64)
+    # A piece goes to the shard its midpoint falls in: groups stay contiguous and near `target` each.
+    mid = np.cumsum(sizes) - sizes / 2
+    group = np.minimum((mid * n // max(total, 1)).astype(int), n - 1) if total else np.zeros(len(pieces), int)
+    plans = []
+    for g in sorted(set(group.tolist())):
+        members = [p for p, k in zip(pieces, group) if k == g]
+        plans.append(ShardPlan(len(plans), [p[:3] for p in members], int(sum(p[3] for p in members)), 0))
+    share = np.array([p.size for p in plans], np.float64)
+    share = share / share.sum() * heldout_docs if share.sum() else np.eye(len(plans))[0] * heldout_docs
+    quota = np.floor(share).astype(int)
+    quota[np.argsort(quota - share)[: heldout_docs - quota.sum()]] += 1
+    for p, q in zip(plans, quota):
+        p.heldout = int(q)
+    return plans
+
+
+def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int):
+    """(train docs, heldout docs, per-source stats) of one shard. Stats are counted on private copies of
+    the sources, so reading a shard twice (tokenizer sample, then the build) never double counts."""
+    counted = {}
+    docs = []
+    for i, start, stop in plan.pieces:
+        src = counted.setdefault(i, dataclasses.replace(srcs[i], docs=0, skipped=collections.Counter(),
+                                                        text_bytes=0))
+        docs.extend(sources_lib.documents(src, text_split, start, stop))
+    picked = np.random.default_rng(np.random.SeedSequence([seed, plan.index])).choice(
+        len(docs), min(plan.heldout, len(docs)), replace=False)
+    is_heldout = np.zeros(len(docs), bool)
+    is_heldout[picked] = True
+    train = [d for d, h in zip(docs, is_heldout) if not h]
+    heldout = [d for d, h in zip(docs, is_heldout) if h]
+    stats = {i: {"docs": s.docs, "skipped": dict(s.skipped), "text_bytes": s.text_bytes} for i, s in counted.items()}
+    return train, heldout, stats
+
+
+def _write_shard(path: str, token_lists: list[np.ndarray]) -> dict:
+    """One ArrayRecord file (a record per document) plus its lengths index; returns its manifest row."""
+    # group_size:1 makes every record its own chunk: cheap random access for the global shuffle.
+    writer = ArrayRecordWriter(path, "group_size:1")
+    for tokens in token_lists:
+        writer.write(tokens.tobytes())
+    writer.close()
+    lengths = np.array([len(t) for t in token_lists], np.uint32)
+    # The index lets the pipeline skip reading every record at start; np.save(str) would append ".npy".
+    with open(path + LENGTHS_SUFFIX, "wb") as f:
+        np.save(f, lengths)
+    return {"file": os.path.basename(path), "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
+            "sha256": tok_lib.file_hash(path), "lengths": os.path.basename(path) + LENGTHS_SUFFIX}
+
+
+def _tokenize(tok: tok_lib.Tokenizer, docs: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    eos = np.array([tok.eos_id], dtype=dtype)
+    return [np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tok.encode_batch(docs)]
+
+
+def _build_shard(job: dict) -> dict:
+    """Reads, splits, tokenizes and writes one shard into the work dir; its `.done.json` record, written
+    last and atomically, is what marks it finished. Runs in a worker process (or in-process)."""
+    plan, work, n = job["plan"], job["work_dir"], job["num_shards"]
+    train, heldout, stats = _shard_documents(job["sources"], plan, job["text_split"], job["seed"])
+    tok = tok_lib.load(os.path.join(work, job["tokenizer_file"]), job["eos_token"])
+    dtype = np.dtype(job["dtype"])
+    record = {"key": job["key"], "index": plan.index, "sources": stats,
+              "train": _write_shard(os.path.join(work, f"train-{plan.index:05d}-of-{n:05d}.array_record"),
+                                    _tokenize(tok, train, dtype)),
+              "heldout": None}
+    if heldout:
+        record["heldout"] = _write_shard(os.path.join(work, f"heldout-{plan.index:05d}-of-{n:05d}.array_record"),
+                                         _tokenize(tok, heldout, dtype))
+    _write_json_atomically(os.path.join(work, _done_name(plan.index)), record)
+    return record
+
+
+def _done_name(index: int) -> str:
+    return f"shard-{index:05d}.done.json"
+
+
+def _write_json_atomically(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
+    """The record of a shard an earlier (interrupted) run finished with the same key, if its files verify."""
+    try:
+        with open(os.path.join(work, _done_name(plan.index))) as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("key") != key:
+        return None
+    for row in filter(None, (record["train"], record["heldout"])):
+        path = os.path.join(work, row["file"])
+        if not os.path.exists(path) or tok_lib.file_hash(path) != row["sha256"]:
+            return None
+    return record
+
+
+def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
+    """What "the same inputs" means to a rerun: each file's sha256 (datasets: their own identity). A file
+    whose path, size and mtime match the previous run's record keeps its recorded hash unread."""
+    # The manifest keeps mtimes apart from `inputs` (which must compare equal across touches): `input_mtimes`.
+    rows = (previous or {}).get("inputs", [])
+    mtimes = (previous or {}).get("input_mtimes") or [None] * len(rows)
+    known = {(r["path"], r["bytes"], r.get("mtime_ns", m)): r["sha256"]
+             for r, m in zip(rows, mtimes) if "sha256" in r and r.get("mtime_ns", m)}
+    out = []
+    for s in srcs:
+        if s.dataset is not None:
+            out.append({"path": s.path, "kind": s.kind, "identity": s.dataset.identity})
+            continue
+        sha = known.get((s.path, s.size, s.mtime_ns)) or sources_lib.file_sha256(s.path)
+        out.append({"path": s.path, "kind": s.kind, "bytes": s.size, "mtime_ns": s.mtime_ns, "sha256": sha})
+    return out
+
+
+@contextlib.contextmanager
+def _locked(data_dir: str):
+    """One preparer per output dir at a time; a second one waits, then finds the finished data."""
+    parent, name = os.path.split(data_dir)
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.join(parent, f".{name}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _work_dir(data_dir: str, settings: dict) -> str:
+    """The sibling work dir, reused if an interrupted run left it with the same settings, else emptied."""
+    parent, name = os.path.split(data_dir)
+    work = os.path.join(parent, f".{name}{PARTIAL}")
+    state_file = os.path.join(work, "settings.json")
+    try:
+        with open(state_file) as f:
+            same = json.load(f) == json.loads(json.dumps(settings))
+    except (OSError, json.JSONDecodeError):
+        same = False
+    if not same:
+        shutil.rmtree(work, ignore_errors=True)  # our own scratch, never a finished data dir
+        os.makedirs(work)
+        _write_json_atomically(state_file, settings)
+    return work
+
+
+def _comparable(inputs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "mtime_ns"} for r in inputs]
+
+
 def prepare_sources(
     data_dir: str,
     inputs: list[str],
@@ -241,86 +415,234 @@ def prepare_sources(
     field: str = "text",
     text_split: str = "file",
     tokenizer: str | None = None,
+    eos_token: str | None = None,
     vocab_size: int = 8192,
     heldout_docs: int = 200,
     seed: int = 0,
     num_shards: int | None = None,
+    workers: int | None = None,
+    split: str = "train",
+    tfds_data_dir: str | None = None,
+    print_fn=print,
 ) -> dict:
-    """Prepares (or reuses) data_dir from local/epath text, JSONL or Parquet files; returns the manifest."""
+    """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
+    manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard)."""
     if tokenizer and not os.path.isfile(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer file not found")
-    srcs = sources_lib.expand(inputs, fmt, field)
-    # The files' paths and sizes stand for "the same inputs": a rerun on unchanged files rewrites nothing.
-    settings = {
-        "format": FORMAT,
-        "corpus": "sources",
-        "inputs": [{"path": s.path, "kind": s.kind, "bytes": s.size} for s in srcs],
-        "field": field,
-        "text_split": text_split,
-        "vocab_size": None if tokenizer else vocab_size,
-        "tokenizer_sha256": tok_lib.file_hash(tokenizer) if tokenizer else None,
-        "heldout_docs": heldout_docs,
-        "seed": seed,
-        "num_shards": num_shards,
-    }
-    data_dir = os.path.abspath(data_dir)
-    if existing := _existing_manifest(data_dir, settings):
-        return existing
+    if heldout_docs < 1:
+        raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
         raise DataError(f"vocab_size must be >= 258, got {vocab_size}")
-    if tokenizer:
-        tok = tok_lib.load(tokenizer)
-        if tok.token_to_id(tok_lib.EOS_TOKEN) != tok_lib.EOS_ID:
-            raise DataError(f"{tokenizer}: needs {tok_lib.EOS_TOKEN} as id {tok_lib.EOS_ID} (the pipeline's EOS)")
-
+    tok = _given_tokenizer(tokenizer, eos_token) if tokenizer else None
+    srcs = sources_lib.expand(inputs, fmt, field, split=split, tfds_data_dir=tfds_data_dir)
+    data_dir = os.path.abspath(data_dir)
     start = time.perf_counter()
-    # Read everything first: the seeded heldout pick needs the document count. Streaming is left for later.
-    docs = [d for s in srcs for d in sources_lib.documents(s, text_split)]
-    text_bytes = sum(s.text_bytes for s in srcs)
-    # Default: about 256 MB of text per train shard, at least one.
-    shards = num_shards or max(1, -(-text_bytes // (256 << 20)))
+    with _locked(data_dir):
+        previous = None
+        if os.path.exists(os.path.join(data_dir, MANIFEST)):
+            previous = load_manifest(data_dir)
+        elif os.path.exists(state := os.path.join(os.path.dirname(data_dir),
+                                                  f".{os.path.basename(data_dir)}{PARTIAL}", "settings.json")):
+            with contextlib.suppress(OSError, json.JSONDecodeError), open(state) as f:
+                previous = json.load(f)
+        identities = _input_identities(srcs, previous)
+        settings = {
+            "format": SOURCES_FORMAT,
+            "corpus": "sources",
+            "inputs": _comparable(identities),
+            "field": field,
+            "text_split": text_split,
+            "split": split if any(s.dataset for s in srcs) else None,
+            "vocab_size": None if tokenizer else vocab_size,
+            "tokenizer_sha256": tok_lib.file_hash(tokenizer) if tokenizer else None,
+            "eos_token": eos_token,
+            "heldout_docs": heldout_docs,
+            "seed": seed,
+            "num_shards": num_shards,
+        }
+        if existing := _existing_manifest(data_dir, settings):
+            return existing
+        work = _work_dir(data_dir, settings)
+        plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
+        tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
+        dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
+        records = _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn)
 
-    def build(tmp: str) -> dict:
-        manifest = _prepare_into(tmp, settings, docs, tokenizer, shards)
-        manifest["sources"] = [s.row() for s in srcs]
-        return manifest
+        train_rows = [r["train"] for r in records]
+        heldout_rows = [r["heldout"] for r in records if r["heldout"]]
+        if not sum(r["docs"] for r in train_rows):
+            raise DataError(f"{', '.join(inputs)}: no documents left for training after {sum(r['docs'] for r in heldout_rows)}"
+                            f" held-out ones; add data or lower --heldout_docs")
+        per_source = [{"docs": 0, "skipped": collections.Counter(), "text_bytes": 0} for _ in srcs]
+        for r in records:
+            for i, st in r["sources"].items():
+                acc = per_source[int(i)]
+                acc["docs"] += st["docs"]
+                acc["skipped"].update(st["skipped"])
+                acc["text_bytes"] += st["text_bytes"]
+        for s, acc in zip(srcs, per_source):
+            s.docs, s.skipped, s.text_bytes = acc["docs"], acc["skipped"], acc["text_bytes"]
+        manifest = {
+            **settings,
+            "input_mtimes": [r.get("mtime_ns") for r in identities],
+            "dtype": dtype.name,
+            "byte_order": "little",
+            "pad_id": tok_lib.PAD_ID if not tokenizer else None,
+            "eos_id": tok.eos_id,
+            "tokenizer": {"file": tok_file, "sha256": tok_lib.file_hash(os.path.join(work, tok_file)),
+                          "kind": tok.kind},
+            "splits": {"train": train_rows, "heldout": heldout_rows},
+            "sources": [s.row() for s in srcs],
+        }
+        for r in range(len(plans)):
+            os.remove(os.path.join(work, _done_name(r)))
+        os.remove(os.path.join(work, "settings.json"))
+        _write_json_atomically(os.path.join(work, MANIFEST), manifest)
+        if os.path.isdir(data_dir):
+            os.rmdir(data_dir)  # an empty dir (checked above) is replaced
+        os.rename(work, data_dir)
 
-    manifest = _build_atomically(data_dir, settings, build)
     seconds = time.perf_counter() - start
     skipped = collections.Counter()
     for s in srcs:
         skipped.update(s.skipped)
-    tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
+    tokens = sum(s["tokens"] for split_rows in manifest["splits"].values() for s in split_rows)
+    docs = sum(s["docs"] for split_rows in manifest["splits"].values() for s in split_rows)
+    held = sum(s["docs"] for s in manifest["splits"]["heldout"])
+    text_bytes = sum(s.text_bytes for s in srcs)
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
-    print(
-        f"prepared {len(srcs)} files in {seconds:.1f}s: {len(docs)} docs / {tokens} tokens"
-        f" (heldout {heldout_docs} docs), skipped {sum(skipped.values())}{f' ({reasons})' if reasons else ''},"
+    print_fn(
+        f"prepared {len(srcs)} {'files' if not any(s.dataset for s in srcs) else 'inputs'} in {seconds:.1f}s:"
+        f" {docs} docs / {tokens} tokens (heldout {held} docs), {len(plans)} shards,"
+        f" skipped {sum(skipped.values())}{f' ({reasons})' if reasons else ''},"
         f" {text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of text -> {data_dir}",
         flush=True,
     )
     return manifest
 
 
+def _given_tokenizer(path: str, eos_token: str | None) -> tok_lib.Tokenizer:
+    try:
+        return tok_lib.load(path, eos_token)
+    except tok_lib.TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
+def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size):
+    """Copies the given tokenizer into the work dir, or trains a BPE on (a sample of) the train documents;
+    an interrupted run's tokenizer is reused. Returns (file name in the dir, Tokenizer)."""
+    if given:
+        name = TOKENIZER_SPM if given.endswith(tok_lib.SENTENCEPIECE_SUFFIX) else TOKENIZER
+        if not os.path.exists(os.path.join(work, name)):
+            shutil.copyfile(given, os.path.join(work, name + ".tmp"))  # the data dir must be self-contained
+            os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
+        return name, tok
+    path = os.path.join(work, TOKENIZER)
+    if not os.path.exists(path):
+        # Train on train documents only, so held-out loss is not flattered by the vocab. A corpus larger
+        # than the sample budget contributes whole shards in a seeded order until the budget is spent.
+        total = sum(p.size for p in plans)
+        order = range(len(plans)) if total <= TOKENIZER_SAMPLE_BYTES else \
+            np.random.default_rng(seed).permutation(len(plans)).tolist()
+
+        def sample():
+            seen = 0
+            for k in order:
+                train, _, _ = _shard_documents(srcs, plans[k], text_split, seed)
+                for doc in train:
+                    if seen >= TOKENIZER_SAMPLE_BYTES:
+                        return
+                    seen += len(doc)
+                    yield doc
+
+        tok_lib.train_bpe(sample(), vocab_size).save(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return TOKENIZER, tok_lib.load(path)
+
+
+def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn) -> list[dict]:
+    """Builds every shard not already finished in `work`, in parallel worker processes, with a progress line."""
+    tok_sha = tok_lib.file_hash(os.path.join(work, tok_file))
+    jobs, records = [], {}
+    for plan in plans:
+        # The work dir only survives with identical settings (inputs included), so a finished shard is
+        # reused when its plan and the tokenizer are the same too.
+        key = hashlib.sha256(json.dumps([plan.pieces, plan.heldout, len(plans), tok_sha, dtype.name]).encode())
+        key = key.hexdigest()
+        if done := _finished_shard(work, plan, key):
+            records[plan.index] = done
+        else:
+            jobs.append({"plan": plan, "work_dir": work, "num_shards": len(plans), "sources": srcs,
+                         "text_split": text_split, "seed": seed, "tokenizer_file": tok_file, "eos_token": eos_token,
+                         "dtype": dtype.name, "key": key})
+    if records and jobs:
+        print_fn(f"prepare: resuming, {len(records)} of {len(plans)} shards already done", file=sys.stderr)
+    todo = sum(j["plan"].size for j in jobs)
+    t0, done_bytes = time.perf_counter(), 0
+
+    def progress(record):
+        nonlocal done_bytes
+        records[record["index"]] = record
+        done_bytes += plans[record["index"]].size
+        if len(plans) > 1:
+            rate = done_bytes / max(time.perf_counter() - t0, 1e-9)
+            eta = (todo - done_bytes) / max(rate, 1e-9)
+            print_fn(f"prepare: shard {len(records)}/{len(plans)} | {done_bytes / 1e6:,.1f} of {todo / 1e6:,.1f} MB "
+                     f"| {rate / 1e6:.1f} MB/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s", file=sys.stderr)
+
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    if workers <= 1:
+        for job in jobs:
+            progress(_build_shard(job))
+    else:
+        # spawn, not fork: the caller may be a process with JAX's threads running (train.run, tests).
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_quiet_worker) as pool:
+            futures = [pool.submit(_build_shard, job) for job in jobs]
+            try:
+                for f in concurrent.futures.as_completed(futures):
+                    progress(f.result())
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    return [records[p.index] for p in plans]
+
+
+def _quiet_worker():
+    # Each worker is one of several processes: Rust threads inside each would only oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="data dir to create or reuse")
-    parser.add_argument("--vocab_size", type=int, default=8192)
+    parser.add_argument("--output", required=True, help="data dir to create, finish or reuse")
+    parser.add_argument("--vocab_size", type=int, default=8192, help="of the BPE trained when no --tokenizer is given")
     parser.add_argument("--heldout_docs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--input", nargs="+", action="extend", help="files or globs (epath: gs:// works with gcsfs); "
-                        "without it the default corpus (KJV) is prepared")
-    parser.add_argument("--format", choices=sources_lib.KINDS, help="kind of every input (default: by extension)")
-    parser.add_argument("--field", default="text", help="JSONL key / Parquet column holding the text")
+    parser.add_argument("--input", nargs="+", action="extend",
+                        help="files or globs (.txt, .jsonl[.gz], .parquet; epath: gs:// works with gcsfs), "
+                        "hf:SAVED_DIR, hf:BUILDER:FILES (json/csv/parquet/text), hf:DIR, tfds:NAME[/CONFIG][:VERSION] "
+                        "or tfds:BUILDER_DIR; without it the default corpus (KJV) is prepared")
+    parser.add_argument("--format", choices=sources_lib.KINDS, help="kind of every file input (default: by extension)")
+    parser.add_argument("--field", default="text", help="JSONL key / Parquet or dataset column holding the text")
     parser.add_argument("--text_split", choices=sources_lib.TEXT_SPLITS, default="file",
                         help="a .txt document is the whole file, each blank-line paragraph, or each line")
-    parser.add_argument("--tokenizer", help="an HF tokenizer.json to use instead of training a BPE")
+    parser.add_argument("--split", default="train", help="split of hf:/tfds: inputs (tfds slicing works)")
+    parser.add_argument("--tfds_data_dir", help="where tfds: datasets are prepared (default: TFDS's)")
+    parser.add_argument("--tokenizer", help="an HF tokenizer.json or a SentencePiece .model to use instead of "
+                        "training a BPE")
+    parser.add_argument("--eos_token", help="the given tokenizer's end-of-document token (default: found by name)")
     parser.add_argument("--num_shards", type=int, help="train shards (default: one per ~256 MB of text)")
+    parser.add_argument("--workers", type=int, help="tokenizing processes (default: one per CPU)")
     args = parser.parse_args(argv)
     try:
         if args.input:
             prepare_sources(args.output, args.input, fmt=args.format, field=args.field, text_split=args.text_split,
-                            tokenizer=args.tokenizer, vocab_size=args.vocab_size, heldout_docs=args.heldout_docs,
-                            seed=args.seed, num_shards=args.num_shards)
+                            tokenizer=args.tokenizer, eos_token=args.eos_token, vocab_size=args.vocab_size,
+                            heldout_docs=args.heldout_docs, seed=args.seed, num_shards=args.num_shards,
+                            workers=args.workers, split=args.split, tfds_data_dir=args.tfds_data_dir)
         else:
             prepare_default_corpus(args.output, args.vocab_size, args.heldout_docs, args.seed)
     except (DataError, sources_lib.SourceError) as e:
