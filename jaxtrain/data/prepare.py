@@ -306,9 +306,22 @@ def _write_shard(path: str, token_lists: list[np.ndarray]) -> dict:
             "sha256": tok_lib.file_hash(path), "lengths": os.path.basename(path) + LENGTHS_SUFFIX}
 
 
+TOKENIZE_BATCH_BYTES = 4 << 20  # text per encode_batch call
+
+
 def _tokenize(tok: tok_lib.Tokenizer, docs: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    # In batches of ~4 MB: HF Encoding objects (and SentencePiece's Python lists) cost ~30x the text, so a
+    # 256 MB shard tokenized in one call would peak at several GB per worker.
     eos = np.array([tok.eos_id], dtype=dtype)
-    return [np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tok.encode_batch(docs)]
+    out, start = [], 0
+    while start < len(docs):
+        stop, size = start + 1, len(docs[start])
+        while stop < len(docs) and size < TOKENIZE_BATCH_BYTES:
+            size += len(docs[stop])
+            stop += 1
+        out.extend(np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tok.encode_batch(docs[start:stop]))
+        start = stop
+    return out
 
 
 def _build_shard(job: dict) -> dict:
@@ -350,7 +363,8 @@ def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
         return None
     for row in filter(None, (record["train"], record["heldout"])):
         path = os.path.join(work, row["file"])
-        if not os.path.exists(path) or tok_lib.file_hash(path) != row["sha256"]:
+        if not os.path.exists(path + LENGTHS_SUFFIX) or not os.path.exists(path) or \
+                tok_lib.file_hash(path) != row["sha256"]:
             return None
     return record
 
@@ -386,20 +400,24 @@ def _locked(data_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _work_dir(data_dir: str, settings: dict) -> str:
+def _work_dir(data_dir: str, settings: dict, input_mtimes: list, print_fn) -> str:
     """The sibling work dir, reused if an interrupted run left it with the same settings, else emptied."""
     parent, name = os.path.split(data_dir)
     work = os.path.join(parent, f".{name}{PARTIAL}")
     state_file = os.path.join(work, "settings.json")
     try:
         with open(state_file) as f:
-            same = json.load(f) == json.loads(json.dumps(settings))
+            saved = json.load(f)
     except (OSError, json.JSONDecodeError):
-        same = False
-    if not same:
+        saved = None
+    # The mtimes ride along only to spare a resume re-hashing unchanged inputs; they are not settings.
+    if saved is None or {k: v for k, v in saved.items() if k != "input_mtimes"} != json.loads(json.dumps(settings)):
+        if saved is not None:
+            print_fn(f"prepare: discarding the unfinished work in {work}: it was for other inputs or settings",
+                     file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)  # our own scratch, never a finished data dir
         os.makedirs(work)
-        _write_json_atomically(state_file, settings)
+        _write_json_atomically(state_file, {**settings, "input_mtimes": input_mtimes})
     return work
 
 
@@ -426,7 +444,8 @@ def prepare_sources(
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
-    manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard)."""
+    manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard);
+    they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`."""
     if tokenizer and not os.path.isfile(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer file not found")
     if heldout_docs < 1:
@@ -462,7 +481,7 @@ def prepare_sources(
         }
         if existing := _existing_manifest(data_dir, settings):
             return existing
-        work = _work_dir(data_dir, settings)
+        work = _work_dir(data_dir, settings, [r.get("mtime_ns") for r in identities], print_fn)
         plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
         tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
         dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
@@ -473,6 +492,10 @@ def prepare_sources(
         if not sum(r["docs"] for r in train_rows):
             raise DataError(f"{', '.join(inputs)}: no documents left for training after {sum(r['docs'] for r in heldout_rows)}"
                             f" held-out ones; add data or lower --heldout_docs")
+        if (held_total := sum(r["docs"] for r in heldout_rows)) < heldout_docs:
+            # Quotas follow text size: a shard of few, long documents may have fewer than its share.
+            print_fn(f"prepare: warning: {held_total} held-out documents instead of --heldout_docs {heldout_docs}: "
+                     f"some shards had fewer documents than their share", file=sys.stderr)
         per_source = [{"docs": 0, "skipped": collections.Counter(), "text_bytes": 0} for _ in srcs]
         for r in records:
             for i, st in r["sources"].items():
@@ -590,7 +613,7 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtyp
             print_fn(f"prepare: shard {len(records)}/{len(plans)} | {done_bytes / 1e6:,.1f} of {todo / 1e6:,.1f} MB "
                      f"| {rate / 1e6:.1f} MB/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s", file=sys.stderr)
 
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    workers = min(workers or len(os.sched_getaffinity(0)), len(jobs))  # the CPUs this process may use
     if workers <= 1:
         for job in jobs:
             progress(_build_shard(job))
