@@ -156,19 +156,24 @@ class NonFiniteGuard(Hook):
 
 
 class EvalHook(Hook):
-    """Held-out loss every `every` steps (and at the end); 0 = only at the end."""
+    """Held-out losses every `every` steps (and at the end); 0 = only at the end. `evaluate(params)` returns
+    {"eval_loss": the primary loss, "eval_loss/<name>": one per extra eval set (eval.sets)}."""
 
     def __init__(self, *, every: int, total_steps: int, evaluate, writer, clock: Clock, print_fn=print):
         self.every, self.total, self.evaluate = every, total_steps, evaluate
         self.writer, self.clock, self.print = writer, clock, print_fn
-        self.history: list[tuple[int, float]] = []
+        self.history: list[tuple[int, float]] = []  # (step, eval_loss)
+        self.set_history: dict[str, list[tuple[int, float]]] = {}  # eval set name -> [(step, its loss)]
 
     def run(self, step, params):
         with self.clock.paused():
-            loss = self.evaluate(params)
-        self.history.append((step, loss))
-        self.writer.write_scalars(step, {"eval_loss": loss})
-        self.print(f"eval @ step {step}: eval_loss {loss:.4f}")
+            losses = self.evaluate(params)
+        self.history.append((step, losses["eval_loss"]))
+        for metric, loss in losses.items():
+            if metric != "eval_loss":
+                self.set_history.setdefault(metric.removeprefix("eval_loss/"), []).append((step, loss))
+        self.writer.write_scalars(step, losses)
+        self.print(f"eval @ step {step}: " + " | ".join(f"{metric} {loss:.4f}" for metric, loss in losses.items()))
 
     def __call__(self, step, state, metrics, batch):
         if (self.every and step % self.every == 0) or step == self.total:

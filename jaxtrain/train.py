@@ -27,7 +27,7 @@ from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import optim, step as step_lib
-from jaxtrain.data import pipeline, prepare, tokenizer as tokenizer_lib
+from jaxtrain.data import pipeline, prepare
 from jaxtrain.models import transformer
 
 
@@ -129,10 +129,11 @@ def run(config, print_fn=print) -> dict:
     ddir = data_dir(config)
     if not prepare.prepared_from_sources(ddir):  # a dir made by `prepare --input` is used as it is
         prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
-    tok = tokenizer_lib.load(prepare.verified_tokenizer(ddir))  # exit 2 if it is not the shards' tokenizer
-    if tok.get_vocab_size() > config.model.vocab_size:
+    tok = prepare.load_tokenizer(ddir)  # exit 2 if it is not the shards' tokenizer
+    if tok.vocab_size > config.model.vocab_size:
         raise config_lib.ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the vocab "
-                                     f"({tok.get_vocab_size()}) of the tokenizer in {ddir}")
+                                     f"({tok.vocab_size}) of the tokenizer in {ddir}")
+    pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
 
     # ===== Workdir: a finished run is left exactly as it is ===========================================
     workdir = Path(config.workdir)
@@ -162,9 +163,14 @@ def run(config, print_fn=print) -> dict:
     # ===== Data iterators (one position for all processes: see jaxtrain/data/pipeline.py) ==============
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_iter = pipeline.train_iterator(ddir, seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size,
-                                         seed=train_cfg.seed, mixture=config.data.mixture, **hosts)
-    eval_data = pipeline.eval_batches(ddir, seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size,
-                                      num_batches=config.eval.batches, **hosts)
+                                         seed=train_cfg.seed, mixture=config.data.mixture,
+                                         num_workers=config.data.num_workers, **hosts)
+    # Reported metric -> its eval batches: data.dir's held-out split, then each of eval.sets.
+    eval_shape = dict(seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size, num_batches=config.eval.batches,
+                      **hosts)
+    eval_data = {"eval_loss": pipeline.eval_batches(ddir, **eval_shape)}
+    for name, batches in pipeline.eval_set_batches(ddir, config.eval.sets, **eval_shape).items():
+        eval_data[f"eval_loss/{name}"] = batches
 
     # ===== State: the newest checkpoint that verifies, or a fresh init =================================
     restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
@@ -210,7 +216,8 @@ def run(config, print_fn=print) -> dict:
                                  flops_per_token=flops_per_token, peak_flops=peak, writer=writer, clock=clock,
                                  print_fn=say)
     eval_hook = hooks_lib.EvalHook(every=config.eval.every_steps, total_steps=train_cfg.steps,
-                                   evaluate=lambda params: trainer.evaluate(params, eval_data),
+                                   evaluate=lambda params: {metric: trainer.evaluate(params, batches)
+                                                            for metric, batches in eval_data.items()},
                                    writer=writer, clock=clock, print_fn=say)
     ckpt_hook = hooks_lib.CheckpointHook(checkpointer=checkpointer, data_iterator=train_iter, clock=clock,
                                          start_step=start, on_write_error=config.checkpoint.on_write_error,
@@ -264,6 +271,7 @@ def run(config, print_fn=print) -> dict:
         watchdog.stop()
         preemption.close()
         writer.close()
+        train_iter.close()  # its prefetch thread or data.num_workers processes
         failing = sys.exc_info()[0] is not None
         try:
             checkpointer.close()
@@ -275,10 +283,10 @@ def run(config, print_fn=print) -> dict:
     text = ""
     if config.sample.max_new_tokens:
         from jaxtrain import generate
-        ids = generate.sample(trainer.graphdef, state["params"], tok.encode(config.sample.prompt).ids,
+        ids = generate.sample(trainer.graphdef, state["params"], tok.encode(config.sample.prompt),
                               window=train_cfg.seq_len, max_new_tokens=config.sample.max_new_tokens,
                               temperature=config.sample.temperature, top_k=config.sample.top_k,
-                              seed=train_cfg.seed, stop_id=tokenizer_lib.EOS_ID)
+                              seed=train_cfg.seed, stop_id=tok.eos_id)
         text = config.sample.prompt + tok.decode(ids)
         say(f"sample: {text}")
 
@@ -286,6 +294,7 @@ def run(config, print_fn=print) -> dict:
     # One digest of every array in the state (sharding-independent): equal digests = bit-identical runs.
     state_checksum = hashlib.sha256(json.dumps(ckpt_lib.checksums(state), sort_keys=True).encode()).hexdigest()[:16]
     summary = {"finished": step >= train_cfg.steps, "step": step, "resumed": bool(start), "eval": evals,
+               "eval_sets": eval_hook.set_history,
                "wall_s": time.perf_counter() - t_start, "data_dir": ddir, "sample": text,
                "state_checksum": state_checksum}
     if is_main:

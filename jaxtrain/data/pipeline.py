@@ -17,20 +17,47 @@ a row. Documents are never padded or dropped: a long one continues in the next r
 segment 1 with positions from 0 again (it cannot attend to the previous row).
 
 Grain supplies the reading (ArrayRecordDataSource) and the prefetching iterator (MapDataset ->
-to_iter_dataset); the packing itself is random access, which is what makes it position-addressable.
+to_iter_dataset, optionally in worker processes: mp_prefetch); the packing itself is random access, which
+is what makes it position-addressable.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import signal
+import threading
+import time
+import weakref
 
 import grain
 import numpy as np
+from absl import flags
 
 from jaxtrain.data.prepare import DataError, load_manifest
 
 _KEYS = ("tokens", "segment_ids", "positions")
+
+
+def _document_lengths(data_dir: str, shards: list[dict], source, dtype: np.dtype) -> np.ndarray:
+    """Tokens per document of a split, from the lengths index `prepare` writes beside each shard. Data dirs
+    made before the index existed are measured by reading every record once (0.3 s for the KJV)."""
+    if all("lengths" in s for s in shards):
+        parts = []
+        for s in shards:
+            path = os.path.join(data_dir, s["lengths"])
+            try:
+                part = np.load(path).astype(np.int64)
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path}: unreadable lengths index ({e}); prepare the data again") from None
+            if len(part) != s["docs"] or int(part.sum()) != s["tokens"]:
+                raise DataError(f"{path}: does not match {s['file']} ({len(part)} docs / {int(part.sum())} tokens, "
+                                f"manifest {s['docs']} / {s['tokens']}); prepare the data again")
+            parts.append(part)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    n = len(source)
+    return np.fromiter((len(r) // dtype.itemsize for r in source.__getitems__(range(n))), np.int64, n)
 
 
 class PackedStream:
@@ -55,10 +82,7 @@ class PackedStream:
         n = len(self.source)
         if n == 0:
             raise DataError(f"{data_dir}: split {split!r} has no documents")
-        # Document lengths, read once. The KJV is 30k documents (0.3 s); a prepared lengths index
-        # replaces this read for multi-terabyte corpora.
-        self.lengths = np.fromiter((len(r) // self.dtype.itemsize for r in self.source.__getitems__(range(n))),
-                                   np.int64, n)
+        self.lengths = _document_lengths(data_dir, manifest["splits"][split], self.source, self.dtype)
         self.epoch_tokens = int(self.lengths.sum())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -177,34 +201,97 @@ def _local_batch(global_batch: int, process_index: int, process_count: int) -> i
     return global_batch // process_count
 
 
+class _ProcessRows:
+    """Row i that one process reads, counted from stream offset `next_token`. An object rather than a
+    closure over the iterator: Grain pickles it into its worker processes."""
+
+    def __init__(self, stream, *, next_token: int, seq_len: int, global_batch: int, local_batch: int,
+                 process_index: int):
+        self.stream, self.next_token, self.seq_len, self.local_batch = stream, next_token, seq_len, local_batch
+        self.batch_tokens = global_batch * seq_len
+        self.rows_before = process_index * local_batch  # this process's rows come after these in a batch
+
+    def __call__(self, i: int) -> dict:
+        step, j = divmod(i, self.local_batch)
+        start = self.next_token + step * self.batch_tokens + (self.rows_before + j) * self.seq_len
+        return self.stream.row(start, self.seq_len)
+
+
+def _init_worker(worker_index: int, worker_count: int) -> None:
+    """First thing in each Grain worker process. Grain 0.2.18 starts them with the "spawn" method (a fresh
+    interpreter, never a fork of a process whose XLA threads are running), and stops them itself on
+    close() or at exit. Two gaps are closed here."""
+    # Ctrl-C or a SIGTERM sent to the whole process group must not kill a worker under the trainer,
+    # which handles the signal (a preemption save still needs batches) and then stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A worker whose trainer was SIGKILLed would wait forever on its full queue: exit once orphaned.
+    parent = os.getppid()
+
+    def exit_when_orphaned():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_when_orphaned, name="orphan-watch", daemon=True).start()
+
+
+def _own_memory(batch: dict) -> dict:
+    """Copies a batch out of the shared memory Grain's workers hand it over in (Grain unlinks that memory
+    when the array dies, which may be at interpreter exit: noisy, and not what a jax.Array should alias)."""
+    return {k: np.array(v) for k, v in batch.items()}
+
+
+def _close_and_drop(reader: list) -> None:
+    """Closes the Grain iterator in `reader` and drops it, so that it is also collected while the
+    interpreter still works (Grain's __del__ fails noisily during teardown)."""
+    while reader:
+        reader.pop().close()
+
+
 class TrainIterator:
-    """Endless train batches for one process. State: {"next_token", "stream"}, identical on every process."""
+    """Endless train batches for one process. State: {"next_token", "stream"}, identical on every process.
+
+    `num_workers` > 0 builds the batches in that many Grain worker processes (batch k in worker k mod n)
+    instead of one prefetch thread; the batches are the same, since each is a pure function of its position.
+    On 2 CPU cores the thread is faster; workers pay off when building a batch costs more than a step."""
 
     def __init__(self, stream: PackedStream, *, seq_len: int, global_batch: int, process_index: int,
-                 process_count: int, prefetch: int = 2, next_token: int = 0):
+                 process_count: int, prefetch: int = 2, num_workers: int = 0, next_token: int = 0):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(f"num_workers must be a non-negative integer, got {num_workers!r}")
         self.stream, self.seq_len, self.global_batch = stream, seq_len, global_batch
         self.local_batch = _local_batch(global_batch, process_index, process_count)
-        self.process_index, self.prefetch = process_index, prefetch
+        self.process_index, self.prefetch, self.num_workers = process_index, prefetch, num_workers
+        self._reader: list = []  # the Grain iterator; a list the finalizer below empties
+        self._close_reader = lambda: None
         self._start(next_token)
 
     def _start(self, next_token: int):
+        self._close_reader()  # a restart (set_state) must not leave the old thread or workers running
         self.next_token = next_token
-        rows_before = self.process_index * self.local_batch  # this process's rows come after these
-        row_tokens, batch_tokens = self.seq_len, self.global_batch * self.seq_len
-
-        def row(i):  # i-th row this process reads
-            step, j = divmod(i, self.local_batch)
-            return self.stream.row(next_token + step * batch_tokens + (rows_before + j) * row_tokens, self.seq_len)
-
-        ds = grain.MapDataset.range(2**62).map(row).batch(self.local_batch)
+        rows = _ProcessRows(self.stream, next_token=next_token, seq_len=self.seq_len,
+                            global_batch=self.global_batch, local_batch=self.local_batch,
+                            process_index=self.process_index)
+        ds = grain.MapDataset.range(2**62).map(rows).batch(self.local_batch)
         # One background thread builds the next batches while the step runs (more only fight the GIL here).
-        self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.prefetch)))
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.prefetch))
+        if self.num_workers:
+            # Grain reads its absl flags when it starts workers; a notebook or a test has parsed none.
+            if not flags.FLAGS.is_parsed():
+                flags.FLAGS.mark_as_parsed()
+            options = grain.MultiprocessingOptions(num_workers=self.num_workers, per_worker_buffer_size=self.prefetch)
+            ds = ds.mp_prefetch(options, worker_init_fn=_init_worker).map(_own_memory)
+        self._reader = [iter(ds)]
+        # Stops the thread or the workers on close(), when this iterator is collected, or at interpreter exit
+        # (weakref.finalize runs its atexit hook before modules are torn down): a run never hangs on them.
+        self._close_reader = weakref.finalize(self, _close_and_drop, self._reader)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        batch = next(self._it)
+        batch = next(self._reader[0])
         self.next_token += self.global_batch * self.seq_len
         return batch
 
@@ -223,31 +310,30 @@ class TrainIterator:
         self._start(int(state["next_token"]))
 
     def close(self) -> None:
-        self._it = None
+        """Stops the prefetch thread or the worker processes; the iterator is spent afterwards."""
+        self._close_reader()
 
 
 def train_iterator(data_dir: str, *, seq_len: int, global_batch: int, seed: int, process_index: int = 0,
-                   process_count: int = 1, mixture: str = "") -> TrainIterator:
+                   process_count: int = 1, mixture: str = "", num_workers: int = 0) -> TrainIterator:
     """Endless, shuffled, packed train batches; exactly resumable through get_state/set_state.
 
     `mixture` ("dirA:0.7,dirB:0.3", see MixedStream) trains on those datasets instead of `data_dir`'s train
-    split; each must have been tokenized with `data_dir`'s tokenizer."""
+    split; each must have been tokenized with `data_dir`'s tokenizer. `num_workers` > 0: build the batches
+    in Grain worker processes (the same batches; see TrainIterator)."""
     _local_batch(global_batch, process_index, process_count)  # fail before reading anything
     if not mixture:
         stream = PackedStream(data_dir, "train", seed)
     else:
-        want = load_manifest(data_dir)["tokenizer"]["sha256"]
+        check_extra_dirs(data_dir, mixture, "")
         streams, weights = [], []
         for d, (path, weight) in enumerate(parse_mixture(mixture)):
-            if (have := load_manifest(path)["tokenizer"]["sha256"]) != want:
-                raise DataError(f"{path}: tokenized with another tokenizer ({have[:12]}) than {data_dir} "
-                                f"({want[:12]}); a mixture needs one tokenizer")
             # Each dataset gets its own epoch order, unrelated to the others'.
             streams.append(PackedStream(path, "train", int(np.random.SeedSequence([seed, d]).generate_state(1)[0])))
             weights.append(weight)
         stream = MixedStream(streams, weights, seed)
     return TrainIterator(stream, seq_len=seq_len, global_batch=global_batch, process_index=process_index,
-                         process_count=process_count)
+                         process_count=process_count, num_workers=num_workers)
 
 
 def eval_batches(data_dir: str, *, seq_len: int, global_batch: int, num_batches: int, process_index: int = 0,
@@ -259,6 +345,59 @@ def eval_batches(data_dir: str, *, seq_len: int, global_batch: int, num_batches:
             for k in range(num_batches) for j in range(local)]
     return [{key: np.stack([r[key] for r in rows[k * local:(k + 1) * local]]) for key in _KEYS}
             for k in range(num_batches)]
+
+
+_EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def parse_eval_sets(spec: str) -> list[tuple[str, str]]:
+    """"web=dirA,code=dirB" -> [("web", dirA), ("code", dirB)]; "" -> []. Names are unique and made of
+    letters, digits, '_', '.' and '-' (they become metric names: eval_loss/<name>)."""
+    out: list[tuple[str, str]] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, path = (x.strip() for x in part.partition("="))
+        if not sep or not path or not _EVAL_SET_NAME.fullmatch(name):
+            raise ValueError(f"{part!r} is not <name>=<data dir> with a name of letters, digits, '_', '.' or '-'")
+        if name in dict(out):
+            raise ValueError(f"name {name!r} is used twice")
+        out.append((name, path))
+    if spec.strip() and not out:
+        raise ValueError(f"{spec!r} has no <name>=<data dir> entry")
+    return out
+
+
+def eval_set_batches(data_dir: str, spec: str, *, seq_len: int, global_batch: int, num_batches: int,
+                     process_index: int = 0, process_count: int = 1) -> dict[str, list[dict]]:
+    """{name: eval_batches of that dir's held-out split} for the eval sets in `spec` (see parse_eval_sets).
+    Each dir must have been tokenized with `data_dir`'s tokenizer: the model only reads those ids."""
+    check_extra_dirs(data_dir, "", spec)
+    out = {}
+    for name, path in parse_eval_sets(spec):
+        try:
+            out[name] = eval_batches(path, seq_len=seq_len, global_batch=global_batch, num_batches=num_batches,
+                                     process_index=process_index, process_count=process_count)
+        except DataError as e:
+            raise DataError(f"eval.sets: {name!r}: {e}") from None
+    return out
+
+
+def check_extra_dirs(data_dir: str, mixture: str, eval_sets: str) -> None:
+    """Every data.mixture and eval.sets dir is prepared and tokenized with data_dir's tokenizer (the model only
+    reads those ids). Cheap (manifests only): train.run calls it before the workdir is touched."""
+    tokenizer = load_manifest(data_dir)["tokenizer"]
+
+    def same_tokenizer(path, advice):
+        if (have := load_manifest(path)["tokenizer"]["sha256"]) != tokenizer["sha256"]:
+            raise DataError(f"{path}: tokenized with another tokenizer ({have[:12]}) than {data_dir} "
+                            f"({tokenizer['sha256'][:12]}); {advice}")
+
+    for path, _ in parse_mixture(mixture) if mixture else []:
+        same_tokenizer(path, "a mixture needs one tokenizer")
+    for name, path in parse_eval_sets(eval_sets):
+        try:
+            same_tokenizer(path, f"prepare it with --tokenizer {os.path.join(data_dir, tokenizer['file'])}")
+        except DataError as e:
+            raise DataError(f"eval.sets: {name!r}: {e}") from None
 
 
 def tokens_per_batch_fingerprint(batch: dict) -> str:
