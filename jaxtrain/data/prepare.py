@@ -400,10 +400,14 @@ def _locked(data_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _work_path(data_dir: str) -> str:
+    parent, name = os.path.split(data_dir)
+    return os.path.join(parent, f".{name}{PARTIAL}")
+
+
 def _work_dir(data_dir: str, settings: dict, input_mtimes: list, print_fn) -> str:
     """The sibling work dir, reused if an interrupted run left it with the same settings, else emptied."""
-    parent, name = os.path.split(data_dir)
-    work = os.path.join(parent, f".{name}{PARTIAL}")
+    work = _work_path(data_dir)
     state_file = os.path.join(work, "settings.json")
     try:
         with open(state_file) as f:
@@ -460,8 +464,7 @@ def prepare_sources(
         previous = None
         if os.path.exists(os.path.join(data_dir, MANIFEST)):
             previous = load_manifest(data_dir)
-        elif os.path.exists(state := os.path.join(os.path.dirname(data_dir),
-                                                  f".{os.path.basename(data_dir)}{PARTIAL}", "settings.json")):
+        elif os.path.exists(state := os.path.join(_work_path(data_dir), "settings.json")):
             with contextlib.suppress(OSError, json.JSONDecodeError), open(state) as f:
                 previous = json.load(f)
         identities = _input_identities(srcs, previous)
