@@ -112,10 +112,8 @@ def verified_tokenizer(data_dir: str) -> str:
 def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
     """The data dir's verified tokenizer, with the EOS id its documents end with."""
     manifest = load_manifest(data_dir)
-    try:  # the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name
-        tok = tok_lib.load(verified_tokenizer(data_dir), manifest.get("eos_token"))
-    except tok_lib.TokenizerError as e:
-        raise DataError(str(e)) from None
+    # With the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name.
+    tok = _given_tokenizer(verified_tokenizer(data_dir), manifest.get("eos_token"))
     tok.eos_id = manifest.get("eos_id", tok.eos_id)
     return tok
 
@@ -499,15 +497,13 @@ def prepare_sources(
             # Quotas follow text size: a shard of few, long documents may have fewer than its share.
             print_fn(f"prepare: warning: {held_total} held-out documents instead of --heldout_docs {heldout_docs}: "
                      f"some shards had fewer documents than their share", file=sys.stderr)
-        per_source = [{"docs": 0, "skipped": collections.Counter(), "text_bytes": 0} for _ in srcs]
+        # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
         for r in records:
             for i, st in r["sources"].items():
-                acc = per_source[int(i)]
-                acc["docs"] += st["docs"]
-                acc["skipped"].update(st["skipped"])
-                acc["text_bytes"] += st["text_bytes"]
-        for s, acc in zip(srcs, per_source):
-            s.docs, s.skipped, s.text_bytes = acc["docs"], acc["skipped"], acc["text_bytes"]
+                src = srcs[int(i)]
+                src.docs += st["docs"]
+                src.skipped.update(st["skipped"])
+                src.text_bytes += st["text_bytes"]
         manifest = {
             **settings,
             "input_mtimes": [r.get("mtime_ns") for r in identities],
@@ -638,7 +634,6 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtyp
 def _quiet_worker():
     # Each worker is one of several processes: Rust threads inside each would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
 
 
 def main(argv: list[str] | None = None) -> int:
