@@ -24,9 +24,8 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from jaxtrain.data.sources import DATASET_PREFIXES as PREFIXES
 from jaxtrain.data.sources import MISSING, SourceError
-
-PREFIXES = ("hf:", "tfds:")
 HF_BUILDERS_HINT = ("json", "parquet", "csv", "text", "arrow")
 _BATCH = 1024  # rows decoded per read: amortises Arrow/ArrayRecord call overhead, bounds memory
 

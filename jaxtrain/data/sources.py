@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -21,6 +20,8 @@ from collections.abc import Iterator
 
 import numpy as np
 from etils import epath
+
+from jaxtrain.data.tokenizer import file_hash
 
 KINDS = ("txt", "jsonl", "parquet")
 DATASET_PREFIXES = ("hf:", "tfds:")
@@ -108,14 +109,10 @@ def expand(patterns: list[str], fmt: str | None, field: str, *, split: str = "tr
 
 
 def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
     try:
-        with epath.Path(path).open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
+        return file_hash(path)
     except OSError as e:
         raise SourceError(f"{path}: cannot read ({e.strerror or e})") from None
-    return h.hexdigest()
 
 
 def _kind_of(path: epath.Path) -> str:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterable
 
 import tokenizers
+from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|endoftext|>"
@@ -113,9 +114,9 @@ def _treat_text_as_text(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
 
 
 def file_hash(path: str | os.PathLike) -> str:
-    """sha256 hex of a file (tokenizer.json, shards)."""
+    """sha256 hex of a file (tokenizer.json, shards, prepare's inputs: so any etils.epath path, gs:// too)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+    with epath.Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
