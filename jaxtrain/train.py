@@ -110,6 +110,46 @@ def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpo
                                  local_keep=c.local_keep, log=print_fn)
 
 
+def load_config(workdir) -> "ml_collections.ConfigDict":
+    """The config a workdir's checkpoints were made with (its config.json over the current schema)."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise config_lib.ConfigError("workdir", f"{path} not found: not a jaxtrain workdir")
+    config = config_lib.base_config()
+    config.update_from_flattened_dict(_flatten(json.loads(path.read_text())))
+    return config
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def restore_params(workdir, step: int | None = None, devices=None):
+    """(config, model_cfg, graphdef, params) of a workdir's checkpoint: the newest that verifies, or `step`.
+
+    For tools that only need the weights (generation, export). The params land replicated over `devices`
+    (default: the first device). Raises CheckpointError if there is none."""
+    config = load_config(workdir)
+    devices = devices or jax.devices()[:1]
+    mesh_shape = {"data": len(devices), "fsdp": 1, "tensor": 1}
+    trainer = build_trainer(config, mesh_shape, mesh_lib.resolve_rules("dp"), devices=devices)
+    checkpointer = make_checkpointer(config, Path(workdir), print_fn=lambda *a, **k: None)
+    try:
+        if step is None:
+            restored = checkpointer.restore_latest(trainer.abstract_state)
+            if restored is None:
+                raise ckpt_lib.CheckpointError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+            step, state, _ = restored
+        else:
+            state, _ = checkpointer.restore(step, trainer.abstract_state)
+    finally:
+        checkpointer.close()
+    return config, trainer.model_cfg, trainer.graphdef, state["params"]
+
+
 def run(config, print_fn=print) -> dict:
     t_start = time.perf_counter()
     # ===== Config and hosts: validated before anything compiles or touches the workdir ================
