@@ -79,7 +79,12 @@ def base_config() -> ml_collections.ConfigDict:
 
     # `fingerprints`: also append each step's batch hash to WORKDIR/data_fingerprints.<process>.jsonl,
     # an audit trail that proves a resumed run saw exactly the batches an uninterrupted one would.
-    c.log = dict(every_steps=10, fingerprints=False)
+    # `trackers`: also log to "mlflow" and/or "wandb" (comma-separated; optional extras). The MLflow/W&B run is
+    # named `run_name` (default: the workdir's name) in experiment/project `experiment`. `mlflow_uri` empty =
+    # $MLFLOW_TRACKING_URI or sqlite:///WORKDIR/mlflow.db. `wandb_mode`: offline (WORKDIR/wandb, `wandb sync`
+    # later), online or disabled; `wandb_api_key` empty = W&B's own login ($WANDB_API_KEY), and is redacted.
+    c.log = dict(every_steps=10, fingerprints=False, trackers="", experiment="jaxtrain", run_name="",
+                 mlflow_uri="", wandb_mode="offline", wandb_entity="", wandb_api_key="")
 
     c.sample = dict(prompt="And God said", max_new_tokens=40, temperature=0.8, top_k=40)
     return c
@@ -236,10 +241,36 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _number(cfg.faults.step_timeout_s, "faults.step_timeout_s", lo=0)
     _number(cfg.faults.preempt_grace_s, "faults.preempt_grace_s", lo=0)
     _positive_int(cfg, "log.every_steps")
+    _validate_trackers(cfg.log)
     _positive_int(cfg, "sample.max_new_tokens", allow_zero=True)
     _number(cfg.sample.temperature, "sample.temperature", lo=0)
     _positive_int(cfg, "sample.top_k", allow_zero=True)
     return {"mesh_shape": shape, "rules": rules, "data_parallel": dp}
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _validate_trackers(log) -> None:
+    """Named trackers must be importable now, not after the compile."""
+    import importlib.util
+
+    from jaxtrain.metrics import parse_trackers
+
+    for f in ("trackers", "experiment", "run_name", "mlflow_uri", "wandb_entity", "wandb_api_key"):
+        if not isinstance(log[f], str):
+            raise ConfigError(f"log.{f}", f"must be a string, got {log[f]!r}")
+    try:
+        names = parse_trackers(log.trackers)
+    except ValueError as e:
+        raise ConfigError("log.trackers", str(e)) from None
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError("log.trackers", f"{name} is not installed: pip install 'jaxtrain[{name}]'")
+    if "mlflow" in names and not log.experiment:
+        raise ConfigError("log.experiment", "must not be empty with mlflow")
+    if log.wandb_mode not in WANDB_MODES:
+        raise ConfigError("log.wandb_mode", f"unknown value {log.wandb_mode!r}; choose one of {list(WANDB_MODES)}")
 
 
 def validate_distributed(cfg: ml_collections.ConfigDict) -> None:

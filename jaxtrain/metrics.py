@@ -1,5 +1,8 @@
 """Metric writers, peak FLOP/s and MFU.
 
+Writers: JSONL and TensorBoard always; MLflow and Weights & Biases when `log.trackers` names them (optional
+extras). Every writer gets the same records; the config they log is redacted (jaxtrain.tracking).
+
 MFU = model FLOPs per second achieved / peak FLOP/s of the devices used. Model FLOPs per token are
 `jaxtrain.models.transformer.train_flops_per_token` (6 * N_matmul + causal attention). The peak comes
 from a table by device kind; on CPU it is a 4096x4096 f32 matmul measured once and cached, because
@@ -14,6 +17,7 @@ import math
 import os
 import platform
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -42,7 +46,9 @@ class JsonlWriter(MetricWriter):
         self._file = open(path, "a", buffering=1)
 
     def write_scalars(self, step, scalars):
-        self._file.write(json.dumps({"step": int(step), **{k: _plain(v) for k, v in scalars.items()}}) + "\n")
+        # Wall time (unix seconds) lets reports plot against time and see gaps between invocations.
+        record = {"step": int(step), "time": round(time.time(), 3), **{k: _plain(v) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record) + "\n")
 
     def flush(self):
         self._file.flush()
@@ -90,6 +96,130 @@ class MultiWriter(MetricWriter):
     def close(self):
         for w in self.writers:
             w.close()
+
+
+TRACKERS = ("mlflow", "wandb")
+
+
+def parse_trackers(spec: str) -> list[str]:
+    """`log.trackers` "mlflow,wandb" -> names; ValueError on an unknown one."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in names:
+        if n not in TRACKERS:
+            raise ValueError(f"unknown tracker {n!r}; choose from {list(TRACKERS)} (jsonl and tensorboard always write)")
+    return names
+
+
+class _TrackerIds:
+    """WORKDIR/trackers.json: the tracker run ids of this workdir, so a resumed run continues the same run."""
+
+    def __init__(self, workdir):
+        self.path = Path(workdir) / "trackers.json"
+
+    def get(self, name: str) -> dict:
+        try:
+            return json.loads(self.path.read_text()).get(name, {})
+        except (OSError, ValueError):
+            return {}
+
+    def put(self, name: str, value: dict) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[name] = value
+        self.path.write_text(json.dumps(data, indent=1))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+class MLflowWriter(MetricWriter):
+    """One MLflow run per workdir (resumed runs continue it), through MlflowClient: no global active run,
+    so several runs in one process (a sweep) don't interfere. Params are the flattened, redacted config."""
+
+    def __init__(self, workdir, *, uri: str, experiment: str, run_name: str):
+        from mlflow import MlflowClient  # optional extra: pip install 'jaxtrain[mlflow]'
+
+        self._client = MlflowClient(tracking_uri=uri)
+        ids = _TrackerIds(workdir)
+        known = ids.get("mlflow")
+        self._new = not (known.get("uri") == uri and known.get("run_id"))
+        if self._new:
+            exp = self._client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
+            self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
+            ids.put("mlflow", {"uri": uri, "run_id": self.run_id})
+        else:
+            self.run_id = known["run_id"]
+            self._client.update_run(self.run_id, status="RUNNING")
+        self._status = "FINISHED"
+
+    def write_scalars(self, step, scalars):
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        values = {k: _plain(v) for k, v in scalars.items()}
+        metrics = [Metric(k, float(v), now, int(step)) for k, v in values.items() if isinstance(v, (int, float))]
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def write_hparams(self, hparams):
+        if not self._new:  # MLflow params are immutable; the resumed run keeps the first invocation's
+            return
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)[:6000]) for k, v in _flat(hparams).items()]
+        for i in range(0, len(params), 100):  # log_batch takes at most 100 params a call
+            self._client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def close(self):
+        self._client.set_terminated(self.run_id, self._status)
+
+
+class WandbWriter(MetricWriter):
+    """A W&B run in `WORKDIR/wandb/` (offline by default: `wandb sync` uploads it later); its id is kept in
+    trackers.json so a resumed run appends to the same W&B run."""
+
+    def __init__(self, workdir, *, project: str, run_name: str, mode: str, entity: str = "", api_key: str = ""):
+        import wandb  # optional extra: pip install 'jaxtrain[wandb]'
+
+        ids = _TrackerIds(workdir)
+        run_id = ids.get("wandb").get("id") or uuid.uuid4().hex[:8]
+        ids.put("wandb", {"id": run_id})
+        if api_key and mode == "online":
+            wandb.login(key=api_key, verify=False)
+        self._run = wandb.init(project=project, entity=entity or None, name=run_name, id=run_id, resume="allow",
+                               dir=str(workdir), mode=mode, reinit="create_new",
+                               settings=wandb.Settings(silent=True, console="off"))
+
+    def write_scalars(self, step, scalars):
+        values = {k: _plain(v) for k, v in scalars.items()}
+        self._run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
+
+    def write_hparams(self, hparams):
+        self._run.config.update(hparams, allow_val_change=True)
+
+    def close(self):
+        self._run.finish()
+
+
+def tracker_writers(log_cfg, workdir) -> list[MetricWriter]:
+    """The optional writers `log.trackers` names (process 0 only)."""
+    workdir = Path(workdir)
+    run_name = log_cfg.run_name or workdir.resolve().name
+    out = []
+    for name in parse_trackers(log_cfg.trackers):
+        if name == "mlflow":
+            uri = log_cfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir.resolve()}/mlflow.db"
+            out.append(MLflowWriter(workdir, uri=uri, experiment=log_cfg.experiment, run_name=run_name))
+        else:
+            out.append(WandbWriter(workdir, project=log_cfg.experiment, run_name=run_name, mode=log_cfg.wandb_mode,
+                                   entity=log_cfg.wandb_entity, api_key=log_cfg.wandb_api_key))
+    return out
 
 
 def _plain(v):

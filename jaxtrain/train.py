@@ -26,7 +26,7 @@ from jaxtrain import distributed, faults, goodput
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import optim, step as step_lib
+from jaxtrain import optim, step as step_lib, tracking
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.models import transformer
 
@@ -150,7 +150,11 @@ def restore_params(workdir, step: int | None = None, devices=None):
     return config, trainer.model_cfg, trainer.graphdef, state["params"]
 
 
-def run(config, print_fn=print) -> dict:
+def run(config, print_fn=print, writers=()) -> dict:
+    """Trains `config` to `train.steps` (or `train.stop_at`), resuming from its workdir's checkpoints.
+
+    `writers`: extra `metrics.MetricWriter`s (process 0 only) that receive every record metrics.jsonl gets,
+    e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
     t_start = time.perf_counter()
     # ===== Config and hosts: validated before anything compiles or touches the workdir ================
     config_lib.validate_distributed(config)
@@ -185,7 +189,7 @@ def run(config, print_fn=print) -> dict:
     if saved_config.exists():
         config_lib.check_resumable(json.loads(saved_config.read_text()), config, str(workdir))
     elif is_main:
-        saved_config.write_text(json.dumps(config.to_dict(), indent=1))
+        saved_config.write_text(json.dumps(tracking.redact(config.to_dict()), indent=1))
     checkpointer = make_checkpointer(config, workdir, print_fn=say)
     latest = checkpointer.latest_step() or 0
     if latest >= train_cfg.steps:
@@ -224,8 +228,9 @@ def run(config, print_fn=print) -> dict:
     # ===== Metric writers ==============================================================================
     if is_main:
         writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
-                                          metrics_lib.TensorBoardWriter(workdir / "tensorboard")])
-        writer.write_hparams(config.to_dict())
+                                          metrics_lib.TensorBoardWriter(workdir / "tensorboard"),
+                                          *metrics_lib.tracker_writers(config.log, workdir), *writers])
+        writer.write_hparams(tracking.redact(config.to_dict()))
     else:
         writer = metrics_lib.MetricWriter()
 
@@ -278,6 +283,12 @@ def run(config, print_fn=print) -> dict:
     say(f"training steps {start + 1}..{last} of {train_cfg.steps}, "
         f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens per step")
     step, previous = start, None
+    record = None
+    if is_main:  # run.json: what ran, where, with which code; its end is written whatever happens next
+        record = tracking.RunRecord(workdir, config.to_dict(), processes=jax.process_count(), seed=train_cfg.seed,
+                                    devices={"platform": jax.devices()[0].platform, "count": jax.device_count(),
+                                             "kind": jax.devices()[0].device_kind})
+        record.start(start, started_unix=time.time() - (time.perf_counter() - t_start))
     watchdog.start()
     try:
         while step < last:
@@ -312,12 +323,17 @@ def run(config, print_fn=print) -> dict:
         preemption.close()
         writer.close()
         train_iter.close()  # its prefetch thread or data.num_workers processes
-        failing = sys.exc_info()[0] is not None
+        error = sys.exc_info()[1]
+        close_error = None
         try:
             checkpointer.close()
-        except ckpt_lib.CheckpointError:
-            if not failing:  # otherwise the error already in flight is the one to report
-                raise
+        except ckpt_lib.CheckpointError as e:
+            close_error = e
+        if record:
+            failure = error or close_error
+            record.end(tracking.status_of(failure, step >= train_cfg.steps), step, failure)
+        if close_error and not error:  # otherwise the error already in flight is the one to report
+            raise close_error
 
     # ===== Sample ======================================================================================
     text = ""
