@@ -1,49 +1,218 @@
-"""Sampling from a trained model.
+"""Sampling from a trained model with a K/V cache, and its command line.
 
-For now this recomputes the whole window per token (one fixed-shape jit, fine for the short sample a
-run prints at the end). KV-cache decoding arrives with the generation CLI.
+Usage:
+  python -m jaxtrain.generate --workdir DIR --prompt "And God said" [--max_new_tokens 64] [--temperature 0.8]
+      [--top_k 40] [--top_p 1.0] [--seed 0] [--num_samples 1] [--step N]
+
+Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or path).
+
+How it runs: the prompt is prefilled in one jitted call, padded to the cache length so that prompts of
+different lengths share one compile; then one jitted `lax.while_loop` samples the new tokens, stopping
+early once every sample has produced the stop id. Both compiles are cached per (model, cache length,
+samples, max_new_tokens); the sampling settings are traced values and never recompile.
+
+Past the window: `window` (the trained seq_len) bounds the cache. A prompt longer than it keeps its last
+`window` tokens. Once prompt + new tokens outgrow it, the cache becomes a sliding window: each new token
+attends to the newest `window` tokens, itself included, which is the most a token ever saw in training.
+Positions keep counting past seq_len; RoPE depends only on relative distance, and that never exceeds
+window - 1, so the model stays in the range it was trained on. Unlike re-encoding the last `window`
+tokens from scratch (the old recompute loop), cached keys keep what their token saw when it was computed,
+so in deeper layers some information from before the window still flows in (as in Mistral's sliding
+window attention).
+
+Sampling: temperature 0 is greedy. Otherwise softmax(logits / temperature), restricted to the top_k most
+likely ids (0: all), then to the smallest most-likely set whose probability reaches top_p (1.0: all).
+New token i draws with `fold_in(key(seed), i)`: the same seed gives the same text.
 """
 
 from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.models import transformer
 
-def make_next_token_fn(graphdef, window: int):
-    @jax.jit
-    def next_token(params, tokens, length, key, temperature, top_k):
-        """tokens: int32 [window], the first `length` real. Returns the sampled id at position `length`."""
-        positions = jnp.arange(window, dtype=jnp.int32)
-        segment_ids = (positions < length).astype(jnp.int32)
-        logits = nnx.merge(graphdef, params)(tokens[None], positions[None], segment_ids[None])[0, length - 1]
-        logits = logits.astype(jnp.float32)
-        kth = jnp.sort(logits)[::-1][jnp.clip(top_k - 1, 0, logits.shape[0] - 1)]
-        logits = jnp.where((top_k > 0) & (logits < kth), -jnp.inf, logits)
-        greedy = jnp.argmax(logits)
-        sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+# Cache lengths are rounded up to a multiple of this (up to the window) so nearby lengths share a compile.
+CACHE_BUCKET = 64
 
-    return next_token
+
+def sample_logits(logits, key, temperature, top_k, top_p):
+    """Next ids [B] int32 from logits [B, V]; see the module docstring for the rule."""
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ranked = -jnp.sort(-scaled, axis=-1)  # most likely first
+    # Ties with the k-th id stay: which of equal logits to drop would be arbitrary.
+    kth = jnp.where(top_k > 0, ranked[:, jnp.clip(top_k - 1, 0, vocab - 1)], -jnp.inf)
+    ranked = jnp.where(ranked >= kth[:, None], ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    # An id stays while the mass before it is below top_p, so the most likely one always stays; 1.0 is
+    # exactly "off" (a float cumsum may reach 1 before the tail and would cut it).
+    kept = (jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1.0)
+    cutoff = jnp.maximum(jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1), kth)
+    filtered = jnp.where(scaled >= cutoff[:, None], scaled, -jnp.inf)
+    sampled = jax.random.categorical(key, filtered, axis=-1)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def prefill(graphdef, params, tokens, prompt_len):
+    """tokens [B, L]: prompts padded to the cache length L, the first `prompt_len` real.
+
+    Returns (logits after the prompt [B, V], cache). The padding's K/V land in slots that decoding
+    overwrites before any query can see them."""
+    model = nnx.merge(graphdef, params)
+    cache = transformer.init_cache(model.cfg, *tokens.shape)
+    return model.decode(tokens, cache, 0, last_index=prompt_len - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_samples", "max_new_tokens"))
+def decode(graphdef, params, logits, cache, prompt_len, key, temperature, top_k, top_p, stop_id, *,
+           num_samples: int, max_new_tokens: int):
+    """Samples `max_new_tokens` ids per sample from a prefill of one prompt (batch 1, broadcast here).
+
+    Returns ids [num_samples, max_new_tokens]. The loop ends once every sample has drawn `stop_id` and
+    leaves the rest -1; samples run in lockstep, so one that stopped earlier keeps drawing: cut each at
+    its first stop id."""
+    model = nnx.merge(graphdef, params)
+    logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
+    cache = jax.tree.map(lambda c: jnp.broadcast_to(c, (c.shape[0], num_samples, *c.shape[2:])), cache)
+
+    def draw(i, logits):
+        return sample_logits(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+
+    first = draw(0, logits)
+    out = jnp.full((num_samples, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+
+    def running(carry):
+        i, _, done, _, _ = carry
+        return (i + 1 < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        i, token, done, cache, out = carry  # token i is drawn but not yet run through the model
+        logits, cache = model.decode(token[:, None], cache, prompt_len + i)
+        token = draw(i + 1, logits)
+        return i + 1, token, done | (token == stop_id), cache, out.at[:, i + 1].set(token)
+
+    carry = (jnp.int32(0), first, first == stop_id, cache, out)
+    return jax.lax.while_loop(running, step, carry)[-1]
+
+
+def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples=1, window=1):
+    """Raises ValueError('<name>: <reason>') for a setting outside its range (NaN included)."""
+    checks = [("max_new_tokens", max_new_tokens, max_new_tokens >= 0, "must be >= 0"),
+              ("temperature", temperature, temperature >= 0, "must be >= 0 (0: greedy)"),
+              ("top_k", top_k, top_k >= 0, "must be >= 0 (0: off)"),
+              ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1: off)"),
+              ("num_samples", num_samples, num_samples >= 1, "must be >= 1"),
+              ("window", window, window >= 1, "must be >= 1")]
+    for name, value, ok, reason in checks:
+        if not ok:
+            raise ValueError(f"{name}: {reason}, got {value}")
+
+
+def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_id: int | None = None, num_samples: int = 1) -> list[list[int]]:
+    """`num_samples` continuations of one prompt: the generated ids of each (prompt and stop id excluded)."""
+    check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   num_samples=num_samples, window=window)
+    if not prompt_ids:
+        raise ValueError("prompt: empty; the model needs at least one token to continue")
+    if max_new_tokens == 0:
+        return [[] for _ in range(num_samples)]
+    prompt = list(prompt_ids)[-window:]
+    wanted = len(prompt) + max_new_tokens
+    cache_len = min(window, -(-wanted // CACHE_BUCKET) * CACHE_BUCKET)
+    tokens = np.zeros((1, cache_len), np.int32)
+    tokens[0, :len(prompt)] = prompt
+
+    logits, cache = prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    ids = decode(graphdef, params, logits, cache, np.int32(len(prompt)), jax.random.key(seed),
+                 np.float32(temperature), np.int32(top_k), np.float32(top_p),
+                 np.int32(-1 if stop_id is None else stop_id),
+                 num_samples=num_samples, max_new_tokens=max_new_tokens)
+    samples = []
+    for row in np.asarray(ids).tolist():
+        end = next((i for i, t in enumerate(row) if t == -1 or t == stop_id), len(row))
+        samples.append(row[:end])
+    return samples
 
 
 def sample(graphdef, params, prompt_ids: list[int], *, window: int, max_new_tokens: int, temperature: float,
-           top_k: int, seed: int, stop_id: int | None = None) -> list[int]:
-    """Returns the generated ids (prompt excluded). Keeps the last `window` tokens as context."""
-    next_token = make_next_token_fn(graphdef, window)
-    ids = list(prompt_ids)
-    out = []
-    key = jax.random.key(seed)
-    for _ in range(max_new_tokens):
-        ctx = ids[-window:]
-        buf = np.zeros(window, np.int32)
-        buf[:len(ctx)] = ctx
-        key, sub = jax.random.split(key)
-        tok = int(next_token(params, buf, len(ctx), sub, float(temperature), int(top_k)))
-        if tok == stop_id:
-            break
-        ids.append(tok)
-        out.append(tok)
-    return out
+           top_k: int, seed: int, stop_id: int | None = None, top_p: float = 1.0) -> list[int]:
+    """The generated ids of one continuation (prompt and stop id excluded)."""
+    return generate(graphdef, params, prompt_ids, window=window, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_id=stop_id)[0]
+
+
+# ===== Command line ===================================================================================
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's default prints the usage too; our contract is one line
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse(argv):
+    parser = _OneLineParser(prog="python -m jaxtrain.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="a training run's workdir")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=40, help="0: off")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1: off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt, drawn together")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest that verifies)")
+    args = parser.parse_args(argv)
+    try:
+        check_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, num_samples=args.num_samples)
+    except ValueError as e:
+        parser.error(f"--{e}")
+    if not args.prompt:
+        parser.error("--prompt: empty; the model needs at least one token to continue")
+    if not os.path.isdir(args.workdir):
+        parser.error(f"--workdir: {args.workdir} does not exist")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from absl import logging  # Orbax logs every file operation at INFO
+    logging.set_verbosity(logging.WARNING)
+    from jaxtrain import checkpoint, config as config_lib, train  # after the flags: bad input fails fast
+    from jaxtrain.data import prepare
+
+    try:
+        tok = prepare.load_tokenizer(train.data_dir(train.load_config(args.workdir)))
+        config, _, graphdef, params = train.restore_params(args.workdir, args.step)
+    except (config_lib.ConfigError, prepare.DataError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        print("error: --prompt: encodes to no tokens", file=sys.stderr)
+        return 2
+    samples = generate(graphdef, params, prompt_ids, window=config.train.seq_len,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, stop_id=tok.eos_id, num_samples=args.num_samples)
+    for i, ids in enumerate(samples):
+        if len(samples) > 1:
+            print(f"--- sample {i}")
+        print(args.prompt + tok.decode(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

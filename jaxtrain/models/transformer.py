@@ -6,6 +6,11 @@ so compile time does not grow with depth.
 
 Packed batches: `segment_ids` (0 = padding) keep attention inside each document and `positions`
 restart at every document, so RoPE sees each document as if it were alone.
+
+Decoding (`Transformer.decode`) runs the same blocks on a few new tokens against a per-layer K/V cache
+(`init_cache`) used as a ring buffer: position p lives in slot p % cache_len, and a query sees the
+newest cache_len positions up to itself. A cache shorter than the sequence is therefore a sliding window;
+RoPE only sees relative distances, so absolute positions past the trained length stay in range.
 """
 
 from __future__ import annotations
@@ -105,6 +110,18 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
 
+    def decode(self, x, positions, mask, cache_k, cache_v, slots):
+        """x: [B, T, d] at `positions` [B, T]; cache_k/v: one layer's [B, L, kv, hd]; the new K/V go to `slots` [T].
+        Returns (output [B, T, d], cache_k, cache_v)."""
+        dt = x.dtype
+        q = rope(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), positions, self.cfg.rope_theta)
+        k = rope(jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt)), positions, self.cfg.rope_theta)
+        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
+        cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
+        out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), cache_k, cache_v
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -132,6 +149,11 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, mask)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "seq", "act_embed"))
+
+    def decode(self, x, positions, mask, cache_k, cache_v, slots):
+        attn_out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), positions, mask, cache_k, cache_v, slots)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
 
 
 class Transformer(nnx.Module):
@@ -171,6 +193,46 @@ class Transformer(nnx.Module):
         head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
         return constrain(logits, ("batch", "seq", "act_vocab"))
+
+    def decode(self, tokens, cache, start, last_index=None):
+        """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
+        T <= cache length. Returns (logits [B, vocab] of the token at `last_index` (default T-1), new cache).
+
+        The cache is a ring buffer: each query attends to the newest cache-length positions up to its own."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        batch, t = tokens.shape
+        cache_len = cache["k"].shape[2]
+        positions = start + jnp.arange(t, dtype=jnp.int32)
+        slots = positions % cache_len
+        # The position each slot holds once this call has written: the newest p <= end with p % L == slot.
+        end = start + t - 1
+        slot_positions = end - (end - jnp.arange(cache_len, dtype=jnp.int32)) % cache_len
+        query, key = positions[:, None], slot_positions[None, :]
+        # key >= 0: slots not written yet (or written with a padded prefill's future) stay invisible.
+        mask = (key >= 0) & (key <= query) & (query - key < cache_len)
+
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        batch_positions = jnp.broadcast_to(positions, (batch, t))
+        block_def, block_state = nnx.split(self.blocks)
+
+        def layer(x, layer_in):
+            state, cache_k, cache_v = layer_in
+            x, cache_k, cache_v = nnx.merge(block_def, state).decode(
+                x, batch_positions, mask[None, None], cache_k, cache_v, slots)
+            return x, (cache_k, cache_v)
+
+        x, (new_k, new_v) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"]))
+        x = x[:, t - 1 if last_index is None else last_index]
+        x = self.final_norm(x)
+        head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
+        return jnp.einsum("bd,dv->bv", x, head.astype(dt)), {"k": new_k, "v": new_v}
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """Empty K/V cache for `Transformer.decode`: {"k", "v"}: [layers, batch, length, kv_heads, head_dim]."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 
 def build(cfg: ModelConfig, seed: int) -> Transformer:

@@ -1,0 +1,290 @@
+"""KV-cache generation: token-for-token equal to recomputing the whole forward, sampling rules, the CLI."""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import generate
+from jaxtrain.models import transformer
+
+REPO = Path(__file__).resolve().parent.parent
+# GQA (8 query heads on 4 K/V heads). init_std 0.3 spreads the logits, so greedy has no near-ties that a
+# 1e-6 difference could flip and sampling settings visibly matter.
+CFG = transformer.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
+                              d_ff=64, init_std=0.3)
+NEW_TOKENS = 20
+REF_LEN = 32  # the reference's fixed buffer: one compile for every prompt
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(graphdef, params) with every parameter drawn by numpy: building for real compiles each initializer
+    (about 15 s on a busy 2-core machine), and a norm scale of exactly 1 would leave the norms untested."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(CFG, seed=0)))
+    rng = np.random.default_rng(0)
+
+    def draw(path, x):
+        mean = 1.0 if str(getattr(path[-1], "key", path[-1])) == "scale" else 0.0
+        return jnp.asarray(rng.normal(mean, CFG.init_std, x.shape), x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
+
+
+# Cached so that every test reuses one compile per window; compiles dominate this file's runtime.
+@functools.lru_cache
+def make_reference_forward(graphdef, window):
+    """Logits after the first `length` tokens of a [REF_LEN] buffer, by a full forward over all of them.
+
+    Within the window this is the model's own __call__ (padding as segment 0). Past it, the same blocks
+    with a banded causal mask: each token sees the newest `window` tokens up to itself."""
+
+    @jax.jit
+    def forward(params, tokens, length):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.arange(REF_LEN, dtype=jnp.int32)
+        if window >= REF_LEN:
+            segment_ids = (positions < length).astype(jnp.int32)
+            return model(tokens[None], positions[None], segment_ids[None])[0, length - 1]
+        query, key = positions[:, None], positions[None, :]
+        mask = (key <= query) & (query - key < window) & (key < length)
+        block_def, block_state = nnx.split(model.blocks)
+        x = jnp.take(model.embed[...], tokens[None], axis=0)
+        x, _ = jax.lax.scan(lambda x, s: (nnx.merge(block_def, s)(x, positions[None], mask[None, None]), None),
+                            x, block_state)
+        return (model.final_norm(x[0, length - 1]) @ model.embed[...].T)
+
+    return forward
+
+
+reference_draw = jax.jit(generate.sample_logits)
+
+
+def reference(graphdef, params, prompt, *, window, seed, temperature, top_k, top_p):
+    """(ids, logits per step): recompute everything for every token, drawing with the same per-step keys."""
+    forward = make_reference_forward(graphdef, window)
+    tokens = list(prompt[-window:])
+    key = jax.random.key(seed)
+    ids, logits = [], []
+    for i in range(NEW_TOKENS):
+        buf = np.zeros(REF_LEN, np.int32)
+        buf[:len(tokens)] = tokens
+        step_logits = forward(params, buf, len(tokens))
+        tok = int(reference_draw(step_logits[None], jax.random.fold_in(key, i), temperature, top_k, top_p)[0])
+        logits.append(np.asarray(step_logits))
+        ids.append(tok)
+        tokens.append(tok)
+    return ids, logits
+
+
+@functools.lru_cache
+def decode_step(graphdef):
+    return jax.jit(lambda params, token, cache, position: nnx.merge(graphdef, params).decode(token, cache, position))
+
+
+def cached_logits(graphdef, params, prompt, ids, *, window):
+    """The cache path's logits along a given continuation (teacher-forced), step by step."""
+    prompt = prompt[-window:]
+    cache_len = min(window, generate.CACHE_BUCKET)
+    tokens = np.zeros((1, cache_len), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    logits, cache = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    step = decode_step(graphdef)
+    out = [np.asarray(logits[0])]
+    for i, tok in enumerate(ids[:-1]):
+        logits, cache = step(params, np.array([[tok]], np.int32), cache, np.int32(len(prompt) + i))
+        out.append(np.asarray(logits[0]))
+    return out
+
+
+SETTINGS = {
+    "greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
+    "top_k": dict(temperature=0.8, top_k=20, top_p=1.0),
+    "top_p": dict(temperature=1.2, top_k=0, top_p=0.8),
+    "top_k_and_p": dict(temperature=1.0, top_k=50, top_p=0.9),
+}
+# window 32 holds prompt + new tokens; window 8 makes the cache a ring buffer that wraps twice, and the
+# 11-token prompt is cut to its last 8.
+CASES = {"within_window": (32, [5, 9, 100, 7, 300]), "sliding_window": (8, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_cached_decoding_equals_full_recompute(model, case, setting):
+    graphdef, params = model
+    window, prompt = CASES[case]
+    kw = SETTINGS[setting]
+    ref_ids, ref_logits = reference(graphdef, params, prompt, window=window, seed=7, **kw)
+
+    ids = generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7, **kw)
+    assert ids == ref_ids
+    for step, (cached, full) in enumerate(zip(cached_logits(graphdef, params, prompt, ref_ids, window=window),
+                                              ref_logits)):
+        np.testing.assert_allclose(cached, full, rtol=0, atol=1e-5, err_msg=f"step {step}")
+    if setting != "greedy":  # the settings must change something, or the equality above is weak
+        greedy = generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7,
+                                 temperature=0.0, top_k=0)
+        assert ids != greedy
+
+
+def test_banded_reference_is_the_model_within_the_window(model):
+    """The sliding-window reference is the model's own forward while the tokens fit in its window."""
+    graphdef, params = model
+    window = CASES["sliding_window"][0]
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, REF_LEN).astype(np.int32)
+    for length in (1, window):
+        np.testing.assert_allclose(make_reference_forward(graphdef, window)(params, tokens, length),
+                                   make_reference_forward(graphdef, REF_LEN)(params, tokens, length), rtol=0, atol=1e-5)
+
+
+def test_sampling_rules():
+    logits = np.random.default_rng(0).normal(0, 3, (1, CFG.vocab_size)).astype(np.float32)
+    greedy = logits.argmax(-1)
+    order = np.argsort(-logits[0])
+    probs = np.exp(logits[0] - logits.max()) / np.exp(logits[0] - logits.max()).sum()
+    for i in range(20):
+        key = jax.random.key(i)
+        np.testing.assert_array_equal(reference_draw(logits, key, 1.0, 0, 1e-6), greedy)
+        np.testing.assert_array_equal(reference_draw(logits, key, 1.0, 1, 1.0), greedy)
+        np.testing.assert_array_equal(reference_draw(logits, key, 0.0, 7, 0.5), greedy)
+        assert int(reference_draw(logits, key, 2.0, 5, 1.0)[0]) in order[:5]
+        rank = list(order).index(int(reference_draw(logits, key, 1.0, 0, 0.5)[0]))
+        assert probs[order[:rank]].sum() < 0.5  # the ids ranked above it hold less than top_p
+    # Deterministic for a key; other keys draw differently.
+    draws = [int(reference_draw(logits, jax.random.key(i), 1.0, 0, 1.0)[0]) for i in [1, 1, 2, 3, 4]]
+    assert draws[0] == draws[1] and len(set(draws)) > 1
+
+
+def test_tiny_top_p_and_top_k_1_generate_greedily(model):
+    graphdef, params = model
+    window, prompt = CASES["within_window"]
+    run = lambda **kw: generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS,
+                                       seed=3, **kw)
+    greedy = run(temperature=0.0, top_k=0)
+    assert run(temperature=1.5, top_k=0, top_p=1e-6) == greedy
+    assert run(temperature=1.5, top_k=1) == greedy
+
+
+def test_stop_id_ends_generation(model):
+    graphdef, params = model
+    window, prompt = CASES["within_window"]
+    kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=0, seed=0)
+    ids = generate.sample(graphdef, params, prompt, **kw)
+    cut = next(i for i in range(2, NEW_TOKENS) if ids[i] not in ids[:i])  # its first occurrence
+    assert generate.sample(graphdef, params, prompt, stop_id=ids[cut], **kw) == ids[:cut]
+    # The loop itself stopped there: nothing was drawn after the stop id.
+    tokens = np.zeros((1, window), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    logits, cache = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    raw = generate.decode(graphdef, params, logits, cache, np.int32(len(prompt)), jax.random.key(0),
+                          np.float32(0), np.int32(0), np.float32(1), np.int32(ids[cut]),
+                          num_samples=1, max_new_tokens=NEW_TOKENS)
+    assert np.asarray(raw)[0].tolist() == ids[:cut + 1] + [-1] * (NEW_TOKENS - cut - 1)
+
+
+def test_num_samples_are_seeded_and_differ(model):
+    graphdef, params = model
+    window, prompt = CASES["within_window"]
+    kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, seed=5, num_samples=3)
+    first = generate.generate(graphdef, params, prompt, **kw)
+    assert len(first) == 3 and all(len(ids) == NEW_TOKENS for ids in first)
+    assert generate.generate(graphdef, params, prompt, **kw) == first
+    assert len({tuple(ids) for ids in first}) == 3
+    assert generate.generate(graphdef, params, prompt, **{**kw, "seed": 6}) != first
+
+
+@pytest.mark.parametrize("bad, name", [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                                       (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"),
+                                       (dict(top_k=-1), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens")])
+def test_bad_settings_raise(model, bad, name):
+    graphdef, params = model
+    kw = {**dict(window=32, max_new_tokens=4, temperature=0.0, top_k=0, seed=0), **bad}
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        generate.sample(graphdef, params, [1, 2], **kw)
+    with pytest.raises(ValueError, match="^prompt: "):
+        generate.sample(graphdef, params, [], window=32, max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
+
+
+# --- The command line ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tiny_config):
+    """A 2-step tiny run whose end-of-run sample goes through train.py's call of generate.sample."""
+    from jaxtrain import train
+
+    config = tiny_config(**{"train.steps": 2, "sample.max_new_tokens": 6})
+    summary = train.run(config, print_fn=lambda *a, **k: None)
+    assert summary["sample"].startswith(config.sample.prompt) and len(summary["sample"]) > len(config.sample.prompt)
+    return config.workdir
+
+
+def run_cli(*args, compilation_cache=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if compilation_cache:  # a second run reuses the first one's executables: same program, seconds less
+        env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return subprocess.run([sys.executable, "-m", "jaxtrain.generate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_cli_prints_prompt_and_continuation_deterministically(trained_workdir, tmp_path):
+    args = ["--workdir", trained_workdir, "--prompt", "And God said", "--max_new_tokens", "12",
+            "--temperature", "0.9", "--top_k", "40", "--top_p", "0.95", "--seed", "3"]
+    first = run_cli(*args, compilation_cache=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("And God said") and len(first.stdout.strip()) > len("And God said")
+    second = run_cli(*args, compilation_cache=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+
+
+def assert_one_error_line(stderr, *names):
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert all(name in lines[0] for name in names), lines[0]
+
+
+def test_cli_bad_input_exits_2_with_one_line(tmp_path):
+    """A real process: exit code 2 and no traceback. The other bad flags are checked in-process (faster)."""
+    missing = str(tmp_path / "nope")
+    proc = run_cli("--workdir", missing, "--prompt", "In the beginning")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert_one_error_line(proc.stderr, "--workdir", missing)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--top_p", "0"], ["--top_p"]),
+    (["--temperature", "-0.5"], ["--temperature"]),
+    (["--top_p", "1.5"], ["--top_p"]),
+    (["--top_k", "-2"], ["--top_k"]),
+    (["--max_new_tokens", "x"], ["--max_new_tokens"]),
+    (["--prompt", ""], ["--prompt"]),
+    (["--num_samples", "0"], ["--num_samples"]),
+    (["--workdir"], ["--workdir"]),
+])
+def test_cli_bad_flags_in_process(args, names, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--workdir", str(tmp_path), "--prompt", "In", *args])
+    assert exit_info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, *names)
+
+
+def test_cli_workdir_without_checkpoint_or_step(trained_workdir, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert generate.main(["--workdir", str(empty), "--prompt", "In"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "config.json")
+    no_ckpt = tmp_path / "no_ckpt"
+    no_ckpt.mkdir()
+    (no_ckpt / "config.json").write_text((Path(trained_workdir) / "config.json").read_text())
+    assert generate.main(["--workdir", str(no_ckpt), "--prompt", "In"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "checkpoint", str(no_ckpt))
+    assert generate.main(["--workdir", trained_workdir, "--prompt", "In", "--step", "999"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "999")
