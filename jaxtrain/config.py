@@ -41,9 +41,12 @@ def base_config() -> ml_collections.ConfigDict:
     # table such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated).
     c.mesh = dict(data=-1, fsdp=1, tensor=1, rules="dp_fsdp_tp")
 
+    # `init_from` (optional): a Hugging Face Llama directory whose weights replace the random init of a fresh
+    # run (a resumed run takes its checkpoint); its architecture must equal these fields, and its tokenizer,
+    # if it ships one, data.dir's. `python -m jaxtrain.hf overrides DIR` prints the flags that make it so.
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
-                   rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
+                   rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="")
 
     c.optim = dict(lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
                    weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
@@ -180,6 +183,14 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _number(m.rope_theta, "model.rope_theta", lo=0, lo_open=True)
     _number(m.norm_eps, "model.norm_eps", lo=0, lo_open=True)
     _number(m.init_std, "model.init_std", lo=0, lo_open=True)
+    if m.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
+        from jaxtrain import hf  # noqa: PLC0415 (hf imports this module)
+        try:
+            hf.check_fields(hf.read_config(m.init_from), model_config(cfg, "cpu"), m.init_from)
+        except hf.HFMismatch:
+            raise
+        except hf.HFError as e:
+            raise ConfigError("model.init_from", str(e)) from None
 
     # Optimizer.
     o = cfg.optim
@@ -308,6 +319,7 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
 def model_config(cfg: ml_collections.ConfigDict, backend: str) -> ModelConfig:
     """Resolves `auto` dtypes: float32 on CPU (faster there with XLA), bf16 compute + f32 params elsewhere."""
     m = dict(cfg.model)
+    m.pop("init_from", None)  # where the weights come from, not what the model is
     if m["dtype"] == "auto":
         m["dtype"] = "float32" if backend == "cpu" else "bfloat16"
     if m["param_dtype"] == "auto":

@@ -455,6 +455,25 @@ def load_params(hf_dir, model_cfg: transformer.ModelConfig) -> dict:
     return params
 
 
+def check_tokenizer(hf_dir, data_dir) -> None:
+    """ConfigError('model.init_from') when `hf_dir` ships a tokenizer and the data in `data_dir` was made with
+    another: the weights would read foreign ids. A checkpoint without one is taken as it is."""
+    theirs = [Path(hf_dir) / f for f in TOKENIZER_FILES if (Path(hf_dir) / f).is_file()]
+    if not theirs or any(_same_file(f, Path(data_dir) / f.name) for f in theirs):
+        return
+    raise ConfigError("model.init_from", f"{hf_dir} ships its own tokenizer, and the data in {data_dir} was "
+                      f"tokenized with another; prepare the data with it (python -m jaxtrain.data.prepare "
+                      f"--tokenizer {theirs[0]} ...) and set data.dir")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if not b.is_file():
+        return False
+    if a.suffix == ".json":  # the same tokenizer, whatever the JSON's formatting
+        return _read_json(a) == _read_json(b)
+    return a.read_bytes() == b.read_bytes()
+
+
 # ===== CLI =============================================================================================
 
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import distributed, faults, goodput
+from jaxtrain import distributed, faults, goodput, hf
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
@@ -42,8 +42,9 @@ def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
 
-    def init():
-        params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
+    def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
+        if params is None:
+            params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     abstract_state = jax.eval_shape(init)
@@ -70,9 +71,15 @@ class Trainer:
     abstract_state: dict  # ShapeDtypeStructs carrying the shardings: the restore target
     shardings: dict
     batch_sharding: NamedSharding
-    init: Callable[[], dict]
+    init: Callable[..., dict]  # init() from the seed, or init(params) around given (sharded) params
     train_step: Callable
     eval_step: Callable
+
+    def init_from_host(self, params: dict) -> dict:
+        """A fresh state around host (numpy) params: each process places the shards its devices hold."""
+        placed = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+                              params, self.shardings["params"])
+        return self.init(placed)
 
     def evaluate(self, params, batches) -> float:
         """Mean token loss over process-local numpy batches."""
@@ -178,6 +185,8 @@ def run(config, print_fn=print, writers=()) -> dict:
         raise config_lib.ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the vocab "
                                      f"({tok.vocab_size}) of the tokenizer in {ddir}")
     pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
+    if config.model.init_from:
+        hf.check_tokenizer(config.model.init_from, ddir)
 
     # ===== Workdir: a finished run is left exactly as it is ===========================================
     workdir = Path(config.workdir)
@@ -217,13 +226,24 @@ def run(config, print_fn=print, writers=()) -> dict:
         eval_data[f"eval_loss/{name}"] = batches
 
     # ===== State: the newest checkpoint that verifies, or a fresh init =================================
+    def fresh_state():  # from the seed, or from model.init_from's weights
+        if not config.model.init_from:
+            return trainer.init()
+        try:
+            params = hf.load_params(config.model.init_from, trainer.model_cfg)
+        except hf.HFError as e:  # a tensor missing or unreadable: the config passed, the weights did not
+            raise config_lib.ConfigError("model.init_from", str(e)) from None
+        return trainer.init_from_host(params)
+
     restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
     if restored:
         start, state, data_state = restored
         train_iter.set_state(data_state)
         say(f"resumed from checkpoint at step {start}")
     else:
-        start, state = 0, trainer.init()
+        start, state = 0, fresh_state()
+        if config.model.init_from:
+            say(f"initialized from the Hugging Face checkpoint {config.model.init_from}")
 
     # ===== Metric writers ==============================================================================
     if is_main:
@@ -311,7 +331,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                 data_state = train_iter.get_state()
                 ckpt_hook.wait()  # a save still in flight is the newest good checkpoint
                 restored = checkpointer.restore_latest(trainer.abstract_state)
-                step, state = restored[:2] if restored else (0, trainer.init())
+                step, state = restored[:2] if restored else (0, fresh_state())
                 train_iter.set_state(data_state)
                 for hook in hooks:
                     hook.rewind(step)

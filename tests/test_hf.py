@@ -338,3 +338,31 @@ def test_export_cli_on_a_trained_workdir(tiny_config, tmp_path):
     assert again.returncode == 2
     assert again.stderr.startswith("error: ") and "not empty" in again.stderr and again.stderr.count("\n") == 1
     assert sorted(p.name for p in out.iterdir()) == before
+
+    # model.init_from: a fresh run starts from the export, so its step-0 eval is the trained run's last.
+    tuned = tiny_config(**{"train.steps": 1, "optim.warmup_steps": 0, "model.init_from": str(out)})
+    train.run(tuned, print_fn=lambda *a, **k: None)
+    evals = {name: [r for r in map(json.loads, open(Path(c.workdir) / "metrics.jsonl")) if "eval_loss" in r]
+             for name, c in (("trained", config), ("tuned", tuned))}
+    assert evals["tuned"][0]["step"] == 0 and evals["trained"][-1]["step"] == 2
+    assert evals["tuned"][0]["eval_loss"] == pytest.approx(evals["trained"][-1]["eval_loss"], rel=1e-6)
+    assert evals["trained"][0]["eval_loss"] != pytest.approx(evals["trained"][-1]["eval_loss"], rel=1e-6)  # moved
+
+    # A different architecture, or data made with another tokenizer, stops before the workdir exists.
+    from jaxtrain.config import ConfigError
+
+    wrong = tiny_config(**{"model.d_ff": 48, "model.init_from": str(out)})
+    with pytest.raises(ConfigError, match=r"^model.d_ff: 48 in the config.*has 64; set --config.model.d_ff=64"):
+        train.run(wrong, print_fn=lambda *a, **k: None)
+    assert not Path(wrong.workdir).exists()
+    other_tok = tmp_path / "other_tok"
+    other_tok.mkdir()
+    for f in out.iterdir():
+        (other_tok / f.name).write_bytes(f.read_bytes())
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    vocab["model"]["vocab"] = {k: (v + 1) % len(vocab["model"]["vocab"]) for k, v in vocab["model"]["vocab"].items()}
+    (other_tok / "tokenizer.json").write_text(json.dumps(vocab))
+    foreign = tiny_config(**{"model.init_from": str(other_tok)})
+    with pytest.raises(ConfigError, match=r"^model.init_from: .* ships its own tokenizer"):
+        train.run(foreign, print_fn=lambda *a, **k: None)
+    assert not Path(foreign.workdir).exists()
