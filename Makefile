@@ -25,7 +25,7 @@ train: $(VENV)/.installed
 	$(PY) -m jaxtrain.main --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests notebooks --nbmake -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_step.py $(ARGS)

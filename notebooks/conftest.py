@@ -1,0 +1,12 @@
+"""CI runs the notebooks (`pytest --nbmake notebooks`) at tiny sizes in a throwaway workdir.
+
+The kernel nbmake starts inherits this process's environment, which is how the sizes reach it."""
+
+import os
+import tempfile
+
+os.environ.setdefault("QUICKSTART_TINY", "1")
+os.environ.setdefault("QUICKSTART_STEPS", "20")
+os.environ.setdefault("QUICKSTART_NEW_TOKENS", "16")
+os.environ.setdefault("QUICKSTART_WORKDIR", os.path.join(tempfile.mkdtemp(prefix="quickstart_"), "run"))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
