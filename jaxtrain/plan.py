@@ -1,0 +1,1008 @@
+"""`python -m jaxtrain.plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--config.a.b=v ...]`
+
+Does this fit, and how fast could it go? Answered before anyone books a cluster: the train step is
+compiled ahead of time (shapes only, no parameter is ever allocated) for N devices, and the compiled
+program is read back next to an analytic estimate.
+
+What is compiled is exactly what `train.run` compiles: `train.build_trainer` and its abstract state, lowered
+with an abstract batch, then `.compile()`. It is always compiled on N *fake CPU devices*
+(`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax is imported). `--backend` names the
+*target*: it decides how `auto` dtypes resolve (`config.model_config`: bf16 compute on gpu/tpu) and
+which peak FLOP/s is quoted (`metrics.PEAK_FLOPS` by `--device_kind`; on cpu the measured matmul peak of
+this machine, which fake devices share). Shapes, shardings, collectives and their byte counts are the
+target's; fusion, buffer reuse and collective combining are the CPU compiler's. In particular the CPU
+compiler runs bf16 matmuls in f32 and keeps f32 activations, so for a bf16 target the compiled temporaries
+are about the f32 figure (the report prints the analytic temporaries both ways), and it has no
+reduce-scatter: it all-reduces and slices, which the GPU/TPU pipelines turn into a reduce-scatter, so the
+report counts an all-reduce whose every result is only sliced to 1/n afterwards as a reduce-scatter.
+
+From Python: `plan(config, num_devices, backend) -> dict` (the process must already see N CPU devices),
+`format_report(result)` for the table, `parse_replica_groups` / `collectives` for HLO text.
+
+Memory, per device (bytes, `p` = param dtype bytes, `a` = compute dtype bytes)
+----------------------------------------------------------------------------
+Sharding-derived: for every state leaf, the bytes of the shard each device holds
+(`sharding.devices_indices_map`), summed per device, max over devices.
+Compiled: `compiled.memory_analysis()` (argument / output / alias / temp / generated code), if the backend
+gives it; peak = argument + output - alias + temp.
+Analytic, as in the ZeRO paper's tables, for each parameter tensor with n elements and `shards` = the
+product of the mesh axes the rule table maps its dimensions to (an axis that does not divide, or is taken
+by an earlier dimension, does not count):
+  params     = sum n * p / shards
+  gradients  = params (same sharding and dtype)
+  optimizer  = AdamW: 2 moments * params  +  4 bytes per int32 step counter in the optax chain
+  arguments  = params + optimizer + step + batch (3 int32 arrays [B, S] split over the batch axes)
+  temporaries= gradients + L * act_layer(policy) * t + logits
+    t = tokens per device per microbatch = B / (microbatches * dp) * S, dp = product of the batch axes,
+    T = tensor axis size, h/kv heads, hd head dim, f = d_ff, d = d_model, S = seq_len, per token:
+    act_layer(none | everything_saveable) = a*(4d + (h+2kv)*hd/T + h*hd/T + 4f/T) + 8d + (8+a)*h*S/T
+      (norm inputs and their f32 copies, q/k/v, attention scores and probabilities in f32 and the
+       probabilities in the compute dtype, attention output, gate, up, silu(gate), hidden)
+    act_layer(full) = a*d  (the layer input), plus one layer's `none` activations while it is recomputed
+    act_layer(dots_saveable) = a*(3d + (h+2kv)*hd/T + h*hd/T + 2f/T) + a*h*S/T
+    act_layer(dots_with_no_batch_dims_saveable) = a*(3d + (h+2kv)*hd/T + 2f/T)
+    logits = t * V/T_vocab * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax)
+  These are the saved-for-backward tensors (Korthikanti et al. 2022 count the same way); XLA's buffer
+  reuse and fusion move the compiled figure by tens of percent, which the ratio column shows. Against the
+  compiled growth per layer (f32 activations, one device): configs/bench_cpu.py with remat none, 2 vs 4
+  layers, the formula is about 10% under; configs/plan_1b.py with dots_with_no_batch_dims_saveable
+  (f32 activations, as the CPU compiler keeps them), 9 vs 18 layers, about 5% over.
+
+Compute
+-------
+model FLOPs per step = transformer.train_flops_per_token(cfg, S) * B * S (6 N_matmul + causal attention;
+remat recomputation is not useful work and not counted).
+XLA `cost_analysis()["flops"]`: per device, times N; XLA counts a while-loop body ONCE, so with scanned
+layers it undercounts by about (L-1)/L of the layer FLOPs.
+HLO dot FLOPs: 2 * prod(output dims) * prod(contracting dims) of every dot/convolution in the compiled
+text, times how often its computation runs (while bodies by trip count): this one counts remat
+recomputation and the full (non-causal) attention product, so it sits above the model FLOPs.
+ideal step time = model FLOPs / (peak per device * N * MFU); tokens/s = B * S / step time.
+
+Collectives
+-----------
+Read from `compiled.as_text()`: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
+their async `-start` forms (the `-done` gives the result shape) and ops inside async wrappers. Every
+computation's multiplicity is the sum over its call sites of the caller's multiplicity, times the trip
+count for a while body (`known_trip_count` in the backend config, else the integer bound of the loop
+condition's compare, else 1 and the op is flagged `trip_count_unknown`); both branches of a conditional
+count once. replica_groups (explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`, or
+`mesh[...]{axes}` with optional `device_ids=`) and collective-permute `source_target_pairs` are turned
+into groups of partition ids; partition id i is the i-th device of the mesh (row-major), so a group's
+mesh axes are those along which its members' coordinates differ. A group that is not a full product of
+those axes is flagged `partial`.
+bytes = per device payload per step: all-reduce / all-to-all / collective-permute: the result;
+all-gather: the gathered result; reduce-scatter: result * group size (the buffer being reduced); an
+all-reduce whose results are all only dynamic-sliced to 1/n (through bitcast/copy/convert and fusions)
+counts as a reduce-scatter of its full result (tuple all-reduces are split per element).
+wire bytes = per device ring traffic: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n,
+all-to-all (n-1)/n of bytes, collective-permute bytes.
+Analytic, per parameter with shard axes Sp, batch axes Bt (mesh axes > 1 that split the batch),
+m = microbatches (the gradient accumulator is sharded like the params, so every microbatch reduces):
+  G = Sp & Bt (ZeRO-3 / FSDP): all-gather the params in forward and again in backward,
+    2 * m * n*p/prod(Sp - G); reduce-scatter the grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x);
+  R = Bt - Sp (data parallel): all-reduce the grad shard over R, m * n*p/shards  (ring: 2(n-1)/n on wire);
+  tensor (Megatron, no sequence parallelism): all-reduce t*d*a 4 times per layer (2 forward, 2 backward;
+    6 with remat=full) plus 2 for embedding / unembedding, per microbatch.
+Where XLA departs from this (the ratio column shows it): it may keep the forward's gathered weights for
+backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes); the input embedding's
+gradient is a scatter-add, for which it all-gathers the token gradients instead of reducing the table;
+with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
+per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+BACKENDS = ("cpu", "gpu", "tpu")
+DEFAULT_DEVICE_KIND = {"gpu": "H100", "tpu": "TPU v5p"}
+# Device memory per device in GiB (vendor figures; the A100 is its 80 GB model), for the "fits" line.
+HBM_GIB = {"h100": 80 * 1e9 / 2**30, "h200": 141 * 1e9 / 2**30, "b200": 192 * 1e9 / 2**30,
+           "a100": 80 * 1e9 / 2**30, "l4": 24 * 1e9 / 2**30, "tpu v4": 32, "tpu v5 lite": 16, "tpu v5e": 16,
+           "tpu v5p": 95, "tpu v5": 95, "tpu v6 lite": 32, "tpu v6e": 32}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+               "s2": 0.25, "u2": 0.25, "token": 0}
+
+
+class PlanError(ValueError):
+    """A bad planner input; `str()` is '<field>: <reason>' like config.ConfigError."""
+
+
+def _error(field: str, reason: str):
+    from jaxtrain.config import ConfigError  # noqa: PLC0415 (imports jax)
+    return ConfigError(field, reason)
+
+
+# ===== HLO text: computations, instructions, shapes ===================================================
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string, tuples summed: 'f32[2,3]' -> 24, '(f32[2], bf16[4])' -> 16."""
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        size = DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _dims(shape: str) -> list[int]:
+    m = _SHAPE.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _split_instruction(line: str):
+    """'  %x = (f32[2], s32[]) op(%a, %b), attr=...' -> (name, shape, op, rest) or None."""
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape: up to its matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    return m.group(1), shape, op.group(1), rest[op.end():]
+
+
+def _operands(instr) -> list[str]:
+    """Operand names: the %names before the op's closing parenthesis."""
+    return re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0])
+
+
+def parse_hlo(text: str) -> dict:
+    """{"computations": {name: [instr]}, "entry": name, "shapes": {instr name: shape}, "by_name": {name: instr},
+    "users": {name: [(user instr, operand index)]}, "fusion_of": {fused computation: fusion instr}};
+    instr = dict(name, shape, op, rest, comp, root)."""
+    comps, by_name, entry, current = {}, {}, None, None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("//"):
+            continue
+        if not line[0].isspace():
+            header = _COMP_HEADER.match(line)
+            if header and not line.startswith("HloModule"):
+                current = header.group(2)
+                comps[current] = []
+                if header.group(1):
+                    entry = current
+            elif line.startswith("}"):
+                current = None
+            continue
+        if current is None:
+            continue
+        parts = _split_instruction(line)
+        if parts:
+            name, shape, op, rest = parts
+            instr = {"name": name, "shape": shape, "op": op, "rest": rest, "comp": current,
+                     "root": line.lstrip().startswith("ROOT ")}
+            comps[current].append(instr)
+            by_name[name] = instr
+    users: dict[str, list] = {}
+    fusion_of = {}  # fused computation -> the fusion instruction that calls it
+    for instrs in comps.values():
+        for instr in instrs:
+            for i, operand in enumerate(_operands(instr)):
+                users.setdefault(operand, []).append((instr, i))
+            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"]) if instr["op"] == "fusion" else None
+            if called:
+                fusion_of[called.group(1)] = instr
+    return {"computations": comps, "entry": entry, "by_name": by_name, "users": users, "fusion_of": fusion_of,
+            "shapes": {name: instr["shape"] for name, instr in by_name.items()}}
+
+
+def _numel(shape: str) -> int:
+    return math.prod(_dims(shape))
+
+
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "convert", "get-tuple-element")
+
+
+def _only_sliced(module, name: str, n: int, depth: int = 0) -> bool:
+    """Whether every use of the value `name` keeps 1/n of it through a dynamic-slice: directly, through
+    element-preserving ops (bitcast, copy, convert, ...), or inside fusions (a fusion's root continues at
+    the fusion's users). That is an all-reduce + slice, which GPU/TPU pipelines turn into a reduce-scatter."""
+    instr = module["by_name"].get(name)
+    users = module["users"].get(name, [])
+    if instr is not None and instr.get("root") and instr["comp"] in module["fusion_of"]:
+        users = users + module["users"].get(module["fusion_of"][instr["comp"]]["name"], [])
+    if not users or depth > 12:
+        return False
+    size = _numel(module["shapes"][name])
+    for user, index in users:
+        op = user["op"]
+        if op == "dynamic-slice" and index == 0:
+            if _numel(user["shape"]) * n != size:
+                return False
+        elif op in _PASS_THROUGH and index == 0:
+            if _numel(user["shape"]) != size or not _only_sliced(module, user["name"], n, depth + 1):
+                return False
+        elif op == "fusion":
+            called = re.search(r"\bcalls=%?([\w.\-]+)", user["rest"])
+            params = [i for i in module["computations"].get(called.group(1), []) if i["op"] == "parameter"
+                      and i["rest"].startswith(f"{index})")] if called else []
+            if not params or not _only_sliced(module, params[0]["name"], n, depth + 1):
+                return False
+        else:
+            return False
+    return True
+
+
+def _scattered_elements(module, instr, n: int) -> list[bool]:
+    """For each result of an all-reduce (a tuple has several): is it only sliced to 1/n afterwards?"""
+    if not instr["shape"].startswith("("):
+        return [_only_sliced(module, instr["name"], n)]
+    elements = _tuple_elements(instr["shape"])
+    out = [False] * len(elements)
+    for user, _ in module["users"].get(instr["name"], []):
+        if user["op"] == "get-tuple-element":
+            index = int(re.search(r"\bindex=(\d+)", user["rest"]).group(1))
+            out[index] = _only_sliced(module, user["name"], n)
+    return out
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """'(f32[2]{0}, /*index=1*/bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']."""
+    return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape))]
+
+
+def _called(instr) -> list[tuple[str, str]]:
+    """(computation, role) pairs an instruction calls; role is the attribute (body, condition, calls, ...)."""
+    if instr["op"].endswith("-done") or instr["op"] == "async-update":
+        return []  # the -start already accounts for the wrapped computation
+    out = []
+    for role, target in re.findall(r"\b(calls|to_apply|body|condition|true_computation|false_computation)="
+                                   r"%?([\w.\-]+)", instr["rest"]):
+        out.append((target, role))
+    for role, group in re.findall(r"\b(branch_computations|called_computations)=\{([^}]*)\}", instr["rest"]):
+        out += [(t.strip().lstrip("%"), role) for t in group.split(",") if t.strip()]
+    return out
+
+
+def _trip_count(instr, module) -> int | None:
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', instr["rest"])
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", instr["rest"])
+    body = module["computations"].get(cond.group(1), []) if cond else []
+    consts = [int(c) for i in body if i["op"] == "constant" and re.fullmatch(r"s(32|64)\[\]", i["shape"])
+              for c in re.findall(r"^(-?\d+)\)", i["rest"])]
+    has_lt = any(i["op"] == "compare" and "direction=LT" in i["rest"] for i in body)
+    return consts[0] if has_lt and len(consts) == 1 and consts[0] > 0 else None
+
+
+def multiplicities(module) -> tuple[dict, set]:
+    """How many times each computation runs per call of the entry; and the computations reached through a
+    while loop of unknown trip count (counted once)."""
+    callers: dict[str, list] = {}
+    unknown_loops = set()
+    for comp, instrs in module["computations"].items():
+        for instr in instrs:
+            for target, role in _called(instr):
+                factor = 1
+                if instr["op"] == "while" and role == "body":
+                    trips = _trip_count(instr, module)
+                    if trips is None:
+                        unknown_loops.add(target)
+                    factor = trips or 1
+                callers.setdefault(target, []).append((comp, factor))
+    memo: dict[str, float] = {}
+
+    def mult(comp, seen=()):
+        if comp == module["entry"]:
+            return 1
+        if comp not in memo:
+            memo[comp] = sum(mult(c, seen + (comp,)) * f for c, f in callers.get(comp, []) if c not in seen)
+        return memo[comp]
+
+    out = {c: mult(c) for c in module["computations"]}
+    # Unknown trip counts propagate to what those loop bodies call.
+    flagged = set(unknown_loops)
+    changed = True
+    while changed:
+        changed = False
+        for comp, instrs in module["computations"].items():
+            if comp in flagged:
+                for instr in instrs:
+                    for target, _ in _called(instr):
+                        if target not in flagged:
+                            flagged.add(target)
+                            changed = True
+    return out, flagged
+
+
+# ===== Replica groups -> mesh axes =====================================================================
+
+def _iota(reshape: list[int], perm: list[int] | None):
+    import numpy as np  # noqa: PLC0415
+    array = np.arange(math.prod(reshape)).reshape(reshape)
+    return array.transpose(perm) if perm else array
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", text)]
+
+
+def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
+    """The groups of partition ids in an HLO `replica_groups=` value, in any of its printed forms:
+
+    explicit   {{0,1},{2,3}}        ({} = one group of all `num_devices`)
+    iota       [2,4]<=[8]   or  [4,2]<=[4,2]T(1,0)   (iota over the reshape dims, transposed, as [groups, size])
+    mesh axes  mesh['a'=4,'b'=2] {'a'}   (optional `, device_ids=([2,4]T(1,0))` or an id list; a sub-axis
+               'a':(pre)size groups over that part of the axis)
+    """
+    import numpy as np  # noqa: PLC0415
+    text = text.strip().rstrip(",")
+    if text.startswith("{"):
+        inner = text[1:-1].strip()
+        if not inner:
+            return [list(range(num_devices))] if num_devices else []
+        return [_ints(g) for g in re.findall(r"\{([^{}]*)\}", inner)]
+    m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m:
+        groups, size = _ints(m.group(1))
+        array = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        return array.reshape(groups, size).tolist()
+    m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", text)
+    if m:
+        axes = re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = m.group(2)
+        if ids:
+            it = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?$", ids.strip())
+            devices = (_iota(_ints(it.group(1)), _ints(it.group(2)) if it.group(2) else None) if it
+                       else np.array(_ints(ids)))
+            devices = devices.reshape(sizes)
+        else:
+            devices = np.arange(math.prod(sizes)).reshape(sizes)
+        # A sub-axis 'a':(pre)size is the middle factor of axis a reshaped to [pre, size, rest] (major to
+        # minor), as in XLA's MeshAxesReplicaGroupList: split every axis at all its references' cuts.
+        refs = [(n, int(p) if p else None, int(s) if s else None)
+                for n, p, s in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", m.group(3)) if n]
+        split, owner = [], []  # factor sizes, and (axis, first pre-size it covers)
+        for name, size in zip(names, sizes):
+            cuts = sorted({1, size} | {p for n, p, s in refs if n == name and p}
+                          | {p * s for n, p, s in refs if n == name and p})
+            for lo, hi in zip(cuts, cuts[1:]):
+                split.append(hi // lo)
+                owner.append((name, lo))
+        group_dims = []
+        for name, pre, size in refs:
+            group_dims += [i for i, (n, lo) in enumerate(owner)
+                           if n == name and (pre is None or pre <= lo < pre * size)]
+        rest = [i for i in range(len(split)) if i not in group_dims]
+        size = math.prod(split[i] for i in group_dims)
+        return devices.reshape(split).transpose(rest + group_dims).reshape(-1, size).tolist()
+    raise ValueError(f"unrecognised replica_groups {text[:80]!r}")
+
+
+def groups_to_axes(groups, mesh_shape: dict) -> tuple[tuple[str, ...], bool]:
+    """Mesh axes along which the members of the groups differ, in mesh order; and whether every group is
+    exactly a full product of those axes (False = the groups cover part of an axis)."""
+    import numpy as np  # noqa: PLC0415
+    names = list(mesh_shape)
+    sizes = [mesh_shape[a] for a in names]
+    varying: set[str] = set()
+    exact = True
+    for group in groups:
+        if len(group) < 2:
+            continue
+        coords = np.array(np.unravel_index(np.asarray(group), sizes)).T
+        axes = [names[i] for i in range(len(names)) if len(set(coords[:, i])) > 1]
+        varying |= set(axes)
+        exact &= len(set(map(tuple, coords))) == math.prod(mesh_shape[a] for a in axes)
+    return tuple(a for a in names if a in varying), exact
+
+
+def _group_attr(rest: str) -> str | None:
+    m = re.search(r"\breplica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)?\))?\s*\{[^}]*\}"
+                  r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{(?:\{[\d,\s]*\},?\s*)*\})", rest)
+    return m.group(1) if m else None
+
+
+def _op_groups(instr, kind: str, num_devices: int) -> list[list[int]] | None:
+    """Partition-id groups of a collective (for collective-permute: its source != target pairs); None if the
+    replica_groups form is unknown."""
+    if kind == "collective-permute":
+        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", instr["rest"])
+        return [p for p in map(_ints, re.findall(r"\{(\d+,\d+)\}", pairs.group(1))) if p[0] != p[1]] \
+            if pairs else []
+    attr = _group_attr(instr["rest"])
+    if attr is None:  # absent = all devices in one group
+        return None if "replica_groups=" in instr["rest"] else [list(range(num_devices))]
+    try:
+        return parse_replica_groups(attr, num_devices)
+    except ValueError:
+        return None
+
+
+_WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+
+
+def collectives(hlo, mesh_shape: dict) -> list[dict]:
+    """Every collective in compiled HLO (text or `parse_hlo`'s result), one dict per op (an all-reduce whose
+    results are partly sliced afterwards gives two): kind, axes, partial, group_size, count (executions per
+    step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
+    as all-reduce + dynamic-slice). See the module docstring."""
+    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, unknown = multiplicities(module)
+    num_devices = math.prod(mesh_shape.values())
+    done_of = {}  # start name -> its -done instruction
+    for instrs in module["computations"].values():
+        for instr in instrs:
+            if instr["op"].endswith("-done") and _operands(instr):
+                done_of[_operands(instr)[0]] = instr
+    out = []
+    for comp, instrs in module["computations"].items():
+        for instr in instrs:
+            op = instr["op"]
+            kind = op[:-len("-start")] if op.endswith("-start") else op
+            if kind not in COLLECTIVES:
+                continue
+            result = done_of.get(instr["name"], instr) if op.endswith("-start") else instr
+            groups = _op_groups(instr, kind, num_devices)
+            if groups is None:  # a replica_groups form this parser does not know: counted on axes "?"
+                axes, exact, size = ("?",), False, 2
+            else:
+                size = 2 if kind == "collective-permute" else max((len(g) for g in groups), default=1)
+                if not groups or size < 2:
+                    continue  # no traffic: every device alone, or sending to itself
+                axes, exact = groups_to_axes(groups, mesh_shape)
+            count = mult.get(comp, 0)
+            common = {"axes": axes, "partial": not exact, "group_size": size, "count": count,
+                      "name": instr["name"], "async": op.endswith("-start"), "trip_count_unknown": comp in unknown}
+            parts = [(kind, shape_bytes(result["shape"]) * (size if kind == "reduce-scatter" else 1), False)]
+            if kind == "all-reduce":  # all-reduce + slice to 1/n = reduce-scatter (the CPU pipeline has none)
+                elements = _tuple_elements(result["shape"]) if result["shape"].startswith("(") else [result["shape"]]
+                scattered = _scattered_elements(module, result, size)
+                rs = sum(shape_bytes(e) for e, sc in zip(elements, scattered) if sc)
+                parts = [(k, b, k == "reduce-scatter") for k, b in
+                         (("all-reduce", shape_bytes(result["shape"]) - rs), ("reduce-scatter", rs)) if b]
+            for k, payload, as_all_reduce in parts:
+                out.append(dict(common, kind=k, bytes=payload * count, wire_bytes=_WIRE[k](size) * payload * count,
+                                as_all_reduce=as_all_reduce))
+    return out
+
+
+def summarize_collectives(ops: list[dict]) -> list[dict]:
+    """Per (kind, axes): count, bytes, wire_bytes summed."""
+    rows: dict[tuple, dict] = {}
+    for op in ops:
+        key = (op["kind"], op["axes"])
+        row = rows.setdefault(key, {"kind": op["kind"], "axes": op["axes"], "count": 0, "bytes": 0.0,
+                                    "wire_bytes": 0.0, "partial": False, "trip_count_unknown": False})
+        row["count"] += op["count"]
+        row["bytes"] += op["bytes"]
+        row["wire_bytes"] += op["wire_bytes"]
+        row["partial"] |= op["partial"]
+        row["trip_count_unknown"] |= op["trip_count_unknown"]
+        row["as_all_reduce"] = row.get("as_all_reduce", False) | op.get("as_all_reduce", False)
+    return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"]))
+
+
+def dot_flops(hlo) -> float:
+    """2 * output elements * contracted elements of every dot / convolution in compiled HLO (text or
+    `parse_hlo`'s result), weighted by how often its computation runs (per device)."""
+    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, _ = multiplicities(module)
+    total = 0.0
+    for comp, instrs in module["computations"].items():
+        for instr in instrs:
+            if instr["op"] not in ("dot", "convolution"):
+                continue
+            out = math.prod(_dims(instr["shape"]))
+            operands = _operands(instr)
+            lhs = _dims(module["shapes"].get(operands[0], "")) if operands else []
+            if instr["op"] == "dot":
+                contract = _ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr["rest"]).group(1)) \
+                    if "lhs_contracting_dims" in instr["rest"] else []
+                k = math.prod(lhs[i] for i in contract if i < len(lhs))
+            else:  # convolution: contracted = kernel elements / output features
+                rhs = _dims(module["shapes"].get(operands[1], "")) if len(operands) > 1 else []
+                k = math.prod(rhs) / max(_dims(instr["shape"])[-1:] or [1])
+            total += 2.0 * out * k * mult.get(comp, 0)
+    return total
+
+
+# ===== Analytic model ==================================================================================
+
+def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tuple[str, ...]]:
+    """ZeRO-table arithmetic: how many ways a parameter is split, and by which mesh axes. A logical name's
+    mesh axes count if they are > 1, divide the dimension and are not taken by an earlier dimension."""
+    taken: list[str] = []
+    if names is None:  # unannotated: FSDP on the largest dimension fsdp divides (mesh._fsdp_fallback)
+        fsdp = mesh_shape.get("fsdp", 1)
+        if fsdp > 1 and any("fsdp" in axes for axes in rules.values()) and any(n % fsdp == 0 for n in shape):
+            return fsdp, ("fsdp",)
+        return 1, ()
+    for size, name in zip(shape, names):
+        axes = [a for a in rules.get(name, ()) if mesh_shape[a] > 1] if name else []
+        if not axes or set(axes) & set(taken) or size % math.prod(mesh_shape[a] for a in axes):
+            continue
+        taken += axes
+    return math.prod(mesh_shape[a] for a in taken), tuple(taken)
+
+
+def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> float:
+    """Saved-for-backward bytes per token for one layer (see the module docstring)."""
+    a = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    d, h, kv, hd, f, t = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, tensor
+    qkv = (h + 2 * kv) * hd / t
+    none = a * (4 * d + qkv + h * hd / t + 4 * f / t) + 8 * d + (8 + a) * h * seq_len / t
+    if policy in ("none", "everything_saveable"):
+        return none
+    if policy == "full":
+        return a * d
+    if policy == "dots_saveable":
+        return a * (3 * d + qkv + h * hd / t + 2 * f / t) + a * h * seq_len / t
+    if policy == "dots_with_no_batch_dims_saveable":
+        return a * (3 * d + qkv + 2 * f / t)
+    return none
+
+
+def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
+             microbatches: int, opt_counters: int) -> dict:
+    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded)."""
+    batch_axes = tuple(a for a in rules.get("batch", ()) if mesh_shape[a] > 1)
+    dp = math.prod(mesh_shape[a] for a in batch_axes)
+    tensor = mesh_shape.get("tensor", 1) if any("tensor" in v for v in rules.values()) else 1
+    a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
+    param_bytes = 0.0
+    comms: dict[tuple, float] = {}
+
+    def add(kind, axes, nbytes):
+        if axes and nbytes:
+            comms[(kind, tuple(x for x in mesh_shape if x in axes))] = comms.get(
+                (kind, tuple(x for x in mesh_shape if x in axes)), 0.0) + nbytes
+
+    for p in params:
+        shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
+        param_bytes += p["bytes"] / shards
+        gather = [x for x in axes if x in batch_axes]
+        reduce = [x for x in batch_axes if x not in axes]
+        gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
+        add("all-gather", gather, 2 * microbatches * gathered)
+        add("reduce-scatter", gather, microbatches * gathered)
+        add("all-reduce", reduce, microbatches * p["bytes"] / shards)
+    tokens_dev = batch // (microbatches * dp) * seq_len
+    if tensor > 1:
+        per_layer = 6 if model_cfg.remat == "full" else 4
+        add("all-reduce", ("tensor",), microbatches * (per_layer * model_cfg.n_layers + 2) * tokens_dev
+            * model_cfg.d_model * a)
+    opt = 2 * param_bytes + 4 * opt_counters
+
+    def activations(cfg):
+        per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
+        total = cfg.n_layers * per_layer
+        if cfg.remat == "full":  # one layer is recomputed at a time during backward
+            total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
+        vocab_split = tensor if cfg.vocab_size % tensor == 0 else 1
+        act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+        logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
+        return total + tokens_dev * cfg.vocab_size / vocab_split * logits, per_layer
+
+    act, per_layer = activations(model_cfg)
+    act_f32, _ = activations(dataclasses.replace(model_cfg, dtype="float32"))
+    batch_bytes = 3 * 4 * batch * seq_len / dp
+    return {
+        "params": param_bytes, "gradients": param_bytes, "optimizer": opt,
+        "activations": act, "activations_per_layer": per_layer,
+        "temporaries": param_bytes + act, "temporaries_f32_activations": param_bytes + act_f32,
+        "arguments": param_bytes + opt + 4 + batch_bytes,
+        "collectives": [{"kind": k, "axes": axes, "bytes": v} for (k, axes), v in
+                        sorted(comms.items(), key=lambda kv: (COLLECTIVES.index(kv[0][0]), kv[0][1]))],
+        "batch_axes": batch_axes, "data_parallel": dp, "tokens_per_device_microbatch": tokens_dev,
+    }
+
+
+# ===== The plan ========================================================================================
+
+def _per_device_bytes(tree) -> float:
+    """Max over devices of the summed bytes of the shards each device holds."""
+    import jax  # noqa: PLC0415
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        itemsize = leaf.dtype.itemsize
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            n = math.prod(len(range(*s.indices(dim))) for s, dim in zip(index, leaf.shape))
+            per_device[device] = per_device.get(device, 0) + n * itemsize
+    return float(max(per_device.values(), default=0))
+
+
+def _memory_analysis(compiled) -> dict | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (unimplemented on some backends)
+        return None
+    if stats is None:
+        return None
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    out = {}
+    for key in ("argument", "output", "alias", "temp", "generated_code"):
+        value = getattr(stats, f"{key}_size_in_bytes", None)
+        if value is not None:
+            out[key] = float(value)
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    if {"argument", "output", "alias", "temp"} <= out.keys():
+        out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    if peak:
+        out["peak_reported"] = float(peak)
+    return out or None
+
+
+def _cost_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001
+        return None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    flops = cost.get("flops") if hasattr(cost, "get") else None
+    return float(flops) if flops is not None and flops >= 0 else None
+
+
+def device_memory(backend: str, device_kind: str | None) -> float | None:
+    """Bytes of memory of one target device (HBM_GIB), or None (cpu, unknown kind)."""
+    if backend == "cpu" and not device_kind:
+        return None
+    kind = (device_kind or DEFAULT_DEVICE_KIND[backend]).lower()
+    for name, gib in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])):
+        if name in kind:
+            return gib * 2**30
+    return None
+
+
+def peak_per_device(backend: str, device_kind: str | None, num_devices: int) -> tuple[float, str]:
+    """Peak FLOP/s of one target device and where it comes from. On cpu: this machine's measured f32
+    matmul peak (metrics.peak_flops, cached), shared by the fake devices, so divided by their count."""
+    from jaxtrain import metrics  # noqa: PLC0415
+    if backend == "cpu" and not device_kind:
+        flops, source = metrics.peak_flops()
+        return flops / num_devices, f"this machine's f32 matmul peak, {source}, shared by the fake devices"
+    kind = (device_kind or DEFAULT_DEVICE_KIND[backend]).lower()
+    for name, flops in sorted(metrics.PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name in kind:
+            return flops, f"{name}: dense bf16, metrics.PEAK_FLOPS"
+    raise _error("device_kind", f"unknown {device_kind!r}; known: {', '.join(sorted(metrics.PEAK_FLOPS))}")
+
+
+def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | None = None, mfu: float = 0.5,
+         peak_flops: float | None = None, hlo_path: str | None = None) -> dict:
+    """Compiles `config`'s train step for `num_devices` fake CPU devices with `backend`'s dtypes, and returns
+    every figure of the report (bytes are per device). Raises config.ConfigError on bad input.
+
+    The calling process must see at least `num_devices` CPU devices (XLA_FLAGS, before jax is imported).
+    `peak_flops`: peak FLOP/s per device, overriding the `backend` / `device_kind` lookup. `hlo_path`: also
+    write the compiled HLO text there (to read the collectives' op names and shapes)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxtrain import config as config_lib, optim, train  # noqa: PLC0415
+    from jaxtrain.models import transformer  # noqa: PLC0415
+
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise config_lib.ConfigError("devices", f"must be an integer >= 1, got {num_devices!r}")
+    if backend not in BACKENDS:
+        raise config_lib.ConfigError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
+    if not 0 < mfu <= 1:
+        raise config_lib.ConfigError("mfu", f"must be in (0, 1], got {mfu!r}")
+    cpu_devices = jax.devices("cpu")
+    if len(cpu_devices) < num_devices:
+        raise config_lib.ConfigError("devices", f"{num_devices} requested but this process has {len(cpu_devices)} "
+                                     f"CPU device(s); set XLA_FLAGS=--xla_force_host_platform_device_count="
+                                     f"{num_devices} before jax is imported (the CLI does)")
+    facts = config_lib.validate(config, num_devices)
+    if peak_flops is None:  # an unknown device kind fails before the compile
+        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices)
+    else:
+        peak_dev, peak_source = float(peak_flops), "--peak_tflops"
+    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+
+    # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
+    # backend it runs on) builds exactly them.
+    model_cfg = config_lib.model_config(config, backend)
+    config = copy.deepcopy(config)
+    config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
+    trainer = train.build_trainer(config, mesh_shape, rules, devices=cpu_devices[:num_devices])
+    assert trainer.model_cfg == model_cfg, (trainer.model_cfg, model_cfg)
+
+    t = config.train
+    abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
+                      for k in ("tokens", "segment_ids", "positions")}
+    t0 = time.perf_counter()
+    compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    state = trainer.abstract_state
+    sharded = {"params": _per_device_bytes(state["params"]), "optimizer": _per_device_bytes(state["opt_state"]),
+               "step": _per_device_bytes(state["step"]), "batch": _per_device_bytes(abstract_batch)}
+    sharded["gradients"] = sharded["params"]
+
+    # Analytic inventory: every parameter's shape and logical names (the model's own annotations).
+    abstract_params = nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, t.seed)))
+    names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    shapes = nnx.to_pure_dict(abstract_params)
+    is_names = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)  # noqa: E731
+    inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
+                  "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize}
+                 for n, x in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes))]
+    optimizer = optim.make_optimizer(config.optim, t.steps)
+    counters = sum(1 for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
+                   if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
+    est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
+                   microbatches=t.microbatches, opt_counters=counters)
+
+    memory = _memory_analysis(compiled)
+    text = compiled.as_text() or ""
+    if hlo_path:
+        Path(hlo_path).write_text(text)
+    module = parse_hlo(text)
+    ops = collectives(module, mesh_shape) if text else []
+    coll_rows = summarize_collectives(ops)
+    analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
+    for row in coll_rows:
+        row["analytic_bytes"] = analytic_by_key.pop((row["kind"], row["axes"]), None)
+    for (kind, axes), nbytes in analytic_by_key.items():  # predicted but not in the compiled program
+        coll_rows.append({"kind": kind, "axes": axes, "count": 0, "bytes": 0.0, "wire_bytes": 0.0,
+                          "partial": False, "trip_count_unknown": False, "analytic_bytes": nbytes})
+
+    n_params = sum(math.prod(p["shape"]) for p in inventory)
+    tokens = t.batch_size * t.seq_len
+    model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
+    cost = _cost_flops(compiled)
+    dots = dot_flops(module) if text else None
+    step_s = model_flops / (peak_dev * num_devices * mfu)
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    rows = [
+        ("params", sharded["params"], est["params"]),
+        ("optimizer", sharded["optimizer"], est["optimizer"]),
+        ("gradients", sharded["gradients"], est["gradients"]),
+        ("arguments", (memory or {}).get("argument"), est["arguments"]),
+        ("temporaries", (memory or {}).get("temp"), est["temporaries"]),
+    ]
+    return {
+        "config": {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size,
+                   "seq_len": t.seq_len, "microbatches": t.microbatches, "remat": model_cfg.remat,
+                   "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype},
+        "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
+                   "num_devices": num_devices, "compiled_on": f"{num_devices} fake CPU devices",
+                   "peak_flops_per_device": peak_dev, "peak_source": peak_source,
+                   "memory_bytes": device_memory(backend, device_kind)},
+        "model": {"params": n_params, "tokens_per_step": tokens, "layers": model_cfg.n_layers},
+        "compile_s": compile_s,
+        "memory": {"sharding": sharded, "compiled": memory, "analytic": est,
+                   "rows": [{"name": n, "compiled": c, "analytic": a, "ratio": ratio(a, c)} for n, c, a in rows]},
+        "flops": {"model_per_step": model_flops, "cost_analysis_per_device": cost,
+                  "cost_analysis_total": cost * num_devices if cost is not None else None,
+                  "hlo_dots_total": dots * num_devices if dots is not None else None,
+                  "cost_analysis_vs_model": ratio(cost * num_devices if cost is not None else None, model_flops),
+                  "hlo_dots_vs_model": ratio(dots * num_devices if dots is not None else None, model_flops)},
+        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s},
+        "collectives": [dict(r, axes=list(r["axes"]), ratio=ratio(r.get("analytic_bytes"), r["bytes"]))
+                        for r in coll_rows],
+    }
+
+
+# ===== Report ==========================================================================================
+
+def _b(x) -> str:
+    if x is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _r(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _t(seconds: float) -> str:
+    return f"{seconds:,.2f} s" if seconds >= 10 else f"{seconds * 1e3:,.1f} ms" if seconds >= 1e-2 else \
+        f"{seconds * 1e6:,.0f} us"
+
+
+def _f(x) -> str:
+    if x is None:
+        return "-"
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if x >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} FLOP"
+
+
+def format_report(r: dict) -> str:
+    c, tg, m = r["config"], r["target"], r["model"]
+    mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items())
+    mem = r["memory"]
+    lines = [
+        f"plan: {m['params'] / 1e6:,.2f}M params, {m['layers']} layers | target {tg['backend']} "
+        f"({tg['device_kind']}), {c['dtype']} compute, {c['param_dtype']} params | {tg['num_devices']} devices, "
+        f"mesh {mesh}, rules {c['rules']!r}",
+        f"compiled in {r['compile_s']:.1f}s on {tg['compiled_on']} (shapes only, nothing allocated; the CPU "
+        f"compiler's fusion and buffer reuse) | batch {c['batch_size']} x {c['seq_len']} = "
+        f"{m['tokens_per_step']:,} tokens/step, {c['microbatches']} microbatch(es), remat {c['remat']}",
+        "",
+        f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}",
+    ]
+    labels = {"params": "params (shardings)", "optimizer": "optimizer state (shardings)",
+              "gradients": "gradients (= params)", "arguments": "arguments (compiled)",
+              "temporaries": "temporaries (compiled temp)"}
+    for row in mem["rows"]:
+        lines.append(f"  {labels[row['name']]:<26}{_b(row['compiled']):>20}{_b(row['analytic']):>14}"
+                     f"{_r(row['ratio']):>19}")
+    compiled = mem["compiled"]
+    if compiled:
+        lines.append(f"  {'outputs / aliased (donated)':<26}{_b(compiled.get('output')):>20} / "
+                     f"{_b(compiled.get('alias'))}")
+        if "peak" in compiled:
+            lines.append(f"  {'peak = args+out-alias+temp':<26}{_b(compiled['peak']):>20}")
+        if compiled.get("generated_code"):
+            lines.append(f"  {'generated code':<26}{_b(compiled['generated_code']):>20}")
+    else:
+        lines.append("  (memory_analysis() not available on this backend)")
+    hbm = tg.get("memory_bytes")
+    if hbm:
+        need = {"compiled peak": (compiled or {}).get("peak"),
+                "analytic": mem["analytic"]["arguments"] + mem["analytic"]["temporaries"]}
+        lines.append(f"  fits in {_b(hbm)} ({tg['device_kind']})? " + ", ".join(
+            f"{k} {_b(v)}: {'yes' if v <= hbm else 'NO'}" for k, v in need.items() if v))
+    a = mem["analytic"]
+    lines.append(f"  analytic temporaries = gradients {_b(a['gradients'])} + activations {_b(a['activations'])} "
+                 f"({_b(a['activations_per_layer'])} per layer, {a['tokens_per_device_microbatch']:,} tokens "
+                 f"per device per microbatch)")
+    if c["dtype"] != "float32":
+        temp = (compiled or {}).get("temp")
+        lines.append(f"  note: the CPU compiler computes {c['dtype']} matmuls in f32 and keeps f32 activations; with "
+                     f"f32 activations the analytic temporaries are {_b(a['temporaries_f32_activations'])}"
+                     + (f" (analytic/compiled {_r(a['temporaries_f32_activations'] / temp)})" if temp else "")
+                     + f"; on the {tg['backend']} expect about the {c['dtype']} figure")
+    f = r["flops"]
+    s = r["speed"]
+    lines += [
+        "",
+        "compute per step (all devices)",
+        f"  {'model FLOPs (6N + attention)':<38}{_f(f['model_per_step']):>16}",
+        f"  {'XLA cost_analysis flops':<38}{_f(f['cost_analysis_total']):>16}   "
+        f"x{_r(f['cost_analysis_vs_model'])} of model (while-loop bodies counted once)",
+        f"  {'HLO dot FLOPs x trip counts':<38}{_f(f['hlo_dots_total']):>16}   "
+        f"x{_r(f['hlo_dots_vs_model'])} of model (with remat, full attention)",
+        f"  peak {_f(tg['peak_flops_per_device'])}/s per device x {tg['num_devices']} ({tg['peak_source']})",
+        f"  at {s['mfu']:.0%} MFU: ideal step {_t(s['ideal_step_s'])}, {s['tokens_per_s']:,.0f} tokens/s",
+        "",
+        "collectives per step, per device (bytes = payload; wire = ring traffic)",
+        f"  {'op':<20}{'axes':<16}{'count':>7}{'bytes':>14}{'wire bytes':>14}{'analytic':>14}{'analytic/compiled':>19}",
+    ]
+    for row in r["collectives"]:
+        flags = "".join(note for key, note in (("as_all_reduce", "  (all-reduce + slice on CPU)"),
+                                               ("partial", "  partial-axis"),
+                                               ("trip_count_unknown", "  trip-count-unknown")) if row.get(key))
+        count = row["count"]
+        lines.append(f"  {row['kind']:<20}{','.join(row['axes']) or '-':<16}{count:>7.0f}{_b(row['bytes']):>14}"
+                     f"{_b(row['wire_bytes']):>14}{_b(row.get('analytic_bytes')):>14}{_r(row['ratio']):>19}{flags}")
+    if not r["collectives"]:
+        lines.append("  (none: one device, or nothing is sharded)")
+    return "\n".join(lines)
+
+
+# ===== CLI =============================================================================================
+
+def _prescan_devices(argv: list[str]) -> int | None:
+    """--devices from the raw arguments (before absl parses them, which imports jax through the config)."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg in ("--devices", "-devices"):
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif arg.startswith(("--devices=", "-devices=")):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            n = int(value)
+        except ValueError:
+            raise PlanError(f"devices: must be an integer >= 1, got {value!r}") from None
+        if n < 1:
+            raise PlanError(f"devices: must be an integer >= 1, got {n}")
+        return n
+    return None
+
+
+def _force_host_devices(n: int) -> None:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        devices = _prescan_devices(argv)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if devices is not None:
+        _force_host_devices(devices)  # before jax is imported (the config file imports it)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
+
+    from absl import app, flags, logging  # noqa: PLC0415
+
+    from jaxtrain import main as main_cli  # noqa: PLC0415 (defines --config)
+
+    flags.DEFINE_integer("devices", None, "Devices to plan for (fake CPU devices). Default: the mesh's "
+                         "product when no axis is -1, else 1.")
+    flags.DEFINE_string("backend", None, "Target platform for dtypes and peak: cpu, gpu or tpu "
+                        "(default: this machine's).")
+    flags.DEFINE_string("device_kind", None, "Target device for the peak FLOP/s and memory, e.g. H100, "
+                        "'TPU v5p' (default: H100 on gpu, TPU v5p on tpu, the measured machine on cpu).")
+    flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device, overriding --device_kind's.")
+    flags.DEFINE_float("mfu", 0.5, "Model FLOPs utilisation for the ideal step time.")
+    flags.DEFINE_string("json", None, "Also write the figures as JSON to this path.")
+    flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this path.")
+    FLAGS = flags.FLAGS
+
+    def run(argv_rest):
+        del argv_rest
+        if not FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)
+        config = main_cli._CONFIG.value
+        if config is None:
+            print("error: --config: required (e.g. --config configs/bench_cpu.py)", file=sys.stderr)
+            sys.exit(2)
+        from jaxtrain import config as config_lib  # noqa: PLC0415
+
+        n = devices
+        try:
+            if n is None:
+                sizes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
+                n = math.prod(sizes) if all(isinstance(x, int) and x > 0 for x in sizes) else 1
+                _force_host_devices(n)  # jax is imported, but its CPU backend has not started yet
+            import jax  # noqa: PLC0415
+            backend = FLAGS.backend or {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
+                                                                          jax.default_backend())
+            result = plan(config, n, backend, device_kind=FLAGS.device_kind, mfu=FLAGS.mfu,
+                          peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo)
+        except config_lib.ConfigError as e:
+            print(f"error: {e}".splitlines()[0], file=sys.stderr)
+            sys.exit(2)
+        print(format_report(result))
+        if FLAGS.json:
+            path = Path(FLAGS.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1, default=str))
+            print(f"json: {path}")
+        sys.exit(0)
+
+    app.run(run, argv=argv, flags_parser=main_cli._parse)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""jaxtrain.plan: per-device memory from the shardings, the compiled program's collectives mapped to mesh
+axes, and the analytic (ZeRO-style) estimate next to them. Three tiny compiles (dp, fsdp, 2x2x2) shared by
+the module; HLO parsing is tested on hand-written text; the CLI's bad-flag path in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import plan as plan_lib
+
+REPO = Path(__file__).resolve().parent.parent
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # partition id = 4 * data + 2 * fsdp + tensor
+
+
+# ===== replica groups =================================================================================
+
+def test_replica_groups_explicit_form():
+    assert plan_lib.parse_replica_groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert plan_lib.parse_replica_groups("{}", 4) == [[0, 1, 2, 3]]  # empty = everyone
+    groups = plan_lib.parse_replica_groups("{{0,4},{1,5},{2,6},{3,7}}")
+    assert plan_lib.groups_to_axes(groups, MESH) == (("data",), True)
+
+
+def test_replica_groups_iota_form():
+    # [groups, size] <= iota over the reshape dims, transposed.
+    assert plan_lib.parse_replica_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan_lib.parse_replica_groups("[4,2]<=[4,2]T(1,0)") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    cases = {"[4,2]<=[8]": ("tensor",), "[4,2]<=[4,2]T(1,0)": ("fsdp",), "[4,2]<=[2,2,2]T(2,1,0)": ("data",),
+             "[2,4]<=[8]": ("fsdp", "tensor"), "[2,4]<=[2,2,2]T(1,0,2)": ("data", "tensor"),
+             "[1,8]<=[8]": ("data", "fsdp", "tensor")}
+    for text, axes in cases.items():
+        assert plan_lib.groups_to_axes(plan_lib.parse_replica_groups(text), MESH) == (axes, True), text
+
+
+def test_replica_groups_mesh_form_and_partial_axes():
+    # Newer XLA prints its own mesh: groups along the named axes, optionally over permuted device ids.
+    groups = plan_lib.parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}")
+    assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert plan_lib.groups_to_axes(groups, MESH) == (("data", "fsdp"), True)
+    groups = plan_lib.parse_replica_groups("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
+                                           "{'axis_0'}")
+    assert plan_lib.groups_to_axes(groups, MESH) == (("tensor",), True)
+    assert plan_lib.parse_replica_groups("mesh['a'=8] {'a':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # Pairs inside a 4-wide tensor axis: on 'tensor', but not all of it.
+    assert plan_lib.groups_to_axes([[0, 1], [2, 3]], {"data": 1, "fsdp": 1, "tensor": 4}) == (("tensor",), False)
+
+
+# ===== HLO text ========================================================================================
+
+HLO = """HloModule m, entry_computation_layout={(f32[16]{0}, f32[8]{0}, f32[4,16]{1,0}, f32[16,8]{1,0})->f32[4,8]{1,0}}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[16]{0} get-tuple-element(%p), index=1
+  %ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %ar)
+}
+
+%cond (p.1: (s32[], f32[16])) -> pred[] {
+  %p.1 = (s32[], f32[16]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (a: f32[16], b: f32[8], c: f32[4,16], d: f32[16,8]) -> f32[4,8] {
+  %a = f32[16]{0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %c = f32[4,16]{1,0} parameter(2)
+  %d = f32[16,8]{1,0} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[16]{0}) tuple(%zero, %a)
+  %w = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%b), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %agd = f32[64]{0} all-gather-done(%ags)
+  %cp = f32[8]{0} collective-permute(%b), channel_id=3, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2}}
+  %ar2 = f32[64]{0} all-reduce(%agd), channel_id=4, replica_groups={{0,2},{1,3},{4,6},{5,7}}, to_apply=%add
+  %pid = u32[] partition-id()
+  %off = s32[] convert(%pid)
+  %ds = f32[32]{0} dynamic-slice(%ar2, %off), dynamic_slice_sizes={32}
+  ROOT %dot = f32[4,8]{1,0} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def _by_kind(ops):
+    return {(op["kind"], op["axes"]): op for op in ops}
+
+
+def test_collectives_in_hlo_text():
+    ops = _by_kind(plan_lib.collectives(HLO, MESH))
+    assert set(ops) == {("all-reduce", ("tensor",)), ("all-gather", ("data", "fsdp", "tensor")),
+                        ("collective-permute", ("data",)), ("reduce-scatter", ("fsdp",))}
+    loop = ops["all-reduce", ("tensor",)]  # inside the while body: x the known trip count
+    assert (loop["count"], loop["bytes"], loop["wire_bytes"]) == (3, 3 * 64, 3 * 64 * 2 * (2 - 1) / 2)
+    gather = ops["all-gather", ("data", "fsdp", "tensor")]  # async: the -done's result, counted once
+    assert (gather["count"], gather["bytes"], gather["async"]) == (1, 256, True)
+    assert ops["collective-permute", ("data",)]["bytes"] == 32
+    # An all-reduce only sliced to 1/2 afterwards is the CPU compiler's reduce-scatter.
+    scatter = ops["reduce-scatter", ("fsdp",)]
+    assert scatter["as_all_reduce"] and scatter["bytes"] == 256 and scatter["wire_bytes"] == 128
+    # 2 * output elements * contracted size, entry computation once.
+    assert plan_lib.dot_flops(HLO) == 2 * 4 * 8 * 16
+    # A replica_groups form the parser does not know is still counted, on axes "?", not silently "all".
+    ops = _by_kind(plan_lib.collectives(HLO.replace("replica_groups=[4,2]<=[8]", "replica_groups=new<8>"), MESH))
+    assert ops["all-reduce", ("?",)]["bytes"] == 3 * 64 and ("all-reduce", ("tensor",)) not in ops
+
+
+def test_trip_count_from_the_loop_condition():
+    text = HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    loop = _by_kind(plan_lib.collectives(text, MESH))["all-reduce", ("tensor",)]
+    assert (loop["count"], loop["trip_count_unknown"]) == (5, False)  # i < 5 from 0
+    text = text.replace("direction=LT", "direction=NE")  # not a counted loop: once, and flagged
+    loop = _by_kind(plan_lib.collectives(text, MESH))["all-reduce", ("tensor",)]
+    assert (loop["count"], loop["trip_count_unknown"]) == (1, True)
+
+
+# ===== compiled plans ==================================================================================
+
+PRESETS = {"dp": dict(data=8, fsdp=1, tensor=1, rules="dp"),
+           "fsdp": dict(data=1, fsdp=8, tensor=1, rules="fsdp"),
+           "2x2x2": dict(data=2, fsdp=2, tensor=2, rules="dp_fsdp_tp")}
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_config):
+    out = {}
+    for name, mesh in PRESETS.items():
+        config = tiny_config(**{f"mesh.{k}": v for k, v in mesh.items()}, **{"model.tie_embeddings": False})
+        out[name] = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
+    return out
+
+
+def _rows(result, kind, axes):
+    return [r for r in result["collectives"] if r["kind"] == kind and tuple(r["axes"]) == axes and r["count"]]
+
+
+def _norm_bytes(result):
+    """The f32 RMSNorm scales (2 per layer + the final one, d_model 32): the parameters no preset shards."""
+    assert result["config"]["param_dtype"] == "float32"
+    return (2 * result["model"]["layers"] + 1) * 32 * 4
+
+
+def test_fsdp_params_are_an_eighth_of_dp(plans):
+    dp, fsdp = plans["dp"]["memory"]["sharding"], plans["fsdp"]["memory"]["sharding"]
+    total = plans["dp"]["model"]["params"] * 4  # dp replicates every f32 parameter
+    assert dp["params"] == total
+    norms = _norm_bytes(plans["fsdp"])
+    # Every annotated weight's "embed" dimension (32) splits 8 ways; the norm scales stay whole.
+    assert fsdp["params"] == (total - norms) / 8 + norms
+    assert fsdp["gradients"] == fsdp["params"]
+
+
+def test_optimizer_is_two_moments_and_analytic_is_exact(plans):
+    for name in ("dp", "fsdp", "2x2x2"):
+        mem = plans[name]["memory"]
+        sharded, analytic = mem["sharding"], mem["analytic"]
+        # AdamW: mu and nu like the params, plus two int32 step counters (Adam's and the schedule's).
+        assert sharded["optimizer"] == 2 * sharded["params"] + 8, name
+        assert analytic["params"] == sharded["params"] and analytic["optimizer"] == sharded["optimizer"], name
+        # The compiled step's arguments are the state plus the batch shard, to the byte.
+        assert mem["compiled"]["argument"] == analytic["arguments"], name
+
+
+def test_dp_all_reduces_the_f32_gradients_over_data(plans):
+    result = plans["dp"]
+    grads = result["memory"]["sharding"]["gradients"]
+    rows = _rows(result, "all-reduce", ("data",))
+    assert len(rows) == 1
+    # The whole f32 gradient once, plus the loss and token-count scalars.
+    assert grads <= rows[0]["bytes"] <= grads + 64
+    assert rows[0]["wire_bytes"] == pytest.approx(rows[0]["bytes"] * 2 * 7 / 8)
+    assert rows[0]["analytic_bytes"] == grads
+    assert {r["kind"] for r in result["collectives"] if r["count"]} == {"all-reduce"}
+
+
+def test_fsdp_gathers_params_and_reduce_scatters_grads(plans):
+    result = plans["fsdp"]
+    total = result["model"]["params"] * 4
+    sharded_weights = total - _norm_bytes(result)
+    gathers = _rows(result, "all-gather", ("fsdp",))
+    scatters = _rows(result, "reduce-scatter", ("fsdp",))
+    assert gathers and scatters
+    # Every sharded weight is gathered at least once (forward), at most twice (forward and backward).
+    assert sharded_weights <= gathers[0]["bytes"] <= 2 * sharded_weights + 4096
+    # The CPU compiler reduce-scatters as all-reduce + slice; the weights' grads are reduced in full, at
+    # most the input embedding's (a scatter-add) goes through its token gradients instead.
+    embed = 512 * 32 * 4
+    assert sharded_weights - embed <= scatters[0]["bytes"] <= sharded_weights
+    assert scatters[0]["as_all_reduce"]
+    assert not _rows(result, "all-reduce", ("data",))
+
+
+def test_tensor_parallel_collectives_are_on_tensor(plans):
+    result = plans["2x2x2"]
+    tensor = _rows(result, "all-reduce", ("tensor",))
+    assert tensor and tensor[0]["bytes"] > 0 and tensor[0]["analytic_bytes"] > 0
+    # Megatron: at least 4 activation all-reduces of tokens x d_model per layer (f32 compute on cpu).
+    tokens = 8 // 4 * 32  # batch rows per data x fsdp shard, times seq_len
+    assert tensor[0]["bytes"] >= 4 * result["model"]["layers"] * tokens * 32 * 4
+    assert _rows(result, "all-reduce", ("data",)) and _rows(result, "all-gather", ("fsdp",))
+
+
+def test_flops_and_report(plans, tmp_path):
+    result = plans["2x2x2"]
+    flops = result["flops"]
+    assert flops["model_per_step"] > 0 and flops["cost_analysis_total"] > 0
+    # Compiled dots count full (not causal) attention: at or above the model FLOPs, not wildly so.
+    assert 1.0 <= flops["hlo_dots_vs_model"] < 2.0
+    speed = result["speed"]
+    assert speed["ideal_step_s"] == pytest.approx(flops["model_per_step"] / (1e12 * 8 * 0.5))
+    text = plan_lib.format_report(result)
+    for needle in ("memory per device", "optimizer state", "collectives per step", "fake CPU devices", "tensor"):
+        assert needle in text
+    json.loads(json.dumps(result))  # the --json figures
+
+
+# ===== CLI =============================================================================================
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxtrain.plan", "--config", "configs/tiny.py", *args], cwd=REPO,
+                          env=dict(os.environ), capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--devices", "4", "--config.mesh.data=8"], "error: mesh.data:"),  # 8 does not fit in --devices 4
+    (["--devices=0"], "error: devices:"),
+])
+def test_cli_bad_flags_exit_2_with_one_line(args, field):
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(field), proc.stderr
+    assert proc.stdout == ""
+    if "4" in args:
+        assert "4" in lines[0]  # the device count it was given, not the 8 of the test process
