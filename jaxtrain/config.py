@@ -39,7 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     # -1 = all remaining devices. `rules` is a preset name (jaxtrain.mesh.PRESETS) or an explicit
     # table such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated).
-    c.mesh = dict(data=-1, fsdp=1, tensor=1, rules="dp_fsdp_tp")
+    # `dcn_<axis>` (hybrid meshes: TPU multislice, GPU multi-node): how many of that axis's ways cross the
+    # slow network between slices / nodes; see jaxtrain/mesh.py for which axes belong there.
+    c.mesh = dict(data=-1, fsdp=1, tensor=1, rules="dp_fsdp_tp", dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
 
     # `init_from` (optional): a Hugging Face Llama directory whose weights replace the random init of a fresh
     # run (a resumed run takes its checkpoint); its architecture must equal these fields, and its tokenizer,
@@ -143,6 +145,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     try:
         shape = mesh_lib.resolve_shape(cfg.mesh, num_devices)
         rules = mesh_lib.resolve_rules(cfg.mesh.rules)
+        dcn = mesh_lib.resolve_dcn(cfg.mesh, shape)
     except (ValueError, TypeError) as e:
         field, _, reason = str(e).partition(": ")
         raise ConfigError(field if field.startswith("mesh") else "mesh", reason or str(e)) from None
@@ -256,7 +259,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _positive_int(cfg, "sample.max_new_tokens", allow_zero=True)
     _number(cfg.sample.temperature, "sample.temperature", lo=0)
     _positive_int(cfg, "sample.top_k", allow_zero=True)
-    return {"mesh_shape": shape, "rules": rules, "data_parallel": dp}
+    return {"mesh_shape": shape, "rules": rules, "data_parallel": dp, "dcn": dcn}
 
 
 WANDB_MODES = ("offline", "online", "disabled")

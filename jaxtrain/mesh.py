@@ -9,6 +9,15 @@ The mesh axes have fixed meanings:
   tensor  Megatron-style model parallelism over heads / mlp / vocab
 A preset picks which of them are active. A mesh axis larger than 1 that the preset does not use is a
 config error rather than silently wasted devices.
+
+Hybrid meshes (TPU multislice, GPU multi-node): `mesh.dcn_<axis>` says how many of an axis's `mesh.<axis>`
+ways cross the slow data-center network (DCN) between granules; the rest stay on the fast interconnect
+(ICI / NVLink) inside one. Granules are TPU slices (`slice_index`), else processes (on GPU: run one process
+per node), and their count must equal the product of the dcn sizes. Each granule holds an ICI block of the
+mesh, laid out for its topology by `mesh_utils.create_device_mesh`; along each axis the DCN index is the
+outer factor. Which axes belong where: `data` on DCN first (one gradient all-reduce per step, overlappable),
+then `fsdp` across a few granules if the model does not fit one (its all-gathers run every layer); keep
+`tensor` on ICI (it all-reduces activations inside every layer).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import math
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
@@ -84,10 +95,53 @@ def unused_axes(shape: Mapping[str, int], rules: Mapping[str, tuple[str, ...]]) 
     return [a for a in AXES if shape[a] > 1 and a not in used]
 
 
-def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def resolve_dcn(sizes: Mapping[str, int], shape: Mapping[str, int]) -> dict[str, int]:
+    """{axis: DCN ways} from `mesh.dcn_<axis>` (default 1); each must divide its resolved axis size."""
+    dcn = {}
+    for axis in AXES:
+        n = sizes.get(f"dcn_{axis}", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"mesh.dcn_{axis}: must be a positive integer, got {n!r}")
+        if shape[axis] % n:
+            raise ValueError(f"mesh.dcn_{axis}: {n} does not divide mesh.{axis}={shape[axis]}")
+        dcn[axis] = n
+    return dcn
+
+
+def granules(devices: Sequence, count: int) -> list[list]:
+    """The devices split into `count` granules: TPU slices, else processes; one slice and process of CPU
+    devices (tests) splits into consecutive blocks. ValueError naming mesh.dcn_* when they do not match."""
+    for attr in ("slice_index", "process_index"):
+        keys = sorted({getattr(d, attr, None) for d in devices} - {None})
+        if len(keys) > 1:
+            if len(keys) != count:
+                raise ValueError(f"mesh.dcn_data: the dcn sizes multiply to {count}, but the devices form "
+                                 f"{len(keys)} granules ({attr.replace('_index', '')}s); on GPU run one process "
+                                 f"per node")
+            return [[d for d in devices if getattr(d, attr) == k] for k in keys]
+    if count == 1:
+        return [list(devices)]
+    if devices[0].platform == "cpu" and len(devices) % count == 0:
+        block = len(devices) // count
+        return [list(devices[i * block:(i + 1) * block]) for i in range(count)]
+    raise ValueError(f"mesh.dcn_data: the dcn sizes multiply to {count}, but the devices form one slice in one "
+                     f"process; dcn axes need several")
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
+              dcn: Mapping[str, int] | None = None) -> Mesh:
+    """The mesh over `devices` (default all); with `dcn` (resolve_dcn) a hybrid DCN x ICI layout."""
     devices = jax.devices() if devices is None else devices
-    return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if not dcn or math.prod(dcn.values()) == 1:
+        return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=axis_types, devices=devices)
+    dcn_shape = [dcn[a] for a in AXES]
+    ici_shape = [shape[a] // dcn[a] for a in AXES]
+    # jax's create_hybrid_device_mesh does this for slices or processes; we also need the CPU blocks.
+    blocks = np.empty(dcn_shape, dtype=object)
+    for index, granule in zip(np.ndindex(*dcn_shape), granules(devices, math.prod(dcn_shape))):
+        blocks[index] = mesh_utils.create_device_mesh(ici_shape, granule, allow_split_physical_axes=True)
+    return Mesh(np.block(blocks.tolist()), AXES, axis_types=axis_types)
 
 
 def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mesh,

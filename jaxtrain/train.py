@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,9 +89,10 @@ class Trainer:
         return float(loss_sum / max(count, 1.0))
 
 
-def build_trainer(config, mesh_shape: dict, rules: dict, devices=None) -> Trainer:
-    """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them."""
-    mesh = mesh_lib.make_mesh(mesh_shape, devices)
+def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None) -> Trainer:
+    """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them, `dcn` (validate's
+    facts["dcn"]) lays the mesh out across slices or nodes."""
+    mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
     model_cfg = config_lib.model_config(config, jax.default_backend())
     optimizer = optim.make_optimizer(config.optim, config.train.steps)
     graphdef, abstract_state, shardings, init = abstract_train_state(model_cfg, optimizer, mesh, rules,
@@ -171,7 +173,11 @@ def run(config, print_fn=print, writers=()) -> dict:
         field, _, reason = str(e).partition(": ")
         raise config_lib.ConfigError(field if reason else "distributed", reason or field) from None
     facts = config_lib.validate(config, jax.device_count(), jax.process_count())
-    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+    mesh_shape, rules, dcn = facts["mesh_shape"], facts["rules"], facts["dcn"]
+    try:  # the devices must form as many slices or nodes as the dcn sizes say
+        mesh_lib.granules(jax.devices(), math.prod(dcn.values()))
+    except ValueError as e:
+        raise config_lib.ConfigError(*str(e).split(": ", 1)) from None
     train_cfg = config.train
     is_main = jax.process_index() == 0
     say = print_fn if is_main else (lambda *a, **k: None)
@@ -207,9 +213,10 @@ def run(config, print_fn=print, writers=()) -> dict:
         return {"finished": True, "step": latest, "resumed": True}
 
     # ===== Mesh, model, optimizer, jitted steps =======================================================
-    trainer = build_trainer(config, mesh_shape, rules)
+    trainer = build_trainer(config, mesh_shape, rules, dcn=dcn)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
-    say(f"mesh {dict(trainer.mesh.shape)} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
+    hybrid = f" (dcn {dcn})" if math.prod(dcn.values()) > 1 else ""
+    say(f"mesh {dict(trainer.mesh.shape)}{hybrid} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
         f"{trainer.model_cfg.dtype} compute | devices {jax.device_count()} x {jax.devices()[0].device_kind} | "
         f"processes {jax.process_count()}")
 

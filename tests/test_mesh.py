@@ -276,3 +276,57 @@ def test_loss_and_grad_norm_agree_across_meshes(tiny_config, tiny_data_dir):
     for shape in MESHES:
         got = three_steps(build(cfg_for(shape)), batches)
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=0, err_msg=f"mesh {shape}")
+
+
+# --- Hybrid (DCN x ICI) meshes ---------------------------------------------------------------------------
+
+
+def granule_of(mesh, granule_size=4):
+    """Which consecutive block of 4 devices (the simulated CPU granule) each mesh position holds."""
+    return np.vectorize(lambda d: d.id // granule_size)(mesh.devices)
+
+
+def test_hybrid_mesh_puts_dcn_axes_between_granules():
+    # 2 granules of 4 devices. dcn_data=2: each data row is one granule, fsdp stays inside it.
+    mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, dcn={"data": 2, "fsdp": 1, "tensor": 1})
+    assert granule_of(mesh)[:, :, 0].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    # dcn_fsdp=2: fsdp's outer factor crosses granules, its inner 2 ways and all of data stay inside one.
+    mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, dcn={"data": 1, "fsdp": 2, "tensor": 1})
+    assert granule_of(mesh)[:, :, 0].tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+
+
+def test_granules_follow_slices_then_processes():
+    from types import SimpleNamespace as Dev
+
+    # Two slices of two processes each: slices are the granules.
+    devs = [Dev(id=i, slice_index=i // 4, process_index=i // 2, platform="tpu") for i in range(8)]
+    assert [[d.id for d in g] for g in mesh_lib.granules(devs, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # GPUs report no slice: processes (one per node) are the granules, and their count must match.
+    gpus = [Dev(id=i, process_index=i // 4, platform="gpu") for i in range(8)]
+    assert [[d.id for d in g] for g in mesh_lib.granules(gpus, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data: the dcn sizes multiply to 4, but the devices form 2 "):
+        mesh_lib.granules(gpus, 4)
+    one_node = [Dev(id=i, process_index=0, platform="gpu") for i in range(8)]
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data: .* one slice in one process"):
+        mesh_lib.granules(one_node, 2)
+
+
+@pytest.mark.parametrize("override, field", [({"mesh.dcn_fsdp": 3}, "mesh.dcn_fsdp: 3 does not divide mesh.fsdp=4"),
+                                             ({"mesh.dcn_tensor": 0}, "mesh.dcn_tensor: must be a positive integer")])
+def test_bad_dcn_sizes_name_the_field(tiny_config, override, field):
+    cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 4, 1), **override)
+    with pytest.raises(config_lib.ConfigError, match=f"^{field}"):
+        config_lib.validate(cfg, 8)
+
+
+def test_hybrid_mesh_trains_like_the_plain_one(tiny_config, tiny_data_dir):
+    cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 4, 1), **{"optim.warmup_steps": 0, "mesh.dcn_fsdp": 2})
+    facts = config_lib.validate(cfg, 8)
+    assert facts["dcn"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
+    batches = [next(it) for _ in range(3)]
+    hybrid = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], dcn=facts["dcn"])
+    plain = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    assert granule_of(hybrid.mesh).tolist() != granule_of(plain.mesh).tolist()  # a different device layout
+    np.testing.assert_allclose(three_steps(hybrid, batches), three_steps(plain, batches), rtol=1e-6, atol=0)

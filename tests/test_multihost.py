@@ -90,8 +90,10 @@ def losses(workdir):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tiny_config, tmp_path):
+    # dcn_data=2: a hybrid mesh whose granules are the 2 processes (a CPU block of 4 devices in the
+    # 1-process runs), each holding one data row.
     overrides = {"train.steps": STEPS, "checkpoint.every_steps": 5, "eval.every_steps": 10,
-                 "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "log.fingerprints": True}
+                 "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.dcn_data": 2, "log.fingerprints": True}
     reference_cfg = tiny_config(**overrides)
     reference = train.run(reference_cfg, print_fn=lambda *a: None)
     ref_params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in
