@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -57,10 +58,24 @@ class JsonlWriter(MetricWriter):
         self._file.close()
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported lazily (only process 0 writes). tensorboardX imports torch
+    when it is installed, only to accept torch tensors: 1.5-2 s of every startup. We log floats, so a torch
+    not imported yet is hidden from that one import."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError; tensorboardX then goes without it
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardWriter(MetricWriter):
     def __init__(self, logdir: str | os.PathLike):
-        from tensorboardX import SummaryWriter  # imported lazily: only process 0 writes
-        self._writer = SummaryWriter(str(logdir))
+        self._writer = _summary_writer_class()(str(logdir))
 
     def write_scalars(self, step, scalars):
         for k, v in scalars.items():
