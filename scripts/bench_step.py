@@ -15,6 +15,15 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+def synthetic_batch(cfg) -> dict:
+    """Uniform random tokens (seed 0), one document per row: only the step is timed."""
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(2, cfg.data.vocab_size, (b, s), dtype=np.int32),
+            "segment_ids": np.ones((b, s), np.int32),
+            "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
+
+
 def time_train_step(cfg, steps: int):
     """(median step seconds, seconds to a warm step, trainer, last metrics): `steps` timed steps on a
     synthetic batch, after compiling and one warm-up step."""
@@ -26,12 +35,7 @@ def time_train_step(cfg, steps: int):
     facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
     trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     state = trainer.init()
-    b, s = cfg.train.batch_size, cfg.train.seq_len
-    rng = np.random.default_rng(0)
-    local = {"tokens": rng.integers(2, cfg.data.vocab_size, (b, s), dtype=np.int32),
-             "segment_ids": np.ones((b, s), np.int32),
-             "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
-    batch = train.global_batch(local, trainer.batch_sharding)
+    batch = train.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
     for _ in range(2):  # compile + one warm step
         state, m = trainer.train_step(state, batch)
     jax.block_until_ready(m)

@@ -35,16 +35,6 @@ import bench_step  # noqa: E402  (scripts/ is not a package)
 TARGET = 1.2
 
 
-def synthetic_batch(cfg) -> dict:
-    """The batch bench_step.time_train_step builds (same seed, same construction): uniform random tokens,
-    one document per row."""
-    b, s = cfg.train.batch_size, cfg.train.seq_len
-    rng = np.random.default_rng(0)
-    return {"tokens": rng.integers(2, cfg.data.vocab_size, (b, s), dtype=np.int32),
-            "segment_ids": np.ones((b, s), np.int32),
-            "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
-
-
 def time_torch(trainer, batch, steps: int) -> dict:
     """Median step seconds over `steps` steps after 2 warm-up steps (the first compiles under torch.compile);
     the first step's loss and duration."""
@@ -95,7 +85,7 @@ def _main():
     # jaxtrain's first-step loss (the step is already compiled).
     state = trainer.init()
     params = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))  # before donation
-    batch_np = synthetic_batch(cfg)
+    batch_np = bench_step.synthetic_batch(cfg)
     jax_batch = train.global_batch(batch_np, trainer.batch_sharding)
     state, m0 = trainer.train_step(state, jax_batch)
     jax_loss0 = float(m0["loss"])
