@@ -88,8 +88,9 @@ def base_config() -> ml_collections.ConfigDict:
     # named `run_name` (default: the workdir's name) in experiment/project `experiment`. `mlflow_uri` empty =
     # $MLFLOW_TRACKING_URI or sqlite:///WORKDIR/mlflow.db. `wandb_mode`: offline (WORKDIR/wandb, `wandb sync`
     # later), online or disabled; `wandb_api_key` empty = W&B's own login ($WANDB_API_KEY), and is redacted.
+    # `profile_steps`: "FIRST,LAST" (or one step) to trace with jax.profiler into WORKDIR/profile.
     c.log = dict(every_steps=10, fingerprints=False, trackers="", experiment="jaxtrain", run_name="",
-                 mlflow_uri="", wandb_mode="offline", wandb_entity="", wandb_api_key="")
+                 mlflow_uri="", wandb_mode="offline", wandb_entity="", wandb_api_key="", profile_steps="")
 
     c.sample = dict(prompt="And God said", max_new_tokens=40, temperature=0.8, top_k=40)
     return c
@@ -256,6 +257,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _number(cfg.faults.preempt_grace_s, "faults.preempt_grace_s", lo=0)
     _positive_int(cfg, "log.every_steps")
     _validate_trackers(cfg.log)
+    profile_steps(cfg.log.profile_steps)
     _positive_int(cfg, "sample.max_new_tokens", allow_zero=True)
     _number(cfg.sample.temperature, "sample.temperature", lo=0)
     _positive_int(cfg, "sample.top_k", allow_zero=True)
@@ -263,6 +265,21 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
 
 
 WANDB_MODES = ("offline", "online", "disabled")
+
+
+def profile_steps(spec) -> tuple[int, int] | None:
+    """log.profile_steps "FIRST,LAST" or "STEP" -> (first, last), "" -> None; ConfigError otherwise."""
+    if spec == "":
+        return None
+    parts = str(spec).split(",")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last:
+        raise ConfigError("log.profile_steps", f"expected \"FIRST,LAST\" or \"STEP\" with 1 <= FIRST <= LAST, "
+                          f"got {spec!r}")
+    return first, last
 
 
 def _validate_trackers(log) -> None:

@@ -285,6 +285,39 @@ class WatchdogHook(Hook):
         self.watchdog.stop()
 
 
+class ProfileHook(Hook):
+    """A jax.profiler trace of steps first..last (log.profile_steps) into `logdir`, for TensorBoard's profile
+    plugin or Perfetto (trace.json.gz). Steps run ahead of the host, so the trace starts once the step before
+    `first` has finished and stops once `last` has. A run resumed past `first` traces nothing."""
+
+    def __init__(self, first: int, last: int, logdir, *, start_step: int, print_fn=print):
+        self.first, self.last, self.logdir, self.print_fn = first, last, str(logdir), print_fn
+        self.active = False
+        if first == start_step + 1:
+            self._start()
+
+    def _start(self):
+        jax.profiler.start_trace(self.logdir)
+        self.active = True
+
+    def _stop(self, state):
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        self.active = False
+        self.print_fn(f"profile of steps {self.first}..{self.last} written to {self.logdir}")
+
+    def __call__(self, step, state, metrics, batch):
+        if step == self.first - 1 and not self.active:
+            jax.block_until_ready(state)
+            self._start()
+        elif step == self.last and self.active:
+            self._stop(state)
+
+    def end(self, step, state):
+        if self.active:
+            self._stop(state)
+
+
 class FingerprintHook(Hook):
     """Appends {"step", "fingerprint"} of every batch this process trained on to a JSONL file."""
 

@@ -1,4 +1,4 @@
-"""Metric writers: strict JSON lines, and TensorBoard events that skip what JSON writes as null."""
+"""Metric writers: strict JSON lines, and TensorBoard events that skip what JSON writes as null; profiler traces."""
 
 import json
 import math
@@ -6,6 +6,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 
 from jaxtrain import metrics
 
@@ -40,3 +41,25 @@ def test_tensorboard_writes_finite_scalars_only(tmp_path):
     w.write_scalars(1, {"loss": 2.0, "mfu": math.inf})
     w.close()
     assert _scalar_events(tmp_path) == [("loss", 1, 2.0)]
+
+
+def test_profile_steps_writes_a_trace_of_those_steps(tiny_config):
+    from pathlib import Path
+
+    from jaxtrain import train
+
+    cfg = tiny_config(**{"train.steps": 4, "log.profile_steps": "2,3"})
+    printed = []
+    train.run(cfg, print_fn=printed.append)
+    traces = list((Path(cfg.workdir) / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert f"profile of steps 2..3 written to {Path(cfg.workdir) / 'profile'}" in printed
+
+
+@pytest.mark.parametrize("spec", ["3,2", "0", "a,b", "1,2,3", "-1"])
+def test_bad_profile_steps_name_the_field(tiny_config, spec):
+    from jaxtrain import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match="^log.profile_steps: "):
+        config_lib.validate(tiny_config(**{"log.profile_steps": spec}), 8)
+    assert config_lib.profile_steps("5") == (5, 5) and config_lib.profile_steps("") is None
