@@ -111,16 +111,15 @@ def resolve_dcn(sizes: Mapping[str, int], shape: Mapping[str, int]) -> dict[str,
 def granules(devices: Sequence, count: int) -> list[list]:
     """The devices split into `count` granules: TPU slices, else processes; one slice and process of CPU
     devices (tests) splits into consecutive blocks. ValueError naming mesh.dcn_* when they do not match."""
-    for attr in ("slice_index", "process_index"):
+    if count == 1:  # not a hybrid mesh: the granules do not matter
+        return [list(devices)]
+    for attr, kind in (("slice_index", "slices"), ("process_index", "processes")):
         keys = sorted({getattr(d, attr, None) for d in devices} - {None})
         if len(keys) > 1:
             if len(keys) != count:
                 raise ValueError(f"mesh.dcn_data: the dcn sizes multiply to {count}, but the devices form "
-                                 f"{len(keys)} granules ({attr.replace('_index', '')}s); on GPU run one process "
-                                 f"per node")
+                                 f"{len(keys)} granules ({kind}); on GPU run one process per node")
             return [[d for d in devices if getattr(d, attr) == k] for k in keys]
-    if count == 1:
-        return [list(devices)]
     if devices[0].platform == "cpu" and len(devices) % count == 0:
         block = len(devices) // count
         return [list(devices[i * block:(i + 1) * block]) for i in range(count)]

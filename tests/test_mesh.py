@@ -305,8 +305,10 @@ def test_granules_follow_slices_then_processes():
     # GPUs report no slice: processes (one per node) are the granules, and their count must match.
     gpus = [Dev(id=i, process_index=i // 4, platform="gpu") for i in range(8)]
     assert [[d.id for d in g] for g in mesh_lib.granules(gpus, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(ValueError, match=r"^mesh.dcn_data: the dcn sizes multiply to 4, but the devices form 2 "):
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data: the dcn sizes multiply to 4, but the devices form 2 "
+                                         r"granules \(processes\)"):
         mesh_lib.granules(gpus, 4)
+    assert mesh_lib.granules(gpus, 1) == [gpus]  # no dcn axis: one granule whatever the processes
     one_node = [Dev(id=i, process_index=0, platform="gpu") for i in range(8)]
     with pytest.raises(ValueError, match=r"^mesh.dcn_data: .* one slice in one process"):
         mesh_lib.granules(one_node, 2)
