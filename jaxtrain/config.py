@@ -39,16 +39,26 @@ def base_config() -> ml_collections.ConfigDict:
 
     # -1 = all remaining devices. `rules` is a preset name (jaxtrain.mesh.PRESETS) or an explicit
     # table such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated).
+    # `pipeline` devices hold pipeline stages, `expert` ones MoE experts, `sequence` ones slices of the sequence.
     # `dcn_<axis>` (hybrid meshes: TPU multislice, GPU multi-node): how many of that axis's ways cross the
     # slow network between slices / nodes; see jaxtrain/mesh.py for which axes belong there.
-    c.mesh = dict(data=-1, fsdp=1, tensor=1, rules="dp_fsdp_tp", dcn_data=1, dcn_fsdp=1, dcn_tensor=1)
+    c.mesh = dict(data=-1, pipeline=1, fsdp=1, expert=1, sequence=1, tensor=1, rules="dp_fsdp_tp",
+                  dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_expert=1, dcn_sequence=1, dcn_tensor=1)
 
     # `init_from` (optional): a Hugging Face Llama directory whose weights replace the random init of a fresh
     # run (a resumed run takes its checkpoint); its architecture must equal these fields, and its tokenizer,
     # if it ships one, data.dir's. `python -m jaxtrain.hf overrides DIR` prints the flags that make it so.
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
-                   rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="")
+                   rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="",
+                   n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01)
+
+    # Pipeline parallelism (jaxtrain/pipeline_parallel.py): `stages` (1 = off) splits the layers into that many
+    # stages over the mesh's `pipeline` axis (which must divide it); each batch (or gradient-accumulation
+    # microbatch) runs as `microbatches` pipeline microbatches. Schedules: "gpipe", or "circular" where each
+    # stage holds `repeats` chunks of layers and a microbatch goes round the stages `repeats` times (a smaller
+    # bubble: (stages-1) / (repeats*microbatches + stages-1)).
+    c.pipeline = dict(stages=1, microbatches=1, schedule="gpipe", repeats=1)
 
     c.optim = dict(lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
                    weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
@@ -158,6 +168,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     # Train.
     for f in ("steps", "batch_size", "seq_len", "microbatches"):
         _positive_int(cfg, f"train.{f}")
+    if cfg.train.seq_len % shape["sequence"]:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by mesh.sequence={shape['sequence']}")
     _positive_int(cfg, "train.seed", allow_zero=True)
     _positive_int(cfg, "train.stop_at", allow_zero=True)
     t = cfg.train
@@ -187,6 +199,18 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _number(m.rope_theta, "model.rope_theta", lo=0, lo_open=True)
     _number(m.norm_eps, "model.norm_eps", lo=0, lo_open=True)
     _number(m.init_std, "model.init_std", lo=0, lo_open=True)
+    _positive_int(cfg, "model.n_experts", allow_zero=True)
+    if m.n_experts:
+        _positive_int(cfg, "model.moe_top_k")
+        if m.moe_top_k > m.n_experts:
+            raise ConfigError("model.moe_top_k", f"{m.moe_top_k} exceeds model.n_experts={m.n_experts}")
+        _number(m.moe_capacity_factor, "model.moe_capacity_factor", lo=0, lo_open=True)
+        _number(m.moe_aux_weight, "model.moe_aux_weight", lo=0)
+        if m.n_experts % shape["expert"]:
+            raise ConfigError("mesh.expert", f"{shape['expert']} does not divide model.n_experts={m.n_experts}")
+    elif shape["expert"] > 1:
+        raise ConfigError("mesh.expert", f"size {shape['expert']} needs a mixture of experts (model.n_experts > 0)")
+    _validate_pipeline(cfg, shape, micro)
     if m.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
         from jaxtrain import hf  # noqa: PLC0415 (hf imports this module)
         try:
@@ -267,6 +291,29 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
 WANDB_MODES = ("offline", "online", "disabled")
 
 
+def _validate_pipeline(cfg, shape: dict, microbatch: int) -> None:
+    p = cfg.pipeline
+    for f in ("stages", "microbatches", "repeats"):
+        _positive_int(cfg, f"pipeline.{f}")
+    if p.stages % shape["pipeline"]:
+        raise ConfigError("mesh.pipeline", f"{shape['pipeline']} does not divide pipeline.stages={p.stages}")
+    if p.stages == 1:
+        return
+    if cfg.model.n_experts:
+        raise ConfigError("pipeline.stages", "a mixture of experts cannot be pipelined yet (model.n_experts > 0)")
+    from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jax)
+
+    try:
+        pipeline_parallel.check(cfg.model.n_layers, microbatch, p.stages, p.microbatches, p.schedule, p.repeats)
+    except ValueError as e:
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field, reason) from None
+    dp = mesh_lib.data_parallel_size(shape, mesh_lib.resolve_rules(cfg.mesh.rules))
+    if (microbatch // p.microbatches) % dp:
+        raise ConfigError("pipeline.microbatches", f"a pipeline microbatch of {microbatch // p.microbatches} "
+                          f"sequences is not divisible by the data-parallel size {dp}")
+
+
 def profile_steps(spec) -> tuple[int, int] | None:
     """log.profile_steps "FIRST,LAST" or "STEP" -> (first, last), "" -> None; ConfigError otherwise."""
     if spec == "":
@@ -322,15 +369,16 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
 
 # Settings a workdir's checkpoints are tied to: the state's shapes and the data order.
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "train.seed",
-                "data.corpus", "data.vocab_size", "data.heldout_docs")
+                "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
+                "train.seed", "data.corpus", "data.vocab_size", "data.heldout_docs")
 
 
 def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -> None:
     """Raises ConfigError naming the first RESUME_FIXED field that differs from the workdir's saved config."""
     for field in RESUME_FIXED:
         group, key = field.split(".")
-        was, now = saved.get(group, {}).get(key), cfg[group][key]
+        # A key older workdirs did not save has its schema default.
+        was, now = saved.get(group, {}).get(key, base_config()[group][key]), cfg[group][key]
         if was != now:
             raise ConfigError(field, f"is {now!r} but the checkpoints in {workdir} were made with {was!r}; "
                               f"set it back or use a new workdir")
@@ -344,4 +392,6 @@ def model_config(cfg: ml_collections.ConfigDict, backend: str) -> ModelConfig:
         m["dtype"] = "float32" if backend == "cpu" else "bfloat16"
     if m["param_dtype"] == "auto":
         m["param_dtype"] = "float32"
-    return ModelConfig(**m)
+    p = cfg.pipeline
+    return ModelConfig(**m, pipeline_stages=p.stages, pipeline_microbatches=p.microbatches,
+                       pipeline_schedule=p.schedule, pipeline_repeats=p.repeats)

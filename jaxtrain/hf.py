@@ -203,6 +203,9 @@ def export_llama(params: dict, model_cfg: transformer.ModelConfig, out_dir, *, d
     params' own dtype. The directory appears complete or not at all: it is written beside `out_dir` and renamed
     into place. A non-empty `out_dir` is refused unless `overwrite` (and then only if it holds a config.json)."""
     out_dir = Path(out_dir)
+    if model_cfg.n_experts:
+        raise HFError(f"model.n_experts: {model_cfg.n_experts}, but a Llama checkpoint has no mixture of experts "
+                      f"(a Mixtral export is not written yet)")
     _check_output(out_dir, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise HFError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
@@ -439,6 +442,9 @@ def import_llama(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
 
 def check_fields(fields: dict, model_cfg: transformer.ModelConfig, hf_dir) -> None:
     """HFMismatch on the first ModelConfig field (FIELDS order) that differs from the HF checkpoint's."""
+    if model_cfg.n_experts:
+        raise HFMismatch("n_experts", f"{model_cfg.n_experts} in the config, but the Hugging Face Llama checkpoint "
+                                      f"{hf_dir} is dense; set --config.model.n_experts=0")
     for field in FIELDS:
         ours, theirs = getattr(model_cfg, field), fields[field]
         if ours != theirs:

@@ -3,11 +3,14 @@
 Parameters and activations name their dimensions with *logical* axes ("embed", "mlp", "batch", ...).
 A rule table maps each logical axis to zero or more *mesh* axes; XLA then inserts the collectives.
 
-The mesh axes have fixed meanings:
-  data    pure replicas (gradients all-reduced; put it on the slowest links)
-  fsdp    replicas that also shard params, grads and optimizer state (ZeRO-3)
-  tensor  Megatron-style model parallelism over heads / mlp / vocab
-A preset picks which of them are active. A mesh axis larger than 1 that the preset does not use is a
+The mesh axes have fixed meanings (listed outermost first, as they are laid out over the devices):
+  data      pure replicas (gradients all-reduced; put it on the slowest links)
+  pipeline  pipeline stages: the layer stack is split into contiguous stages (jaxtrain.pipeline_parallel)
+  fsdp      replicas that also shard params, grads and optimizer state (ZeRO-3)
+  expert    mixture-of-experts experts are split over it; for everything else it is one more batch axis
+  sequence  sequence (context) parallelism: activations split along the sequence; attention gathers K/V
+  tensor    Megatron-style model parallelism over heads / mlp / vocab
+A preset picks which of them are active (every preset maps pipeline, expert and sequence). A mesh axis larger than 1 that the preset does not use is a
 config error rather than silently wasted devices.
 
 Hybrid meshes (TPU multislice, GPU multi-node): `mesh.dcn_<axis>` says how many of an axis's `mesh.<axis>`
@@ -32,25 +35,29 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 
 _TP = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+# Stacked layers and pipeline buffers ("layers", "stages") live on their stage; experts on the expert axis;
+# activations' sequence dimension ("seq") on the sequence axis. Size-1 axes drop out, so every preset has them.
+_PP_EP_SP = {"layers": "pipeline", "stages": "pipeline", "experts": "expert", "seq": "sequence"}
 # Logical axis -> mesh axis (or tuple of mesh axes). Unlisted logical axes are replicated.
 PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
-    "dp": {"batch": "data"},
-    "fsdp": {"batch": "fsdp", "embed": "fsdp"},
-    "fsdp_tp": {"batch": "fsdp", "embed": "fsdp", **_TP},
-    "dp_fsdp_tp": {"batch": ("data", "fsdp"), "embed": "fsdp", **_TP},
+    "dp": {"batch": ("data", "expert"), **_PP_EP_SP},
+    "fsdp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP},
+    "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_TP, **_PP_EP_SP},
+    "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_TP, **_PP_EP_SP},
 }
 # Activations use their own names ("act_embed", "act_mlp", ...) so that FSDP shards the weights' "embed"
 # dimension without also sharding the activations' hidden dimension. By default an activation axis
 # follows its parameter twin (tensor parallelism); "act_embed" is unmapped unless a table maps it.
-_ACT_TO_PARAM = {"act_heads": "q_heads", "act_kv_heads": "kv_heads", "act_mlp": "mlp", "act_vocab": "vocab"}
+_ACT_TO_PARAM = {"act_heads": "q_heads", "act_kv_heads": "kv_heads", "act_mlp": "mlp", "act_vocab": "vocab",
+                 "act_experts": "experts"}
 
 
 def resolve_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     """Fills in the one -1 axis and checks the product. Raises ValueError naming the axis."""
-    sizes = {a: int(sizes[a]) for a in AXES}
+    sizes = {a: int(sizes.get(a, 1)) for a in AXES}  # axes a caller leaves out are size 1
     for axis, n in sizes.items():
         if n == 0 or n < -1:
             raise ValueError(f"mesh.{axis}: must be a positive size or -1, got {n}")
@@ -63,7 +70,7 @@ def resolve_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
             raise ValueError(f"mesh.{free[0]}: -1 cannot fill {num_devices} devices, the other axes multiply to {fixed}")
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
-        shape = "x".join(str(sizes[a]) for a in AXES)
+        shape = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1"
         raise ValueError(f"mesh.data: mesh {shape} has {fixed} devices but JAX sees {num_devices}")
     return sizes
 
@@ -132,10 +139,11 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     """The mesh over `devices` (default all); with `dcn` (resolve_dcn) a hybrid DCN x ICI layout."""
     devices = jax.devices() if devices is None else devices
     axis_types = (AxisType.Auto,) * len(AXES)
+    shape = {a: shape.get(a, 1) for a in AXES}
     if not dcn or math.prod(dcn.values()) == 1:
         return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=axis_types, devices=devices)
-    dcn_shape = [dcn[a] for a in AXES]
-    ici_shape = [shape[a] // dcn[a] for a in AXES]
+    dcn_shape = [dcn.get(a, 1) for a in AXES]
+    ici_shape = [shape[a] // n for a, n in zip(AXES, dcn_shape)]
     # jax's create_hybrid_device_mesh does this for slices or processes; we also need the CPU blocks.
     blocks = np.empty(dcn_shape, dtype=object)
     for index, granule in zip(np.ndindex(*dcn_shape), granules(devices, math.prod(dcn_shape))):
@@ -147,7 +155,8 @@ def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mes
              rules: Mapping[str, tuple[str, ...]]) -> P:
     """PartitionSpec for an array of `shape` whose dims carry logical `names`.
 
-    A mapping that does not divide its dimension, or whose mesh axis is already taken by an earlier
+    Mesh axes already taken by an earlier dimension are left out of a later one's mapping (experts on
+    `expert`, then the batch on the rest of its axes); a mapping left empty, or that does not divide its
     dimension, is dropped (that dimension is replicated). An array with no names at all falls back to
     FSDP on its largest dimension that the fsdp axis divides.
     """
@@ -156,8 +165,8 @@ def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mes
     taken: set[str] = set()
     spec = []
     for size, name in zip(shape, names):
-        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1) if name else ()
-        if not axes or taken & set(axes) or size % math.prod(mesh.shape[a] for a in axes):
+        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in taken) if name else ()
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
             spec.append(None)
             continue
         taken |= set(axes)
@@ -196,6 +205,11 @@ def activation_sharding(mesh: Mesh, rules: Mapping[str, tuple[str, ...]]):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_sharding() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
+    """(mesh, rules) while tracing inside `activation_sharding`, else None."""
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

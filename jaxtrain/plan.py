@@ -704,7 +704,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from jaxtrain import config as config_lib, optim, train  # noqa: PLC0415
+    from jaxtrain import config as config_lib, optim, pipeline_parallel, train  # noqa: PLC0415
     from jaxtrain.models import transformer  # noqa: PLC0415
 
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -808,6 +808,10 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                   "cost_analysis_vs_model": ratio(cost * num_devices if cost is not None else None, model_flops),
                   "hlo_dots_vs_model": ratio(dots * num_devices if dots is not None else None, model_flops)},
         "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s},
+        "pipeline": {"stages": config.pipeline.stages, "microbatches": config.pipeline.microbatches,
+                     "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats,
+                     "bubble": pipeline_parallel.bubble_fraction(config.pipeline.stages, config.pipeline.microbatches,
+                                                                 config.pipeline.repeats)},
         "collectives": [dict(r, axes=list(r["axes"]), ratio=ratio(r.get("analytic_bytes"), r["bytes"]))
                         for r in coll_rows],
     }
@@ -900,6 +904,13 @@ def format_report(r: dict) -> str:
         f"x{_r(f['hlo_dots_vs_model'])} of model (with remat, full attention)",
         f"  peak {_f(tg['peak_flops_per_device'])}/s per device x {tg['num_devices']} ({tg['peak_source']})",
         f"  at {s['mfu']:.0%} MFU: ideal step {_t(s['ideal_step_s'])}, {s['tokens_per_s']:,.0f} tokens/s",
+    ]
+    p = r["pipeline"]
+    if p["stages"] > 1:
+        lines.append(f"  pipeline {p['stages']} stages x {p['microbatches']} microbatches ({p['schedule']}"
+                     f"{', %d repeats' % p['repeats'] if p['schedule'] == 'circular' else ''}): bubble "
+                     f"{p['bubble']:.1%}, so at most {1 - p['bubble']:.0%} of that MFU")
+    lines += [
         "",
         "collectives per step, per device (bytes = payload; wire = ring traffic)",
         f"  {'op':<20}{'axes':<16}{'count':>7}{'bytes':>14}{'wire bytes':>14}{'analytic':>14}{'analytic/compiled':>19}",
@@ -977,12 +988,12 @@ def main(argv=None) -> None:
         if config is None:
             print("error: --config: required (e.g. --config configs/bench_cpu.py)", file=sys.stderr)
             sys.exit(2)
-        from jaxtrain import config as config_lib  # noqa: PLC0415
+        from jaxtrain import config as config_lib, mesh as mesh_lib  # noqa: PLC0415
 
         n = devices
         try:
             if n is None:
-                sizes = [config.mesh[a] for a in ("data", "fsdp", "tensor")]
+                sizes = [config.mesh[a] for a in mesh_lib.AXES]
                 n = math.prod(sizes) if all(isinstance(x, int) and x > 0 for x in sizes) else 1
                 _force_host_devices(n)  # jax is imported, but its CPU backend has not started yet
             import jax  # noqa: PLC0415

@@ -25,13 +25,18 @@ def next_token_targets(batch):
     return targets, weights
 
 
-def loss_sum(graphdef, params, batch):
-    """Summed token cross-entropy (f32) and the number of scored tokens."""
+def loss_terms(graphdef, params, batch):
+    """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
     targets, weights = next_token_targets(batch)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(ce * weights), jnp.sum(weights)
+    return jnp.sum(ce * weights), jnp.sum(weights), aux
+
+
+def loss_sum(graphdef, params, batch):
+    """Summed token cross-entropy (f32) and the number of scored tokens."""
+    return loss_terms(graphdef, params, batch)[:2]
 
 
 def split_microbatches(x, n: int):
@@ -45,18 +50,27 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's token count so that accumulation equals one big step.
             total = jnp.maximum(next_token_targets(batch)[1].sum(), 1.0)
-            grad_fn = jax.value_and_grad(lambda p, mb: loss_sum(graphdef, p, mb)[0] / total)
+            aux_weight = nnx.merge(graphdef, state["params"]).cfg.moe_aux_weight  # static: read while tracing
 
+            def objective(params, mb):
+                ce_sum, _, aux = loss_terms(graphdef, params, mb)
+                loss = ce_sum / total
+                aux = {f"moe/{k}": v / microbatches for k, v in aux.items()}  # means over the microbatches
+                balance = aux.get("moe/load_balance_loss", 0.0)
+                return loss + aux_weight * balance, (loss, aux)
+
+            grad_fn = jax.value_and_grad(objective, has_aux=True)
             if microbatches == 1:
-                loss, grads = grad_fn(state["params"], batch)
+                (_, (loss, aux)), grads = grad_fn(state["params"], batch)
             else:
                 def accumulate(carry, mb):
-                    loss, grads = grad_fn(state["params"], mb)
-                    return jax.tree.map(jnp.add, carry, (loss, grads)), None
+                    (_, (loss, aux)), grads = grad_fn(state["params"], mb)
+                    return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
-                zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
                 micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
-                (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+                first = jax.tree.map(lambda x: x[0], micro)
+                (_, (loss, aux)), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state["params"], first))
+                (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
 
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -68,8 +82,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             new_state = {"step": state["step"] + 1,
                          "params": keep(params, state["params"]),
                          "opt_state": keep(opt_state, state["opt_state"])}
+            # "loss" is the cross-entropy alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
-                       "finite": finite, "tokens": total}
+                       "finite": finite, "tokens": total, **aux}
             return new_state, metrics
 
     return train_step

@@ -27,7 +27,7 @@ from jaxtrain import distributed, faults, goodput, hf
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import optim, step as step_lib, tracking
+from jaxtrain import optim, pipeline_parallel, step as step_lib, tracking
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.models import transformer
 
@@ -236,9 +236,15 @@ def run(config, print_fn=print, writers=()) -> dict:
     trainer = build_trainer(config, mesh_shape, rules, dcn=dcn)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
     hybrid = f" (dcn {dcn})" if math.prod(dcn.values()) > 1 else ""
-    say(f"mesh {dict(trainer.mesh.shape)}{hybrid} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
+    axes = {a: n for a, n in trainer.mesh.shape.items() if n > 1} or {"data": 1}  # size-1 axes are noise
+    say(f"mesh {axes}{hybrid} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
         f"{trainer.model_cfg.dtype} compute | devices {jax.device_count()} x {jax.devices()[0].device_kind} | "
         f"processes {jax.process_count()}")
+    if config.pipeline.stages > 1:
+        p = config.pipeline
+        say(f"pipeline {p.stages} stages x {p.microbatches} microbatches, {p.schedule} schedule"
+            f"{f' x {p.repeats} repeats' if p.schedule == 'circular' else ''} | bubble "
+            f"{pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats):.1%} of each step idle")
 
     # ===== Data iterators (one position for all processes: see jaxtrain/data/pipeline.py) ==============
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())

@@ -23,7 +23,7 @@ def tree_digest(directory):
 def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
     """Makes the batch of `bad_step` turn the loss (and every gradient) NaN, as a corrupt record would.
 
-    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); loss_sum turns it
+    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); loss_terms turns it
     into NaN inside the jitted step. `setattr_fn` is pytest's monkeypatch.setattr, or plain setattr in a
     subprocess."""
     import jax
@@ -32,7 +32,7 @@ def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
     from jaxtrain import step as step_lib
     from jaxtrain.data import pipeline
 
-    original_next, original_loss = pipeline.TrainIterator.__next__, step_lib.loss_sum
+    original_next, original_loss = pipeline.TrainIterator.__next__, step_lib.loss_terms
 
     def poisoned_next(self):
         bad = self.next_token == (bad_step - 1) * self.global_batch * self.seq_len
@@ -43,8 +43,8 @@ def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
         return batch
 
     def poisoned_loss(graphdef, params, batch):
-        total, count = original_loss(graphdef, params, batch)
-        return total * jnp.where(jnp.any(batch["positions"] < 0), jnp.nan, 1.0), count
+        total, count, aux = original_loss(graphdef, params, batch)
+        return total * jnp.where(jnp.any(batch["positions"] < 0), jnp.nan, 1.0), count, aux
 
     setattr_fn(pipeline.TrainIterator, "__next__", poisoned_next)
-    setattr_fn(step_lib, "loss_sum", poisoned_loss)
+    setattr_fn(step_lib, "loss_terms", poisoned_loss)

@@ -137,7 +137,8 @@ def shard_shapes(arr):
 def test_param_and_moment_shard_shapes(tiny_config, preset):
     shape, expected = LAYOUTS[preset]
     trainer = build(mesh_config(tiny_config, preset, shape))
-    assert dict(trainer.mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
+    assert dict(trainer.mesh.shape) == {"pipeline": 1, "expert": 1, "sequence": 1,
+                                        **dict(zip(("data", "fsdp", "tensor"), shape))}
     state = trainer.init()
     adam = adam_states(state["opt_state"])
 
@@ -282,17 +283,17 @@ def test_loss_and_grad_norm_agree_across_meshes(tiny_config, tiny_data_dir):
 
 
 def granule_of(mesh, granule_size=4):
-    """Which consecutive block of 4 devices (the simulated CPU granule) each mesh position holds."""
-    return np.vectorize(lambda d: d.id // granule_size)(mesh.devices)
+    """Which consecutive block of 4 devices (the simulated CPU granule) each (data, fsdp) position holds."""
+    return np.vectorize(lambda d: d.id // granule_size)(mesh.devices).reshape(mesh.shape["data"], mesh.shape["fsdp"])
 
 
 def test_hybrid_mesh_puts_dcn_axes_between_granules():
     # 2 granules of 4 devices. dcn_data=2: each data row is one granule, fsdp stays inside it.
     mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, dcn={"data": 2, "fsdp": 1, "tensor": 1})
-    assert granule_of(mesh)[:, :, 0].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert granule_of(mesh).tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
     # dcn_fsdp=2: fsdp's outer factor crosses granules, its inner 2 ways and all of data stay inside one.
     mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "tensor": 1}, dcn={"data": 1, "fsdp": 2, "tensor": 1})
-    assert granule_of(mesh)[:, :, 0].tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    assert granule_of(mesh).tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
@@ -325,7 +326,7 @@ def test_bad_dcn_sizes_name_the_field(tiny_config, override, field):
 def test_hybrid_mesh_trains_like_the_plain_one(tiny_config, tiny_data_dir):
     cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 4, 1), **{"optim.warmup_steps": 0, "mesh.dcn_fsdp": 2})
     facts = config_lib.validate(cfg, 8)
-    assert facts["dcn"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    assert facts["dcn"] == {**dict.fromkeys(mesh_lib.AXES, 1), "fsdp": 2}
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
     batches = [next(it) for _ in range(3)]
     hybrid = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], dcn=facts["dcn"])

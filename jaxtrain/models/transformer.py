@@ -48,6 +48,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Mixture of experts (jaxtrain.models.moe): 0 = every block has a dense MLP. Otherwise every block's MLP is
+    # `n_experts` experts of width d_ff, each token routed to its top `moe_top_k`; an expert takes at most
+    # capacity = ceil(moe_capacity_factor * tokens_per_group * moe_top_k / n_experts) tokens per group.
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
+    # Pipeline parallelism (jaxtrain.pipeline_parallel): how the layer stack runs, not what the model is. 1 stage = a
+    # plain scan over the layers.
+    pipeline_stages: int = 1
+    pipeline_microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    pipeline_repeats: int = 1
 
 
 def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
@@ -104,9 +117,11 @@ class Attention(nnx.Module):
         k = jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
         q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", "seq", "act_kv_heads", None))
-        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        # Every query needs every earlier key: under sequence parallelism the queries stay split along the
+        # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
+        k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", None, "act_kv_heads", None))
+        v = constrain(v, ("batch", None, "act_kv_heads", None))
+        out = jax.nn.dot_product_attention(q, k, v, mask=constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
 
@@ -143,17 +158,27 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        if cfg.n_experts:
+            from jaxtrain.models.moe import MoE  # noqa: PLC0415 (moe builds on this module)
+            self.mlp = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg, rngs)
+
+    def feed_forward(self, x):
+        """(output, aux): aux holds the MoE's f32 scalars (load_balance_loss, dropped_fraction), or nothing."""
+        out = self.mlp(self.mlp_norm(x))
+        return out if isinstance(out, tuple) else (out, {})
 
     def __call__(self, x, positions, mask):
+        """-> (x, aux) for this layer."""
         x = x + self.attn(self.attn_norm(x), positions, mask)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "seq", "act_embed"))
+        out, aux = self.feed_forward(x)
+        return constrain(x + out, ("batch", "seq", "act_embed")), aux
 
     def decode(self, x, positions, mask, cache_k, cache_v, slots):
         attn_out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), positions, mask, cache_k, cache_v, slots)
         x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), cache_k, cache_v
+        return x + self.feed_forward(x)[0], cache_k, cache_v
 
 
 class Transformer(nnx.Module):
@@ -173,26 +198,45 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, segment_ids):
         """tokens, positions, segment_ids: int [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        return self.forward(tokens, positions, segment_ids)[0]
+
+    def forward(self, tokens, positions, segment_ids):
+        """-> (logits, aux): aux holds per-layer means of the MoE's scalars (empty for a dense model)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "seq", "act_embed"))
-        mask = attention_mask(segment_ids)
-
         block_def, block_state = nnx.split(self.blocks)
-
-        def layer(x, state):
-            return nnx.merge(block_def, state)(x, positions, mask), None
-
         policy = REMAT_POLICIES[cfg.remat]
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, block_state)
+        remat = (lambda f: f) if cfg.remat == "none" else (
+            lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False))
+
+        if cfg.pipeline_stages == 1:
+            mask = attention_mask(segment_ids)
+
+            def layer(x, state):
+                return nnx.merge(block_def, state)(x, positions, mask)
+
+            x, aux = jax.lax.scan(remat(layer), x, block_state)
+            aux = jax.tree.map(jnp.mean, aux)
+        else:  # config validation keeps MoE out of pipelines (its aux losses do not cross stages yet)
+            from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jaxtrain.mesh, as we do)
+
+            def pipelined_layer(state, carry):
+                # The mask is rebuilt per microbatch from its segment ids: [T, T] per row, cheap next to attention.
+                x, _ = nnx.merge(block_def, state)(carry["x"], carry["positions"], attention_mask(carry["segment_ids"]))
+                return {**carry, "x": x}
+
+            carry = pipeline_parallel.run(remat(pipelined_layer), block_state,
+                                 {"x": x, "positions": positions, "segment_ids": segment_ids},
+                                 stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
+                                 schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
+            x, aux = constrain(carry["x"], ("batch", "seq", "act_embed")), {}
 
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
-        return constrain(logits, ("batch", "seq", "act_vocab"))
+        return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
     def decode(self, tokens, cache, start, last_index=None):
         """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
@@ -242,9 +286,11 @@ def build(cfg: ModelConfig, seed: int) -> Transformer:
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the input embedding is a gather, not counted;
-    the output projection is, tied or not)."""
+    the output projection is, tied or not; of a mixture of experts, the top-k experts only)."""
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.d_model * cfg.d_ff
+    if cfg.n_experts:  # the router, and the experts a token is routed to (MoE FLOPs count active params)
+        mlp = cfg.d_model * cfg.n_experts + cfg.moe_top_k * mlp
     return cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
 
 

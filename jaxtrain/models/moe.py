@@ -1,0 +1,125 @@
+"""Mixture-of-experts feed-forward layer (GShard / Switch style): top-k routing with a capacity per expert.
+
+`MoE(cfg, rngs)(x) -> (y, aux)`, x and y [B, T, d_model] in the compute dtype, aux a dict of f32 scalars
+{"load_balance_loss", "dropped_fraction"}. Choices:
+
+- Experts are SwiGLU MLPs like `transformer.MLP`, stacked on a leading "experts" axis ([E, d, f], [E, f, d]),
+  which the rules put on the `expert` mesh axis.
+- The router runs in float32: probs = softmax(x @ w_router); each token takes its top `moe_top_k` experts, and
+  its gate weights are those probs renormalised to sum to 1 (Mixtral).
+- A group is one batch row (sequence), so dispatch stays inside a data shard. Each expert takes at most
+  C = ceil(moe_capacity_factor * T * k / E) tokens of a group, clamped to [1, T] (an expert sees a token at
+  most once). `capacity` rounds the product to 6 decimals first, so float noise (1.1 * 10 = 11.000000000000002)
+  does not add a slot.
+- Filling capacity: every token's first choice goes before any second choice, and within one choice rank
+  earlier tokens go first. An assignment past its expert's capacity is dropped: the token gets nothing from that
+  expert (the residual connection outside carries it), and its gate weight is not given to the kept ones.
+- Dispatch and combine are one-hot tensors [B, T, E, C] used in einsums, so every shape is static and the
+  expert computation is dense [E, B, C, d]. With experts on the `expert` mesh axis and the batch split over data
+  axes that include `expert`, XLA inserts the all-to-alls between the token and the expert layouts.
+- load_balance_loss (Switch Transformer) = E * sum_e f_e * P_e: f_e is the fraction of the B*T*k assignments
+  (before capacity) that chose expert e, P_e the mean router probability of e over all tokens. It is 1 when
+  routing is perfectly balanced; only P_e carries a gradient. dropped_fraction = dropped assignments / (B*T*k).
+- Every token counts, padding included (the layer is not given the segment ids).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.mesh import constrain
+from jaxtrain.models.transformer import ModelConfig, _param
+
+
+def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
+    """Slots per expert and group: ceil(capacity_factor * group_size * top_k / n_experts), within [1, group_size]."""
+    c = math.ceil(round(capacity_factor * group_size * top_k / n_experts, 6))
+    return max(1, min(group_size, c))
+
+
+def _top_k(probs: jax.Array, k: int):
+    """jax.lax.top_k over the last axis as k rounds of argmax (ties: the lower expert first). XLA's partitioner
+    all-gathers a batch-sharded operand of top_k (jax 0.10 on 8 CPU devices); argmax stays sharded."""
+    values, indices = [], []
+    for _ in range(k):
+        index = jnp.argmax(probs, axis=-1)
+        values.append(jnp.take_along_axis(probs, index[..., None], axis=-1)[..., 0])
+        indices.append(index)
+        probs = jnp.where(jax.nn.one_hot(index, probs.shape[-1], dtype=jnp.bool_), -jnp.inf, probs)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
+
+
+def route(logits: jax.Array, top_k: int, capacity: int):
+    """Router logits [B, T, E] (f32) -> (dispatch [B, T, E, C] f32 0/1, combine [B, T, E, C] f32, aux).
+
+    dispatch[b, t, e, c] = 1 where token t of group b fills slot c of expert e; combine is dispatch times that
+    assignment's gate weight. aux: {"load_balance_loss", "dropped_fraction"} f32 scalars."""
+    batch, tokens, n_experts = logits.shape
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_probs, top_idx = _top_k(probs, top_k)  # [B, T, k], best first
+    gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32)  # [B, T, k, E]
+
+    # Slot of each assignment in its expert: count earlier assignments in priority order (choice rank, then token).
+    by_priority = jnp.swapaxes(chosen, 1, 2).reshape(batch, top_k * tokens, n_experts)
+    slot = jnp.sum((jnp.cumsum(by_priority, axis=1) - 1) * by_priority, axis=-1)  # [B, k*T]
+    slot = jnp.swapaxes(slot.reshape(batch, top_k, tokens), 1, 2)  # [B, T, k]
+    kept = slot < capacity
+    kept_chosen = chosen.astype(jnp.float32) * kept[..., None]
+    slot_onehot = jax.nn.one_hot(jnp.where(kept, slot, 0), capacity, dtype=jnp.float32)  # [B, T, k, C]
+    # A token's k choices are distinct experts, so each (t, e) pair receives at most one of them.
+    dispatch = jnp.einsum("btke,btkc->btec", kept_chosen, slot_onehot)
+    combine = jnp.einsum("btke,btkc->btec", kept_chosen * gates[..., None], slot_onehot)
+
+    assignments = batch * tokens * top_k
+    fraction_routed = jnp.sum(chosen, axis=(0, 1, 2)).astype(jnp.float32) / assignments  # f_e
+    mean_prob = jnp.mean(probs, axis=(0, 1))  # P_e
+    aux = {
+        "load_balance_loss": n_experts * jnp.sum(fraction_routed * mean_prob),
+        "dropped_fraction": (assignments - jnp.sum(kept, dtype=jnp.int32)).astype(jnp.float32) / assignments,
+    }
+    return dispatch, combine, aux
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """ValueError naming the field when the MoE fields cannot build a layer."""
+    if cfg.n_experts < 1:
+        raise ValueError(f"n_experts: a mixture of experts needs at least 1 expert, got {cfg.n_experts}")
+    if not 1 <= cfg.moe_top_k <= cfg.n_experts:
+        raise ValueError(f"moe_top_k: must be between 1 and n_experts={cfg.n_experts}, got {cfg.moe_top_k}")
+    if not cfg.moe_capacity_factor > 0:
+        raise ValueError(f"moe_capacity_factor: must be positive, got {cfg.moe_capacity_factor}")
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        check_config(cfg)
+        self.cfg = cfg
+        d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+        self.w_router = _param(rngs, (d, e), ("embed", None), cfg)
+        self.w_gate = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_up = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
+                             std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x):
+        """x [B, T, d] -> (y [B, T, d] in x's dtype, {"load_balance_loss", "dropped_fraction"} f32 scalars)."""
+        cfg, dt = self.cfg, x.dtype
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...].astype(jnp.float32))
+        dispatch, combine, aux = route(logits, cfg.moe_top_k,
+                                       capacity(cfg.moe_capacity_factor, x.shape[1], cfg.moe_top_k, cfg.n_experts))
+        dispatch = constrain(dispatch.astype(dt), ("batch", "seq", None, None))
+        combine = constrain(combine.astype(dt), ("batch", "seq", None, None))
+
+        expert_in = constrain(jnp.einsum("btec,btd->ebcd", dispatch, x), ("act_experts", "batch", None, "act_embed"))
+        gate = jnp.einsum("ebcd,edf->ebcf", expert_in, self.w_gate[...].astype(dt))
+        up = jnp.einsum("ebcd,edf->ebcf", expert_in, self.w_up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, ("act_experts", "batch", None, "act_mlp"))
+        expert_out = constrain(jnp.einsum("ebcf,efd->ebcd", hidden, self.w_down[...].astype(dt)),
+                               ("act_experts", "batch", None, "act_embed"))
+        y = jnp.einsum("btec,ebcd->btd", combine, expert_out)
+        return constrain(y, ("batch", "seq", "act_embed")), aux

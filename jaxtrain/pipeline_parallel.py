@@ -1,0 +1,202 @@
+"""Pipeline parallelism over the `pipeline` mesh axis, in plain jit/GSPMD style (as MaxText does it).
+
+The stacked layers ([n_layers, ...] leaves) are split into `stages`; the batch into `microbatches`. A
+stage-major buffer [stages, microbatch, ...] holds what every stage works on. Each *tick* runs all stages at
+once (`jax.vmap` over the stage axis, each stage a `lax.scan` over its layers), then shifts the outputs one
+stage along (`jnp.roll` on the stage axis). With the stage axis sharded over the `pipeline` mesh axis
+(logical name "stages"), every device runs only its own stage and XLA lowers the roll to a
+collective-permute. The ticks are a `lax.scan`, so autodiff gives the backward pass (and its reverse
+permutes); the result equals running every layer in order on the whole batch.
+
+Schedules (S stages, M microbatches, R repeats, L layers):
+  gpipe     stage s holds the contiguous layers [s*L/S, (s+1)*L/S). A params leaf [L, ...] sharded on its
+            dim 0 over `pipeline` is already laid out per stage (the reshape to [S, L/S, ...] moves
+            nothing). M + S - 1 ticks; any M >= 1 works (M >= S keeps the bubble down).
+  circular  interleaved: the layers form S*R chunks of L/(S*R); chunk c runs on stage c % S, so a
+            microbatch goes round the ring R times. R*M + S - 1 ticks. Needs M >= S when R > 1 (a
+            microbatch leaving the last stage must find stage 0 free; when M > S it waits M - S ticks on
+            stage 0's device). Cost: stage s needs chunks s, S+s, 2S+s, ..., which is not the contiguous
+            [L] layout, so turning a leaf sharded on its layer dim into [S, R, L/(S*R), ...] sharded on the
+            stage dim is an all-to-all of the layer weights over the pipeline axis on every step (and its
+            transpose for the gradients). Storing the layers permuted (chunk order) would remove it.
+  Fraction of stage-ticks idle (the bubble): (S - 1) / (R*M + S - 1), see `bubble_fraction`.
+
+Memory: the backward pass keeps each tick's stage inputs (and whatever `layer_fn` saves; wrap it in
+`jax.checkpoint` to trade compute for memory), i.e. activations for R*M + S - 1 stage-microbatches per
+device, as GPipe does; there is no 1F1B-style early backward under a single jit.
+
+Sharding: stage-major buffers are constrained to ("stages", "batch") and stage params to ("stages",) on their
+leading dims (the leaf to ("layers",) first); their other dims are left unconstrained, so that fsdp, tensor
+or sequence shardings set inside `layer_fn` survive. The vmap over stages passes the stage mesh axes as
+`spmd_axis_name`, so constraints inside `layer_fn` keep the stage dim on its shard. The final carry is read
+from stage 0's device and broadcast over the pipeline axis once per call. No 1F1B schedule: under one jit the
+backward pass is the transpose of the whole tick loop, so its activation memory is GPipe's whatever the order;
+the circular schedule is the one that shrinks the bubble.
+
+Idle stage-ticks (the bubble) compute on real, finite data (an earlier microbatch), never on
+uninitialised buffers, and their results never reach the output, so their cotangents are exactly zero and
+gradients stay free of NaNs.
+
+Microbatches are split as `jaxtrain.step.split_microbatches` does (row i goes to microbatch i % M, so each
+microbatch spans every data shard) and the output is put back in the original row order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import mesh as mesh_lib
+
+SCHEDULES = ("gpipe", "circular")
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Fraction of stage-ticks idle: (S - 1) / (R*M + S - 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def check(n_layers: int, batch: int, stages: int, microbatches: int, schedule: str, repeats: int = 1) -> None:
+    """Raises ValueError (one line, naming the config field) if `run` cannot take this configuration."""
+    if stages < 1:
+        raise ValueError(f"pipeline.stages: must be >= 1, got {stages}")
+    if microbatches < 1:
+        raise ValueError(f"pipeline.microbatches: must be >= 1, got {microbatches}")
+    if repeats < 1:
+        raise ValueError(f"pipeline.repeats: must be >= 1, got {repeats}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline.schedule: unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
+    if schedule == "gpipe" and repeats != 1:
+        raise ValueError(f"pipeline.repeats: only the circular schedule repeats; gpipe needs 1, got {repeats}")
+    if n_layers % stages:
+        raise ValueError(f"pipeline.stages: n_layers={n_layers} is not divisible by stages={stages}")
+    if n_layers % (stages * repeats):
+        raise ValueError(f"pipeline.repeats: n_layers={n_layers} is not divisible by "
+                         f"stages*repeats={stages}*{repeats}")
+    if batch % microbatches:
+        raise ValueError(f"pipeline.microbatches: batch={batch} is not divisible by microbatches={microbatches}")
+    if schedule == "circular" and repeats > 1 and microbatches < stages:
+        raise ValueError(f"pipeline.microbatches: the circular schedule with repeats>1 needs microbatches >= "
+                         f"stages, got {microbatches} < {stages}")
+
+
+# --- Sharding helpers ---------------------------------------------------------------------------------
+def _constrain(x, names):
+    """`mesh.constrain` for the leading dims named in `names`; the remaining dims are left unconstrained, so
+    shardings that the layer itself puts on them (tensor, fsdp, sequence) survive instead of being gathered."""
+    active = mesh_lib.active_sharding()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = mesh_lib.spec_for(x.shape[:len(names)], names, mesh, rules)
+    spec = P(*spec, *([P.UNCONSTRAINED] * (x.ndim - len(names))))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _stage_axis(stages: int):
+    """Mesh axes the stage dimension is sharded over (for vmap's spmd_axis_name), or None."""
+    active = mesh_lib.active_sharding()
+    if active is None:
+        return None
+    mesh, rules = active
+    axis = mesh_lib.spec_for((stages,), ("stages",), mesh, rules)[0]
+    return None if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _split(x, m: int):  # == jaxtrain.step.split_microbatches (not imported: step imports the model)
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of _split
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+# --- The pipeline -------------------------------------------------------------------------------------
+def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: int, schedule: str = "gpipe",
+        repeats: int = 1):
+    """Runs every layer of `layer_params` in order over `carry`, pipelined.
+
+    layer_fn(one_layer_params, carry) -> carry applies one layer; `layer_params` has leaves [n_layers, ...]
+    (layer order); `carry` is a pytree of arrays [batch, ...] (extras such as positions travel with the
+    activations, so each microbatch keeps its own). Returns the final carry [batch, ...] in the original row
+    order, equal to `lax.scan` over all the layers on the whole batch.
+    """
+    n_layers = jax.tree.leaves(layer_params)[0].shape[0]
+    batch = jax.tree.leaves(carry)[0].shape[0]
+    check(n_layers, batch, stages, microbatches, schedule, repeats)
+    S, M, R = stages, microbatches, repeats
+    K = n_layers // (S * R)  # layers per chunk (per stage and repeat)
+
+    def scan_layers(params, c):
+        return jax.lax.scan(lambda c, p: (layer_fn(p, c), None), c, params)[0]
+
+    if S == 1:  # one stage: nothing to pipeline, microbatches would change nothing
+        return scan_layers(layer_params, carry)
+
+    # Stage params [S, R, K, ...]: stage s, repeat r holds chunk r*S + s = layers [(r*S+s)*K, (r*S+s+1)*K).
+    # For gpipe (R = 1) this is a plain reshape of the contiguous layout; for circular it is a transpose.
+    def to_stages(w):
+        # Pinning the [L] layout first also pins the gradient's (the transpose of a constraint is itself).
+        w = _constrain(w, ("layers",))
+        w = jnp.swapaxes(w.reshape(R, S, K, *w.shape[1:]), 0, 1)
+        return _constrain(w, ("stages",))
+
+    stage_params = jax.tree.map(to_stages, layer_params)
+    stage_ids = jnp.arange(S)
+
+    def stage_fn(params, repeat, c):  # one stage's work for one tick (vmapped over the stages)
+        if R == 1:
+            chunk = jax.tree.map(lambda w: w[0], params)
+        else:
+            chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), params)
+        return scan_layers(chunk, c)
+
+    run_stages = jax.vmap(stage_fn, spmd_axis_name=_stage_axis(S))
+
+    def stage_major(x):  # [S, microbatch, ...]
+        return _constrain(x, ("stages", "batch"))
+
+    def select_stage0(first, rest):  # stage 0 takes `first`, the others `rest`
+        pick = lambda a, b: jnp.where((stage_ids == 0).reshape(S, *[1] * (a.ndim - 1)), a, b)
+        return jax.tree.map(lambda a, b: stage_major(pick(a, b)), first, rest)
+
+    # `store` [S, M, microbatch, ...]: stage 0's copy is the input queue. It starts as the microbatches, and
+    # each microbatch's output from the last stage is written back into its slot (after the ring shift, so
+    # the write is local to stage 0), where stage 0 reads it for the next repeat; at the end it holds the
+    # outputs. The other stages' copies are filled alike but only ever feed idle stage-ticks.
+    micro = jax.tree.map(lambda x: _split(x, M), carry)
+    store = jax.tree.map(
+        lambda x: _constrain(jnp.broadcast_to(x[None], (S, *x.shape)), ("stages", None, "batch")), micro)
+
+    def read(store, slot):
+        return jax.tree.map(lambda b: stage_major(jax.lax.dynamic_index_in_dim(b, slot, 1, keepdims=False)), store)
+
+    def tick(loop, t):
+        state, store = loop  # state: what each stage works on at tick t
+        # Stage s works on repeat (t - s) // M; idle ticks clamp it into range (their results are dropped).
+        repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)
+        out = run_stages(stage_params, repeat, state)
+        shifted = jax.tree.map(lambda x: stage_major(jnp.roll(x, 1, axis=0)), out)  # stage s -> s + 1, S-1 -> 0
+        # The last stage finished microbatch (t - S + 1) % M (if t >= S - 1); keep it in stage 0's slot.
+        done = t - (S - 1)
+        slot = done % M
+
+        def write(b, x):
+            old = jax.lax.dynamic_index_in_dim(b, slot, 1, keepdims=False)
+            new = jnp.where(done >= 0, x, old)
+            return _constrain(jax.lax.dynamic_update_index_in_dim(b, new, slot, 1), ("stages", None, "batch"))
+
+        store = jax.tree.map(write, store, shifted)
+        # Next tick: stage 0 takes microbatch (t + 1) % M from its queue (new input, or its previous repeat's
+        # output); the other stages take their predecessor's output.
+        state = select_stage0(read(store, (t + 1) % M), shifted)
+        return (state, store), None
+
+    ticks = R * M + S - 1
+    state = read(store, 0)  # stage 0 starts on microbatch 0; the idle stages chew on copies of it
+    (_, store), _ = jax.lax.scan(tick, (state, store), jnp.arange(ticks))
+    return jax.tree.map(lambda b: _unsplit(b[0]), store)

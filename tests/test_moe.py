@@ -1,0 +1,244 @@
+"""Mixture of experts: routing, capacity and dispatch against a plain loop reference, gradients against a dense
+reference, expert sharding on 8 devices against one device, and config guards."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.models import moe
+from jaxtrain.models.transformer import ModelConfig
+
+SMALL = {"vocab_size": 64, "d_model": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "head_dim": 4, "d_ff": 12,
+         "n_experts": 4, "moe_top_k": 2}
+
+
+def build(seed=0, std=0.5, **overrides):
+    """A MoE layer with every weight drawn with `std`, so that routing is decisive and outputs are O(1).
+    -> (cfg, graphdef, params as a pure dict of f32 numpy arrays)."""
+    cfg = ModelConfig(**{**SMALL, **overrides})
+    layer = nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=seed)))  # shapes only: eager init is slow here
+    graphdef, state = nnx.split(layer)
+    rng = np.random.default_rng(seed + 100)
+    params = jax.tree.map(lambda p: rng.normal(0.0, std, p.shape).astype(np.float32), nnx.to_pure_dict(state))
+    return cfg, graphdef, params
+
+
+def apply(graphdef, params, x):
+    return nnx.merge(graphdef, params)(x)
+
+
+# One compile each instead of many eager ops (slow to dispatch on a busy 2-core machine).
+run = jax.jit(apply, static_argnums=0)
+route = jax.jit(moe.route, static_argnums=(1, 2))
+
+
+# --- Plain references --------------------------------------------------------------------------------
+
+
+def swiglu(x, params, e):
+    gate, up = x @ params["w_gate"][e], x @ params["w_up"][e]
+    return (gate / (1 + np.exp(-gate)) * up) @ params["w_down"][e]
+
+
+def loop_reference(x, params, top_k, capacity_factor):
+    """Float64 loops: per group, choice rank by choice rank, token by token, with explicit capacity counters.
+    -> (y, load_balance_loss, dropped_fraction)."""
+    x = np.asarray(x, np.float64)
+    params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    B, T, _ = x.shape
+    E = params["w_router"].shape[1]
+    cap = max(1, min(T, math.ceil(capacity_factor * T * top_k / E)))
+    y = np.zeros_like(x)
+    chose = np.zeros(E)
+    prob_sum = np.zeros(E)
+    dropped = 0
+    for b in range(B):
+        logits = x[b] @ params["w_router"]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        prob_sum += probs.sum(0)
+        top = [np.argsort(-probs[t], kind="stable")[:top_k] for t in range(T)]
+        used = np.zeros(E, int)
+        for j in range(top_k):
+            for t in range(T):
+                e = top[t][j]
+                chose[e] += 1
+                if used[e] == cap:
+                    dropped += 1
+                    continue
+                used[e] += 1
+                gate = probs[t, e] / probs[t, top[t]].sum()
+                y[b, t] += gate * swiglu(x[b, t], params, e)
+    n = B * T * top_k
+    return y, E * np.sum(chose / n * prob_sum / (B * T)), dropped / n
+
+
+def dense_reference(params, x, top_k):
+    """jax.numpy, no capacity: every expert runs on every token, weighted by the renormalised top-k gates."""
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, params["w_router"]), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, top_k)
+    weights = jnp.einsum("btk,btke->bte", top_p / top_p.sum(-1, keepdims=True),
+                         jax.nn.one_hot(top_i, probs.shape[-1]))
+    gate = jnp.einsum("btd,edf->btef", x, params["w_gate"])
+    up = jnp.einsum("btd,edf->btef", x, params["w_up"])
+    out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate) * up, params["w_down"])
+    E = probs.shape[-1]
+    f = jax.nn.one_hot(top_i, E).sum(axis=(0, 1, 2)) / top_i.size  # fraction of the assignments per expert
+    lb = E * jnp.sum(f * probs.mean(axis=(0, 1)))
+    return jnp.einsum("bte,bted->btd", weights, out), lb
+
+
+# --- Routing and dispatch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity_factor, dropping", [(4.0, False), (0.5, True)])
+def test_matches_loop_reference(capacity_factor, dropping):
+    cfg, graphdef, params = build(moe_capacity_factor=capacity_factor)
+    x = np.random.default_rng(1).normal(size=(3, 8, cfg.d_model)).astype(np.float32)
+
+    y, aux = run(graphdef, params, x)
+    ref_y, ref_lb, ref_dropped = loop_reference(x, params, cfg.moe_top_k, capacity_factor)
+
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert all(v.dtype == jnp.float32 and v.shape == () for v in aux.values())
+    np.testing.assert_allclose(np.asarray(y), ref_y, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(float(aux["load_balance_loss"]), ref_lb, rtol=1e-6)
+    # dropped_fraction counts whole assignments: the f32 quotient equals the reference's exactly.
+    assert float(aux["dropped_fraction"]) == np.float32(ref_dropped)
+    assert (ref_dropped > 0) == dropping
+    # The reference result depends on the routing at all (not a trivially small output).
+    assert np.abs(ref_y).max() > 0.1
+
+
+def test_first_choices_fill_capacity_before_second_choices():
+    # 4 tokens, 2 experts, top-2, capacity 2. Tokens 0 and 1 prefer expert 0, tokens 2 and 3 prefer expert 1.
+    # First choices fill both experts, so every second choice is dropped; a token-major order would instead
+    # give tokens 0 and 1 both experts and tokens 2 and 3 nothing.
+    logits = jnp.array([[[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 3.0]]])
+    dispatch, combine, aux = route(logits, top_k=2, capacity=moe.capacity(0.5, 4, 2, 2))
+    assert dispatch.shape == (1, 4, 2, 2)
+    expected = np.zeros((1, 4, 2, 2))
+    expected[0, 0, 0, 0] = expected[0, 1, 0, 1] = expected[0, 2, 1, 0] = expected[0, 3, 1, 1] = 1
+    np.testing.assert_array_equal(np.asarray(dispatch), expected)
+    # Gates are the top-2 probs renormalised (here: all probs), and dropped gates are not handed on.
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    np.testing.assert_allclose(np.asarray(combine).sum(-1), expected.sum(-1) * probs, rtol=1e-6)
+    assert float(aux["dropped_fraction"]) == 0.5
+
+
+def test_capacity_formula():
+    assert moe.capacity(1.25, 8, 2, 4) == 5  # ceil(5.0)
+    assert moe.capacity(1.1, 10, 1, 1) == 10  # 1.1 * 10 is 11.000000000000002 in floats; clamped to T anyway
+    assert moe.capacity(1.1, 20, 1, 2) == 11  # not 12
+    assert moe.capacity(0.01, 8, 1, 8) == 1  # at least one slot
+    assert moe.capacity(100.0, 8, 2, 4) == 8  # at most one slot per token
+
+
+def test_load_balance_loss_is_one_when_balanced_and_e_when_collapsed():
+    E = 4
+    # Every token routes to its own expert with the same confidence: balanced, so the loss is exactly 1.
+    balanced = jnp.eye(E)[None] * 3.0
+    assert float(route(balanced, 1, 4)[2]["load_balance_loss"]) == pytest.approx(1.0, rel=1e-6)
+    # Every token sends everything to expert 0: f_0 = 1, P_0 ~ 1, loss ~ E.
+    collapsed = jnp.zeros((2, 5, E)).at[..., 0].set(30.0)
+    aux = route(collapsed, 1, moe.capacity(1.0, 5, 1, E))[2]
+    assert float(aux["load_balance_loss"]) == pytest.approx(E, rel=1e-5)
+    assert float(aux["dropped_fraction"]) == pytest.approx(1 - 2 / 5)  # capacity 2 of the 5 tokens per group
+
+
+# --- Gradients and precision -------------------------------------------------------------------------
+
+
+def test_gradients_match_dense_reference():
+    cfg, graphdef, params = build(moe_capacity_factor=4.0)  # ample: nothing dropped, so dense == MoE
+    x = np.random.default_rng(2).normal(size=(2, 6, cfg.d_model)).astype(np.float32)
+    probe = np.random.default_rng(3).normal(size=x.shape).astype(np.float32)
+
+    def loss(params, x):
+        y, aux = apply(graphdef, params, x)
+        return jnp.sum(y * probe) + 3.0 * aux["load_balance_loss"]
+
+    def ref_loss(params, x):
+        y, lb = dense_reference(params, x, cfg.moe_top_k)
+        return jnp.sum(y * probe) + 3.0 * lb
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    # The router learns through the gates and the balancing loss: its gradient is not zero.
+    assert np.abs(np.asarray(got[0]["w_router"])).max() > 1e-3
+
+
+def test_bfloat16_compute():
+    cfg, graphdef, params = build(moe_capacity_factor=4.0)
+    x = np.random.default_rng(4).normal(size=(2, 8, cfg.d_model)).astype(np.float32)
+    _, graphdef16, _ = build(moe_capacity_factor=4.0, dtype="bfloat16")
+    y32, aux32 = run(graphdef, params, x)
+    y16, aux16 = run(graphdef16, params, jnp.asarray(x, jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16 and all(v.dtype == jnp.float32 for v in aux16.values())
+    scale = float(jnp.abs(y32).max())
+    assert float(jnp.abs(y16.astype(jnp.float32) - y32).max()) < 3e-2 * scale
+    # The router runs in f32 on the bf16-rounded input: the balancing loss barely moves.
+    assert float(aux16["load_balance_loss"]) == pytest.approx(float(aux32["load_balance_loss"]), rel=2e-2)
+
+
+# --- Expert sharding ---------------------------------------------------------------------------------
+
+
+def test_expert_sharding_matches_single_device():
+    cfg, graphdef, params = build(n_experts=8, moe_capacity_factor=1.0)  # capacity 2 of 8: drops included
+    x = np.random.default_rng(5).normal(size=(8, 8, cfg.d_model)).astype(np.float32)
+    probe = np.random.default_rng(6).normal(size=x.shape).astype(np.float32)
+
+    def loss(params, x):
+        y, aux = apply(graphdef, params, x)
+        return jnp.sum(y * probe) + aux["load_balance_loss"], (y, aux)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, (want_y, want_aux)), want_grads = jax.jit(step)(params, x)
+    assert float(want_aux["dropped_fraction"]) > 0
+
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    rules = {"batch": ("data", "expert"), "experts": ("expert",), "act_experts": ("expert",)}
+    layer = nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=0)))
+    names = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer)))
+    param_shardings = mesh_lib.tree_shardings(params, names, mesh, rules)
+    assert param_shardings["w_gate"].spec == P("expert", None, None)
+    assert param_shardings["w_down"].spec == P("expert", None, None)
+    assert param_shardings["w_router"].spec == P(None, None)
+    sharded_params = jax.device_put(params, param_shardings)
+    sharded_x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+
+    with mesh_lib.activation_sharding(mesh, rules):  # read while tracing
+        compiled = jax.jit(step).lower(sharded_params, sharded_x).compile()
+    (_, (y, aux)), grads = compiled(sharded_params, sharded_x)
+
+    hlo = compiled.as_text()
+    assert any(op in hlo for op in ("all-to-all", "all-gather", "reduce-scatter", "collective-permute"))
+    # Tokens travel to the experts, not the experts to the tokens: no device ever holds all 8 experts' weights
+    # (without the activation constraints XLA all-gathers them).
+    assert "f32[8,8,12]" not in hlo and "f32[8,12,8]" not in hlo
+    assert tuple(grads[0]["w_gate"].sharding.spec)[:1] == ("expert",)  # the gradients stay with their experts
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=0, atol=1e-5)
+    for key in want_aux:
+        np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+# --- Config guards -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, field", [({"moe_top_k": 5}, "moe_top_k"), ({"moe_top_k": 0}, "moe_top_k"),
+                                              ({"moe_capacity_factor": 0.0}, "moe_capacity_factor")])
+def test_bad_config_raises(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        moe.MoE(ModelConfig(**{**SMALL, **overrides}), nnx.Rngs(params=0))

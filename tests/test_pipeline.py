@@ -1,0 +1,200 @@
+"""Pipeline parallelism (jaxtrain.pipeline): equal to a plain scan over the layers, forward and gradients,
+with and without a mesh; the schedules' bookkeeping; config errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import pipeline_parallel as pipeline
+
+L, B, T, D = 8, 8, 4, 16  # T != D so that only the weights have a trailing [D, D]
+RULES = {"stages": ("pipeline",), "layers": ("pipeline",), "batch": ("data",)}
+
+
+def plain_layer(p, c):
+    return {**c, "x": c["x"] + jnp.tanh(c["x"] @ p["w"] + p["b"])}
+
+
+def extras_layer(p, c):
+    """Uses a per-row extra, and divides by the row's RMS: zeros fed to an idle stage would give inf/NaN."""
+    x = c["x"]
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+    return {**c, "x": x + c["scale"][:, None, None] * jnp.tanh(normed @ p["w"] + p["b"])}
+
+
+LAYERS = {"plain": plain_layer, "extras": extras_layer}
+
+
+def make_inputs():
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(k[0], (L, D, D)) * 0.3, "b": jax.random.normal(k[1], (L, D)) * 0.1}
+    carry = {"x": jax.random.normal(k[2], (B, T, D)),
+             "scale": jnp.linspace(0.5, 1.5, B),                      # float extra the layer reads
+             "positions": jnp.arange(B * T, dtype=jnp.int32).reshape(B, T)}  # int extra passed through
+    weights = jax.random.normal(k[3], (B, T, D))  # makes every output element matter to the loss
+    return params, carry, weights
+
+
+def value_and_grads(layer, weights, **pipe):
+    """jitted (params, carry) -> ((loss, final carry), (d params, d x)); plain scan when `pipe` is empty."""
+    def forward(params, x, extras):
+        carry = {"x": x, **extras}
+        if pipe:
+            out = pipeline.run(layer, params, carry, **pipe)
+        else:
+            out = jax.lax.scan(lambda c, p: (layer(p, c), None), carry, params)[0]
+        return jnp.sum(jnp.sin(out["x"]) * weights), out
+
+    grad_fn = jax.value_and_grad(forward, argnums=(0, 1), has_aux=True)
+
+    def f(params, carry):
+        extras = {k: v for k, v in carry.items() if k != "x"}
+        return grad_fn(params, carry["x"], extras)
+
+    return f
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """Every leaf within rtol of the reference, relative to the reference leaf's largest magnitude."""
+    flat_a, tree_a = jax.tree.flatten(actual)
+    flat_e, tree_e = jax.tree.flatten(expected)
+    assert tree_a == tree_e
+    for a, e in zip(flat_a, flat_e):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        assert np.all(np.isfinite(a)), "non-finite values"
+        scale = max(float(np.max(np.abs(e))), 1e-30)
+        err = float(np.max(np.abs(a.astype(np.float64) - e)))
+        assert err <= rtol * scale, f"max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """reference[layer name]: the plain scan's ((loss, carry), grads), computed once per layer on first use."""
+    class Cache(dict):
+        def __missing__(self, name):
+            params, carry, weights = make_inputs()
+            self[name] = jax.jit(value_and_grads(LAYERS[name], weights))(params, carry)
+            return self[name]
+
+    return Cache()
+
+
+@pytest.mark.parametrize("layer,schedule,stages,microbatches,repeats", [
+    ("extras", "gpipe", 2, 2, 1),
+    ("extras", "gpipe", 2, 4, 1),
+    ("extras", "gpipe", 4, 4, 1),
+    ("extras", "gpipe", 4, 8, 1),
+    ("extras", "gpipe", 4, 2, 1),  # fewer microbatches than stages: allowed, just a big bubble
+    ("extras", "circular", 2, 2, 2),
+    ("extras", "circular", 2, 4, 2),  # M > S: outputs wait on stage 0 before their next repeat
+    ("plain", "gpipe", 2, 4, 1),
+    ("plain", "circular", 2, 4, 2),
+    ("plain", "gpipe", 1, 2, 1),  # one stage: a plain scan
+])
+def test_matches_plain_scan(reference, layer, schedule, stages, microbatches, repeats):
+    params, carry, weights = make_inputs()
+    f = value_and_grads(LAYERS[layer], weights, stages=stages, microbatches=microbatches, schedule=schedule,
+                        repeats=repeats)
+    (loss, out), grads = jax.jit(f)(params, carry)
+    (ref_loss, ref_out), ref_grads = reference[layer]
+    assert_close(out, ref_out)  # every leaf, extras included, in the original row order
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)  # d params and d x
+
+
+def _mesh():
+    return jax.make_mesh((4, 2), ("pipeline", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Result shapes of every all-gather in compiled HLO text (tuple results give several)."""
+    shapes = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(\(.*?\)|\S+)\s+all-gather(?:-start)?\(", line)
+        if m:
+            shapes += [tuple(int(d) for d in dims.split(",") if d)
+                       for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))]
+    return shapes
+
+
+@pytest.mark.parametrize("schedule,microbatches,repeats", [("gpipe", 4, 1), ("circular", 4, 2)])
+def test_sharded_over_pipeline_axis(reference, schedule, microbatches, repeats):
+    mesh = _mesh()
+    params, carry, weights = make_inputs()
+    f = value_and_grads(extras_layer, weights, stages=4, microbatches=microbatches, schedule=schedule,
+                        repeats=repeats)
+
+    def sharded(params, carry):
+        with mesh_lib.activation_sharding(mesh, RULES):
+            return f(params, carry)
+
+    params = jax.device_put(params, NamedSharding(mesh, P("pipeline")))  # layer dim split over the stages
+    carry = jax.device_put(carry, NamedSharding(mesh, P("data")))
+    jitted = jax.jit(sharded)
+    compiled = jitted.lower(params, carry).compile()
+    (loss, out), grads = compiled(params, carry)
+    (ref_loss, ref_out), ref_grads = reference["extras"]
+    assert_close(out, ref_out)
+    assert_close(loss, ref_loss)
+    assert_close(grads, ref_grads)
+
+    hlo = compiled.as_text()
+    assert "collective-permute" in hlo  # the shift between stages
+    # The weight gradients stay split over the stages like the weights (nothing gathered them whole).
+    assert grads[0]["w"].sharding.spec == P("pipeline")
+    assert grads[0]["w"].addressable_shards[0].data.shape == (L // 4, D, D)
+    if schedule == "gpipe":
+        # Contiguous stages: each device keeps its own layers. No all-gather yields anything weight-shaped
+        # (trailing [D, D], e.g. the full [L, D, D] stack or a stage's [S, L/S, D, D]).
+        weight_like = [s for s in _gathered_shapes(hlo) if s[-2:] == (D, D)]
+        assert not weight_like, f"weights all-gathered: {weight_like}"
+        assert all(np.prod(s) < L * D * D for s in _gathered_shapes(hlo))  # nor anything as big as them
+
+
+def test_gathered_shapes_parser():
+    hlo = ("%all-gather.1 = f32[2,4,1,16,16]{4,3,2,0,1} all-gather(%x), dimensions={1}\n"
+           "%ag = (f32[8,16]{1,0}, bf16[3]{0}) all-gather-start(%a, %b)\n"
+           "%y = f32[2,16,16]{2,1,0} add(%all-gather.1, %z)\n")
+    assert _gathered_shapes(hlo) == [(2, 4, 1, 16, 16), (8, 16), (3,)]
+
+
+def test_bubble_fraction():
+    assert pipeline.bubble_fraction(1, 8) == 0.0
+    assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert pipeline.bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    assert pipeline.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)  # circular: R*M + S - 1 ticks
+    assert pipeline.bubble_fraction(2, 4, 2) < pipeline.bubble_fraction(2, 4, 1)
+
+
+@pytest.mark.parametrize("args,field", [
+    (dict(stages=0), "pipeline.stages"),
+    (dict(stages=3), "pipeline.stages"),                               # 8 layers do not split 3 ways
+    (dict(stages=4, schedule="circular", repeats=4), "pipeline.repeats"),  # 8 % 16
+    (dict(microbatches=3), "pipeline.microbatches"),                   # batch 8 % 3
+    (dict(microbatches=0), "pipeline.microbatches"),
+    (dict(stages=4, microbatches=2, schedule="circular", repeats=2), "pipeline.microbatches"),  # M < S
+    (dict(schedule="1f1b"), "pipeline.schedule"),
+    (dict(repeats=2), "pipeline.repeats"),                             # gpipe does not repeat
+    (dict(repeats=0, schedule="circular"), "pipeline.repeats"),
+])
+def test_check_rejects(args, field):
+    kwargs = dict(n_layers=L, batch=B, stages=2, microbatches=2, schedule="gpipe", repeats=1) | args
+    with pytest.raises(ValueError, match=re.escape(field) + ":") as err:
+        pipeline.check(**kwargs)
+    assert "\n" not in str(err.value)
+    params, carry, _ = make_inputs()
+    with pytest.raises(ValueError, match=re.escape(field)):  # run() checks too, before tracing anything
+        pipeline.run(plain_layer, params, carry, **{k: v for k, v in kwargs.items() if k not in ("n_layers", "batch")})
+
+
+def test_check_accepts():
+    pipeline.check(n_layers=8, batch=8, stages=4, microbatches=8, schedule="gpipe", repeats=1)
+    pipeline.check(n_layers=8, batch=8, stages=4, microbatches=2, schedule="gpipe", repeats=1)
+    pipeline.check(n_layers=8, batch=8, stages=2, microbatches=4, schedule="circular", repeats=2)
+    pipeline.check(n_layers=8, batch=8, stages=4, microbatches=2, schedule="circular", repeats=1)
