@@ -1,0 +1,224 @@
+"""Sequence, pipeline and expert parallelism of the whole model on 8 fake CPU devices, each against the same
+model on one device; and every axis at once on 16 devices (tests/parallel_worker.py, in a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import config as config_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import step as step_lib
+from jaxtrain import train
+from helpers import read_jsonl
+from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def configure(tiny_config, mesh=None, **overrides):
+    """The tiny config (conftest) on `mesh` ({axis: size}; the rest 1, data -1), warmup 0 so step 1 moves."""
+    mesh = {"data": -1, **{a: 1 for a in MESH_KEYS if a != "data"}, **(mesh or {})}
+    return tiny_config(**{**{f"mesh.{a}": n for a, n in mesh.items()}, "optim.warmup_steps": 0, **overrides})
+
+
+def single_device(cfg):
+    cfg = cfg.copy_and_resolve_references()
+    cfg.mesh.update({a: 1 for a in MESH_KEYS})
+    cfg.pipeline.stages = 1
+    return cfg
+
+
+def assert_same_training(cfg, reference_cfg, batches):
+    """Loss and gradient norm (and MoE metrics) of every step agree. Parameters are not compared: Adam's
+    first steps turn a 1e-7 difference in a near-zero gradient into a full learning-rate step."""
+    got = train_steps(cfg, batches)
+    want = train_steps(reference_cfg, batches, devices=jax.devices()[:1])
+    assert want["loss"][-1] < want["loss"][0]  # the steps do train (otherwise agreement would be cheap)
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    return got
+
+
+def forward_fn(trainer):
+    def forward(params, batch):
+        with mesh_lib.activation_sharding(trainer.mesh, trainer.rules):
+            return nnx.merge(trainer.graphdef, params)(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return jax.jit(forward)
+
+
+# --- Sequence (context) parallelism ---------------------------------------------------------------------------
+
+
+def test_sequence_parallel_splits_activations_and_keeps_attention_exact(tiny_config):
+    cfg = configure(tiny_config, {"data": 2, "sequence": 4})
+    facts = config_lib.validate(cfg, 8)
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    reference = train.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    state = trainer.init()
+    batch = synthetic_batches(1, 8, 32, 512)[0]
+    logits = forward_fn(trainer)(state["params"], train.global_batch(batch, trainer.batch_sharding))
+    # Batch over data, the sequence over the 4 sequence devices: each holds 4 rows x 8 positions.
+    assert logits.sharding.spec[:2] == ("data", "sequence")
+    assert {s.data.shape for s in logits.addressable_shards} == {(4, 8, 512)}
+    params = jax.device_put(jax.device_get(state["params"]), jax.devices()[0])
+    want = forward_fn(reference)(params, train.global_batch(batch, reference.batch_sharding))
+    # Every document spans several sequence shards, so queries on one device attend to keys on others.
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [{"sequence": 8}, {"data": 2, "sequence": 2, "tensor": 2}],
+                         ids=["sequence8", "data2_sequence2_tensor2"])
+def test_sequence_parallel_trains_like_one_device(tiny_config, mesh):
+    cfg = configure(tiny_config, mesh)
+    assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
+
+
+def test_sequence_axis_must_divide_the_sequence(tiny_config):
+    with pytest.raises(config_lib.ConfigError, match="train.seq_len: 36 is not divisible by mesh.sequence=8"):
+        config_lib.validate(configure(tiny_config, {"sequence": 8}, **{"train.seq_len": 36}), 8)
+
+
+# --- Pipeline parallelism -------------------------------------------------------------------------------------
+
+PIPELINES = {  # id: (mesh, pipeline settings); the model gets 4 layers
+    "gpipe4": ({"pipeline": 4, "data": 2}, dict(stages=4, microbatches=4, schedule="gpipe")),
+    "gpipe2_tensor": ({"pipeline": 2, "data": 2, "tensor": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
+    "circular2x2": ({"pipeline": 2, "fsdp": 4}, dict(stages=2, microbatches=2, schedule="circular", repeats=2)),
+}
+
+
+def pipelined_config(tiny_config, name):
+    mesh, settings = PIPELINES[name]
+    return configure(tiny_config, mesh, **{"model.n_layers": 4},
+                     **{f"pipeline.{k}": v for k, v in settings.items()})
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, name):
+    cfg = pipelined_config(tiny_config, name)
+    facts = config_lib.validate(cfg, 8)
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    reference = train.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    state = trainer.init()
+    params = jax.device_get(state["params"])
+    # Stage s holds layers [s * L/S, (s+1) * L/S): the stacked layer axis is split over the pipeline axis.
+    wq = state["params"]["blocks"]["attn"]["wq"]
+    assert wq.sharding.spec[0] == "pipeline" and wq.addressable_shards[0].data.shape[0] == 4 // cfg.mesh.pipeline
+    batch = synthetic_batches(1, 8, 32, 512)[0]
+
+    def loss_and_grads(t, p):
+        def f(p, b):
+            with mesh_lib.activation_sharding(t.mesh, t.rules):
+                total, count = step_lib.loss_sum(t.graphdef, p, b)
+                return total / count
+        return jax.jit(jax.value_and_grad(f))(p, train.global_batch(batch, t.batch_sharding))
+
+    loss, grads = loss_and_grads(trainer, state["params"])
+    want_loss, want_grads = loss_and_grads(reference, jax.device_put(params, jax.devices()[0]))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    errors = leaf_errors(jax.device_get(grads), jax.device_get(want_grads))
+    assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2"])
+def test_pipeline_trains_like_one_device(tiny_config, name):
+    cfg = pipelined_config(tiny_config, name)
+    assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
+
+
+def test_pipeline_run_reports_the_bubble_and_resumes(tiny_config, tmp_path):
+    cfg = pipelined_config(tiny_config, "gpipe4")
+    cfg.train.update(steps=4)
+    cfg.checkpoint.every_steps = 2
+    lines = []
+    result = train.run(cfg, print_fn=lines.append)
+    assert result["finished"] and result["step"] == 4
+    # GPipe, 4 stages, 4 microbatches: (S - 1) / (M + S - 1) = 3/7 of each step idle.
+    assert any("pipeline 4 stages x 4 microbatches, gpipe schedule | bubble 42.9%" in line for line in lines), lines
+    # The pipelined checkpoint restores onto a plain data-parallel mesh (orbax reshards).
+    cfg.mesh.update(pipeline=1, data=-1)
+    cfg.pipeline.stages = 1
+    cfg.train.steps = 5
+    again = train.run(cfg, print_fn=lines.append)
+    assert again["resumed"] and again["step"] == 5
+    losses = [r["loss"] for r in read_jsonl(Path(cfg.workdir) / "metrics.jsonl") if "loss" in r]
+    assert len(losses) >= 2 and np.isfinite(losses).all()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh.pipeline": 2}, "mesh.pipeline: 2 does not divide pipeline.stages=1"),
+    ({"pipeline.stages": 3, "model.n_layers": 4}, "pipeline.stages"),
+    ({"pipeline.stages": 2, "pipeline.microbatches": 3}, "pipeline.microbatches"),
+    ({"pipeline.stages": 2, "pipeline.schedule": "1f2b"}, "pipeline.schedule"),
+    ({"pipeline.stages": 2, "model.n_experts": 2}, "pipeline.stages: a mixture of experts cannot be pipelined"),
+])
+def test_bad_pipeline_settings_name_the_field(tiny_config, overrides, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(configure(tiny_config, **overrides), 8)
+
+
+# --- Expert parallelism ---------------------------------------------------------------------------------------
+
+MOE = {"model.n_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0}
+
+
+@pytest.mark.parametrize("mesh", [{"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}],
+                         ids=["expert4_data2", "expert2_fsdp2_tensor2"])
+def test_expert_parallel_trains_like_one_device(tiny_config, mesh):
+    cfg = configure(tiny_config, mesh, **MOE)
+    got = assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
+    assert 0 < got["moe/dropped_fraction"][0] < 0.5  # capacity 1.0 with 32 tokens: some assignments drop
+    assert (got["moe/load_balance_loss"] >= 1.0 - 1e-6).all()
+
+
+def test_expert_weights_live_on_the_expert_axis(tiny_config):
+    cfg = configure(tiny_config, {"expert": 4, "data": 2}, **MOE)
+    facts = config_lib.validate(cfg, 8)
+    state = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).init()
+    w_gate = state["params"]["blocks"]["mlp"]["w_gate"]  # [layers, experts, embed, mlp]
+    assert w_gate.shape == (2, 4, 32, 64)
+    assert {s.data.shape for s in w_gate.addressable_shards} == {(2, 1, 32, 64)}
+    mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["w_gate"]  # Adam's moment shards like its parameter
+    assert {s.data.shape for s in mu.addressable_shards} == {(2, 1, 32, 64)}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh.expert": 2}, "mesh.expert: size 2 needs a mixture of experts"),
+    ({**MOE, "mesh.expert": 8}, "mesh.expert: 8 does not divide model.n_experts=4"),
+    ({**MOE, "model.moe_top_k": 5}, "model.moe_top_k: 5 exceeds model.n_experts=4"),
+])
+def test_bad_expert_settings_name_the_field(tiny_config, overrides, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(configure(tiny_config, **overrides), 8)
+
+
+# --- Everything at once: 16 devices ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_all_axes_combined_on_16_devices(tmp_path):
+    """data x fsdp x tensor x pipeline (a dense model) and data x fsdp x expert x tensor (a mixture of experts),
+    each 3 steps against its single-device run, in a process that sees 16 devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=16", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    out = tmp_path / "combined.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "parallel_worker.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"data2_fsdp2_tensor2_pipeline2", "data2_fsdp2_expert2_tensor2"}
+    for name, r in results.items():
+        assert r["devices"] == 16 and r["mesh"] == {a: 2 for a in r["mesh"]}, name
+        want = {key: w for key, (_, w) in r["metrics"].items()}
+        assert {"loss", "grad_norm"} <= set(want) and ("moe/dropped_fraction" in want) == ("expert" in name)
+        for key, (got, want_values) in r["metrics"].items():
+            np.testing.assert_allclose(got, want_values, rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+        assert want["loss"][-1] < want["loss"][0], name
