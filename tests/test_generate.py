@@ -127,7 +127,7 @@ def test_cached_decoding_equals_full_recompute(model, case, setting):
     assert ids == ref_ids
     for step, (cached, full) in enumerate(zip(cached_logits(graphdef, params, prompt, ref_ids, window=window),
                                               ref_logits)):
-        np.testing.assert_allclose(cached, full, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")  # ulps of f32 on logits up to ~5
     if setting != "greedy":  # the settings must change something, or the equality above is weak
         greedy = generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7,
                                  temperature=0.0, top_k=0)
@@ -141,7 +141,7 @@ def test_banded_reference_is_the_model_within_the_window(model):
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, REF_LEN).astype(np.int32)
     for length in (1, window):
         np.testing.assert_allclose(make_reference_forward(graphdef, window)(params, tokens, length),
-                                   make_reference_forward(graphdef, REF_LEN)(params, tokens, length), rtol=0, atol=1e-5)
+                                   make_reference_forward(graphdef, REF_LEN)(params, tokens, length), rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_rules():

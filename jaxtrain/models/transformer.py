@@ -16,6 +16,7 @@ RoPE only sees relative distances, so absolute positions past the trained length
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,14 @@ class ModelConfig:
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "gpipe"
     pipeline_repeats: int = 1
+
+
+def project(x, w, contract: int = 1):
+    """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
+    dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free."""
+    k = math.prod(w.shape[:contract])
+    y = x.reshape(-1, k) @ w.reshape(k, -1)
+    return y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
 
 
 def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
@@ -113,9 +122,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, mask):
         dt = x.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        q = project(x, self.wq[...].astype(dt))
+        k = project(x, self.wk[...].astype(dt))
+        v = project(x, self.wv[...].astype(dt))
         q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
         # Every query needs every earlier key: under sequence parallelism the queries stay split along the
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
@@ -123,19 +132,19 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", None, "act_kv_heads", None))
         out = jax.nn.dot_product_attention(q, k, v, mask=constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+        return project(out, self.wo[...].astype(dt), contract=2)
 
     def decode(self, x, positions, mask, cache_k, cache_v, slots):
         """x: [B, T, d] at `positions` [B, T]; cache_k/v: one layer's [B, L, kv, hd]; the new K/V go to `slots` [T].
         Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
-        q = rope(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), positions, self.cfg.rope_theta)
-        k = rope(jnp.einsum("btd,dnh->btnh", x, self.wk[...].astype(dt)), positions, self.cfg.rope_theta)
-        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...].astype(dt))
+        q = rope(project(x, self.wq[...].astype(dt)), positions, self.cfg.rope_theta)
+        k = rope(project(x, self.wk[...].astype(dt)), positions, self.cfg.rope_theta)
+        v = project(x, self.wv[...].astype(dt))
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
-        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), cache_k, cache_v
+        return project(out, self.wo[...].astype(dt), contract=2), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -147,10 +156,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        gate = project(x, self.w_gate[...].astype(dt))
+        up = project(x, self.w_up[...].astype(dt))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dt))
+        return project(hidden, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -235,7 +244,7 @@ class Transformer(nnx.Module):
 
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
+        logits = project(x, head.astype(dt))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
     def decode(self, tokens, cache, start, last_index=None):
@@ -270,7 +279,7 @@ class Transformer(nnx.Module):
         x = x[:, t - 1 if last_index is None else last_index]
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
-        return jnp.einsum("bd,dv->bv", x, head.astype(dt)), {"k": new_k, "v": new_v}
+        return project(x, head.astype(dt)), {"k": new_k, "v": new_v}
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
