@@ -10,8 +10,8 @@ The mesh axes have fixed meanings (listed outermost first, as they are laid out 
   expert    mixture-of-experts experts are split over it; for everything else it is one more batch axis
   sequence  sequence (context) parallelism: activations split along the sequence; attention gathers K/V
   tensor    Megatron-style model parallelism over heads / mlp / vocab
-A preset picks which of them are active (every preset maps pipeline, expert and sequence). A mesh axis larger than 1 that the preset does not use is a
-config error rather than silently wasted devices.
+A preset picks which of them are active (every preset maps pipeline, expert and sequence). A mesh axis
+larger than 1 that the preset does not use is a config error rather than silently wasted devices.
 
 Hybrid meshes (TPU multislice, GPU multi-node): `mesh.dcn_<axis>` says how many of an axis's `mesh.<axis>`
 ways cross the slow data-center network (DCN) between granules; the rest stay on the fast interconnect
@@ -213,11 +213,15 @@ def active_sharding() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`x` laid out by the logical `names` of its dims. Names for only the leading dims leave the rest to XLA
+    (unconstrained), so a sharding set on them elsewhere (e.g. inside a pipeline stage) survives."""
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(x.shape, names, mesh, rules)))
+    spec = spec_for(x.shape[:len(names)], names, mesh, rules)
+    spec = P(*spec, *[P.UNCONSTRAINED] * (x.ndim - len(names)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

@@ -43,14 +43,13 @@ microbatch spans every data shard) and the output is put back in the original ro
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import step as step_lib
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -85,18 +84,6 @@ def check(n_layers: int, batch: int, stages: int, microbatches: int, schedule: s
 
 
 # --- Sharding helpers ---------------------------------------------------------------------------------
-def _constrain(x, names):
-    """`mesh.constrain` for the leading dims named in `names`; the remaining dims are left unconstrained, so
-    shardings that the layer itself puts on them (tensor, fsdp, sequence) survive instead of being gathered."""
-    active = mesh_lib.active_sharding()
-    if active is None:
-        return x
-    mesh, rules = active
-    spec = mesh_lib.spec_for(x.shape[:len(names)], names, mesh, rules)
-    spec = P(*spec, *([P.UNCONSTRAINED] * (x.ndim - len(names))))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def _stage_axis(stages: int):
     """Mesh axes the stage dimension is sharded over (for vmap's spmd_axis_name), or None."""
     active = mesh_lib.active_sharding()
@@ -107,11 +94,7 @@ def _stage_axis(stages: int):
     return None if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def _split(x, m: int):  # == jaxtrain.step.split_microbatches (not imported: step imports the model)
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-
-
-def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of _split
+def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of step.split_microbatches
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
@@ -141,9 +124,9 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     # For gpipe (R = 1) this is a plain reshape of the contiguous layout; for circular it is a transpose.
     def to_stages(w):
         # Pinning the [L] layout first also pins the gradient's (the transpose of a constraint is itself).
-        w = _constrain(w, ("layers",))
+        w = mesh_lib.constrain(w, ("layers",))
         w = jnp.swapaxes(w.reshape(R, S, K, *w.shape[1:]), 0, 1)
-        return _constrain(w, ("stages",))
+        return mesh_lib.constrain(w, ("stages",))
 
     stage_params = jax.tree.map(to_stages, layer_params)
     stage_ids = jnp.arange(S)
@@ -158,7 +141,7 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     run_stages = jax.vmap(stage_fn, spmd_axis_name=_stage_axis(S))
 
     def stage_major(x):  # [S, microbatch, ...]
-        return _constrain(x, ("stages", "batch"))
+        return mesh_lib.constrain(x, ("stages", "batch"))
 
     def select_stage0(first, rest):  # stage 0 takes `first`, the others `rest`
         pick = lambda a, b: jnp.where((stage_ids == 0).reshape(S, *[1] * (a.ndim - 1)), a, b)
@@ -168,9 +151,9 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     # each microbatch's output from the last stage is written back into its slot (after the ring shift, so
     # the write is local to stage 0), where stage 0 reads it for the next repeat; at the end it holds the
     # outputs. The other stages' copies are filled alike but only ever feed idle stage-ticks.
-    micro = jax.tree.map(lambda x: _split(x, M), carry)
+    micro = jax.tree.map(lambda x: step_lib.split_microbatches(x, M), carry)
     store = jax.tree.map(
-        lambda x: _constrain(jnp.broadcast_to(x[None], (S, *x.shape)), ("stages", None, "batch")), micro)
+        lambda x: mesh_lib.constrain(jnp.broadcast_to(x[None], (S, *x.shape)), ("stages", None, "batch")), micro)
 
     def read(store, slot):
         return jax.tree.map(lambda b: stage_major(jax.lax.dynamic_index_in_dim(b, slot, 1, keepdims=False)), store)
@@ -188,7 +171,7 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
         def write(b, x):
             old = jax.lax.dynamic_index_in_dim(b, slot, 1, keepdims=False)
             new = jnp.where(done >= 0, x, old)
-            return _constrain(jax.lax.dynamic_update_index_in_dim(b, new, slot, 1), ("stages", None, "batch"))
+            return mesh_lib.constrain(jax.lax.dynamic_update_index_in_dim(b, new, slot, 1), ("stages", None, "batch"))
 
         store = jax.tree.map(write, store, shifted)
         # Next tick: stage 0 takes microbatch (t + 1) % M from its queue (new input, or its previous repeat's

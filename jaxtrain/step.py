@@ -45,12 +45,12 @@ def split_microbatches(x, n: int):
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
-                    microbatches: int, mesh, rules) -> Callable:
+                    microbatches: int, mesh, rules, aux_weight: float = 0.0) -> Callable:
+    """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's token count so that accumulation equals one big step.
             total = jnp.maximum(next_token_targets(batch)[1].sum(), 1.0)
-            aux_weight = nnx.merge(graphdef, state["params"]).cfg.moe_aux_weight  # static: read while tracing
 
             def objective(params, mb):
                 ce_sum, _, aux = loss_terms(graphdef, params, mb)

@@ -237,9 +237,9 @@ class Transformer(nnx.Module):
                 return {**carry, "x": x}
 
             carry = pipeline_parallel.run(remat(pipelined_layer), block_state,
-                                 {"x": x, "positions": positions, "segment_ids": segment_ids},
-                                 stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
-                                 schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
+                                          {"x": x, "positions": positions, "segment_ids": segment_ids},
+                                          stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
+                                          schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
             x, aux = constrain(carry["x"], ("batch", "seq", "act_embed")), {}
 
         x = self.final_norm(x)
