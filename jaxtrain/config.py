@@ -48,10 +48,16 @@ def base_config() -> ml_collections.ConfigDict:
     # `init_from` (optional): a Hugging Face Llama directory whose weights replace the random init of a fresh
     # run (a resumed run takes its checkpoint); its architecture must equal these fields, and its tokenizer,
     # if it ships one, data.dir's. `python -m jaxtrain.hf overrides DIR` prints the flags that make it so.
+    # How the step runs, not what the model is (checkpoints do not depend on them): `loss_chunk_tokens` fuses the
+    # output projection with the loss, about that many tokens per device at a time, so [B, T, vocab] logits never
+    # exist (0 = plain logits); `scan_unroll` layers per iteration of the layer loop (n_layers = no loop: faster
+    # steps, compile time grows with depth); `attention_block` > 0 runs causal attention in query blocks of that
+    # many positions and skips the blocks above the diagonal.
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
                    rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="",
-                   n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01)
+                   n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01,
+                   loss_chunk_tokens=512, scan_unroll=1, attention_block=0)
 
     # Pipeline parallelism (jaxtrain/pipeline_parallel.py): `stages` (1 = off) splits the layers into that many
     # stages over the mesh's `pipeline` axis (which must divide it); each batch (or gradient-accumulation
@@ -200,6 +206,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _number(m.norm_eps, "model.norm_eps", lo=0, lo_open=True)
     _number(m.init_std, "model.init_std", lo=0, lo_open=True)
     _positive_int(cfg, "model.n_experts", allow_zero=True)
+    _positive_int(cfg, "model.loss_chunk_tokens", allow_zero=True)
+    _positive_int(cfg, "model.scan_unroll")
+    _positive_int(cfg, "model.attention_block", allow_zero=True)
     if m.n_experts:
         _positive_int(cfg, "model.moe_top_k")
         if m.moe_top_k > m.n_experts:

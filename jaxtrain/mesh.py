@@ -212,6 +212,15 @@ def active_sharding() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
     return _ACTIVE.get()
 
 
+def split_ways(name: str) -> int:
+    """Into how many pieces the active rules split the logical axis `name` (1 outside `activation_sharding`)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    return math.prod(mesh.shape[axis] for axis in rules.get(name, ()))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """`x` laid out by the logical `names` of its dims. Names for only the leading dims leave the rest to XLA
     (unconstrained), so a sharding set on them elsewhere (e.g. inside a pipeline stage) survives."""

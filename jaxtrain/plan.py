@@ -41,7 +41,9 @@ by an earlier dimension, does not count):
     act_layer(full) = a*d  (the layer input), plus one layer's `none` activations while it is recomputed
     act_layer(dots_saveable) = a*(3d + (h+2kv)*hd/T + h*hd/T + 2f/T) + a*h*S/T
     act_layer(dots_with_no_batch_dims_saveable) = a*(3d + (h+2kv)*hd/T + 2f/T)
-    logits = t * V/T_vocab * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax)
+    logits = t * V/T_vocab * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax); with the
+      fused chunked loss (model.loss_chunk_tokens > 0) t_chunk * V/T_vocab * (8 + (a if a < 4)) for one chunk's
+      f32 logits, f32 gradient and its compute-dtype copy
   These are the saved-for-backward tensors (Korthikanti et al. 2022 count the same way); XLA's buffer
   reuse and fusion move the compiled figure by tens of percent, which the ratio column shows. Against the
   compiled growth per layer (f32 activations, one device): configs/bench_cpu.py with remat none, 2 vs 4
@@ -601,6 +603,12 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
             total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
         vocab_split = tensor if cfg.vocab_size % tensor == 0 else 1
         act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+        if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
+            from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
+            rows = batch // (microbatches * dp)
+            chunk_tokens = tokens_dev // cross_entropy._n_chunks(rows, seq_len, cfg.loss_chunk_tokens)
+            logits = 8 + (act_bytes if act_bytes < 4 else 0)
+            return total + chunk_tokens * cfg.vocab_size / vocab_split * logits, per_layer
         logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
         return total + tokens_dev * cfg.vocab_size / vocab_split * logits, per_layer
 

@@ -190,9 +190,13 @@ def reference_forward(p, cfg, tokens, positions, seg):
     return x @ (p["embed"].T if cfg.tie_embeddings else p["unembed"])
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_forward_matches_numpy_reference(tie):
-    cfg, model = build(n_heads=4, n_kv_heads=2, tie_embeddings=tie)
+@pytest.mark.parametrize("tie,execution", [(True, {}), (False, {}), (False, {"attention_block": 3}),
+                                            (True, {"scan_unroll": 2}), (False, {"scan_unroll": 2, "attention_block": 3})],
+                         ids=["tied", "untied", "untied_attention_blocks", "tied_unrolled", "untied_unrolled_blocks"])
+def test_forward_matches_numpy_reference(tie, execution):
+    """Also with the execution knobs: causal attention in 3 query blocks of 3 (the documents and the padding
+    cross block edges) and the layer loop unrolled."""
+    cfg, model = build(n_heads=4, n_kv_heads=2, tie_embeddings=tie, **execution)
     model, params = randomized(model, seed=3)
     rng = np.random.default_rng(2)
     tokens = rng.integers(2, 64, (2, 9))

@@ -1,0 +1,123 @@
+"""The fused, chunked output projection + cross-entropy (jaxtrain/models/cross_entropy.py) against the plain
+logits -> optax cross-entropy it replaces: loss and both gradients, chunk counts, bf16, the whole train step on one
+device and sharded (vocab over `tensor`, sequence over `sequence`, with the other execution knobs: attention in
+query blocks, unrolled layers), and that the full logits never exist."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxtrain import config as config_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import train
+from jaxtrain.models import cross_entropy
+from parallel_worker import synthetic_batches, train_steps
+
+B, T, D, V = 4, 24, 16, 96
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(0, 1, (B, T, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(0, 0.5, (D, V)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    weights = jnp.asarray(rng.random((B, T)) > 0.2, jnp.float32)  # some positions do not count
+    return x, w, targets, weights
+
+
+def reference(x, w, targets, weights):
+    logits = jnp.einsum("btd,dv->btv", x, w, precision="highest")
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
+
+
+@pytest.mark.parametrize("chunk_tokens,chunks", [(0, 1), (4 * 24, 1), (4 * 8, 3), (4 * 5, 6), (4, 24), (1, 24)])
+def test_loss_and_gradients_equal_the_unfused_head(chunk_tokens, chunks):
+    x, w, targets, weights = inputs()
+    assert cross_entropy._n_chunks(B, T, chunk_tokens) == chunks
+    fused = lambda x, w: cross_entropy.linear_cross_entropy(x, w, targets, weights, chunk_tokens, jnp.float32)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(x, w)
+    want, (want_dx, want_dw) = jax.value_and_grad(lambda x, w: reference(x, w, targets, weights), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+    # Positions with weight 0 get no gradient at all.
+    assert np.all(np.asarray(dx)[np.asarray(weights) == 0] == 0)
+    # Without jax.grad (eval) the loss alone, the same number.
+    np.testing.assert_allclose(jax.jit(fused)(x, w), want, rtol=1e-6)
+
+
+def test_gradient_scales_with_the_cotangent():
+    x, w, targets, weights = inputs(1)
+    fused = lambda x, w: 0.25 * cross_entropy.linear_cross_entropy(x, w, targets, weights, 8, jnp.float32)
+    dx, dw = jax.grad(fused, argnums=(0, 1))(x, w)
+    want_dx, want_dw = jax.grad(lambda x, w: 0.25 * reference(x, w, targets, weights), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+
+
+def test_chunks_have_equal_length_and_follow_the_local_batch():
+    assert cross_entropy._n_chunks(4, 512, 512) == 4  # 128 positions x 4 rows
+    assert cross_entropy._n_chunks(4, 100, 120) == 4  # 30 positions wanted -> 25, the largest divisor of 100 <= 30
+    assert cross_entropy._n_chunks(4, 97, 8) == 97  # a prime length: 1 position per chunk
+    assert cross_entropy._n_chunks(16, 128, 0) == 1
+    # Batch split 4 ways over data: 4 local rows, so 512 tokens are 128 positions.
+    mesh = mesh_lib.make_mesh({"data": 4, "tensor": 2})
+    with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("dp_fsdp_tp")):
+        assert cross_entropy._n_chunks(16, 512, 512) == 4
+
+
+def test_bf16_compute_keeps_f32_gradients_for_f32_params():
+    x, w, targets, weights = inputs(2)
+    fused = lambda x, w: cross_entropy.linear_cross_entropy(x, w, targets, weights, 8, jnp.bfloat16)
+    loss, (dx, dw) = jax.value_and_grad(fused, argnums=(0, 1))(x.astype(jnp.bfloat16), w)
+    assert loss.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    want, (want_dx, want_dw) = jax.value_and_grad(lambda x, w: reference(x, w, targets, weights), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(loss, want, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=0.1, atol=0.05 * np.abs(want_dw).max())
+
+
+# --- The whole train step --------------------------------------------------------------------------------------
+
+
+def step_config(tiny_config, mesh=None, **overrides):
+    mesh = {"data": -1, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1, **(mesh or {})}
+    return tiny_config(**{**{f"mesh.{a}": n for a, n in mesh.items()}, "optim.warmup_steps": 0, **overrides})
+
+
+@pytest.mark.parametrize("mesh", [None, {"data": 2, "tensor": 4}, {"data": 2, "sequence": 2, "tensor": 2}],
+                         ids=["one_device", "data2_tensor4", "data2_sequence2_tensor2"])
+def test_fast_paths_train_like_the_plain_step(tiny_config, mesh):
+    """3 steps with the loss in 4 chunks, attention in 4 query blocks and the layer loop unrolled (vocab split over
+    tensor, the sequence over sequence, where attention falls back to one block) against the plain step on one
+    device: loss and gradient norm of every step."""
+    batches = synthetic_batches(1, 8, 32, 512) * 3  # one batch thrice: the loss must fall
+    fast = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 64,
+                                             "model.attention_block": 8, "model.scan_unroll": 2})
+    plain = step_config(tiny_config, None, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 0})
+    got = train_steps(fast, batches, devices=jax.devices() if mesh else jax.devices()[:1])
+    want = train_steps(plain, batches, devices=jax.devices()[:1])
+    assert want["loss"][-1] < want["loss"][0]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def test_full_logits_never_exist_in_the_compiled_step(tiny_config):
+    def compiled_text(chunk_tokens):
+        cfg = step_config(tiny_config, **{"model.vocab_size": 512, "model.loss_chunk_tokens": chunk_tokens})
+        facts = config_lib.validate(cfg, 1)
+        trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+        batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+        return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+
+    full = "f32[8,32,512]"  # [B, T, vocab] logits
+    assert full in compiled_text(0)
+    chunked = compiled_text(64)  # 8 positions x 8 rows per chunk
+    assert full not in chunked and "f32[256,512]" not in chunked
+    assert "f32[8,8,512]" in chunked or "f32[64,512]" in chunked
+
+
+def test_negative_chunk_is_a_config_error(tiny_config):
+    with pytest.raises(config_lib.ConfigError, match="model.loss_chunk_tokens"):
+        config_lib.validate(step_config(tiny_config, **{"model.loss_chunk_tokens": -1}), 8)
