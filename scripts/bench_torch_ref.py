@@ -2,16 +2,14 @@
 
     python scripts/bench_torch_ref.py [--config configs/bench_cpu.py] [--steps 10] [--config.model.remat=full]
 
-Times, one after the other in this process on the same synthetic batch (scripts/bench_step.py's: uniform random
-tokens, one document per row): jaxtrain's jitted train step (bench_step.time_train_step), the PyTorch twin
-(scripts/torch_llama.py) in eager mode, and under torch.compile (default mode, with a fresh inductor cache; its
-compile time is reported apart and excluded from step time; if it fails the error is printed and the run goes on
-with eager). Each is the median of --steps timed steps after 2 warm-up steps. Both torch models start from
-jaxtrain's initial params, and the first-step losses of all three are printed side by side. torch runs with
-torch.set_num_threads(os.cpu_count()).
-
-jaxtrain is timed once more at the end (the same warm step) as a drift check: if that figure differs much from
-the first, the machine changed during the run and the ratio deserves a rerun.
+Times, on the same synthetic batch (scripts/bench_step.py's: uniform random tokens, one document per row),
+jaxtrain's jitted train step, the PyTorch twin (scripts/torch_llama.py) in eager mode, and under torch.compile
+(default mode, with a fresh inductor cache; its compile time is reported apart and excluded from step time; if it
+fails the error is printed and the run goes on with eager). After 2 warm-up steps each, --steps rounds time one
+step of each in turn, and each figure is the median over the rounds: interleaved, so a shared machine that speeds
+up or slows down during the run moves all three alike. The spread of the per-round ratio is printed as a measure
+of how steady the machine was. Both torch models start from jaxtrain's initial params, and the first-step losses
+of all three are printed side by side. torch runs with torch.set_num_threads(os.cpu_count()).
 
 Prints a table (step ms, tokens/s, jaxtrain / max(eager, compile) against the 1.2x target) on stderr, then one
 JSON line on stdout, e.g. {"jax_tokens_per_sec": ..., "torch_eager_tokens_per_sec": ..., "ratio": ..., ...}
@@ -35,20 +33,25 @@ import bench_step  # noqa: E402  (scripts/ is not a package)
 TARGET = 1.2
 
 
-def time_torch(trainer, batch, steps: int) -> dict:
-    """Median step seconds over `steps` steps after 2 warm-up steps (the first compiles under torch.compile);
-    the first step's loss and duration."""
+def warm_torch(trainer, batch) -> dict:
+    """The first step (it compiles under torch.compile), its loss and duration, then one warm-up step."""
     t = time.perf_counter()
     first = trainer.train_step(batch)
     first_s = time.perf_counter() - t
     trainer.train_step(batch)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        m = trainer.train_step(batch)
-        times.append(time.perf_counter() - t)
-    return {"step_s": float(np.median(times)), "first_step_s": first_s, "first_loss": float(first["loss"]),
-            "last_loss": float(m["loss"])}
+    return {"first_step_s": first_s, "first_loss": float(first["loss"])}
+
+
+def interleaved(steps_by_name: dict, rounds: int) -> dict:
+    """{name: [seconds per round]}: each round times one step of every implementation in turn, so a machine that
+    speeds up or slows down during the run (shared CPUs do) moves all of them alike and leaves the ratio."""
+    times = {name: [] for name in steps_by_name}
+    for _ in range(rounds):
+        for name, step in steps_by_name.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    return times
 
 
 def main(argv):
@@ -79,7 +82,7 @@ def _main():
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
     # --- jaxtrain ------------------------------------------------------------------------------------------
-    jax_s, jax_startup_s, trainer, _ = bench_step.time_train_step(cfg, steps)
+    _, jax_startup_s, trainer, _ = bench_step.time_train_step(cfg, 1)
     model_cfg = trainer.model_cfg
     # The same init (the seed's) once more: its params seed both torch models, and one step on it gives
     # jaxtrain's first-step loss (the step is already compiled).
@@ -92,29 +95,35 @@ def _main():
     n_params = sum(np.size(x) for x in jax.tree.leaves(params))
     batch = torch_llama.prepare_batch(batch_np)
 
-    # --- torch eager ---------------------------------------------------------------------------------------
-    eager_trainer = torch_llama.TorchTrainer(cfg, model_cfg, params, compile=False)
-    eager = time_torch(eager_trainer, batch, steps)
-    fused = eager_trainer.fused
-    del eager_trainer
+    def jax_step():
+        nonlocal state
+        state, m = trainer.train_step(state, jax_batch)
+        jax.block_until_ready(m)
 
-    # --- torch.compile -------------------------------------------------------------------------------------
-    compiled, compile_error = None, None
+    # --- torch eager and torch.compile ----------------------------------------------------------------------
+    eager_trainer = torch_llama.TorchTrainer(cfg, model_cfg, params, compile=False)
+    eager = warm_torch(eager_trainer, batch)
+    fused = eager_trainer.fused
+    compiled_trainer, compiled, compile_error = None, None, None
     try:
-        compiled = time_torch(torch_llama.TorchTrainer(cfg, model_cfg, params, compile=True), batch, steps)
+        compiled_trainer = torch_llama.TorchTrainer(cfg, model_cfg, params, compile=True)
+        compiled = warm_torch(compiled_trainer, batch)
     except Exception as e:  # noqa: BLE001  (report and go on with eager)
         compile_error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
         traceback.print_exc(file=sys.stderr)
 
-    # --- jaxtrain again, after torch: a check that the machine (or torch's threads) did not change under us --
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, m = trainer.train_step(state, jax_batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    jax_again_s = float(np.median(times))
-    del state, trainer
+    # --- timed rounds: one step of each in turn ---------------------------------------------------------------
+    steps_by_name = {"jax": jax_step, "eager": lambda: eager_trainer.train_step(batch)}
+    if compiled:
+        steps_by_name["compile"] = lambda: compiled_trainer.train_step(batch)
+    times = interleaved(steps_by_name, steps)
+    jax_s = float(np.median(times["jax"]))
+    eager["step_s"] = float(np.median(times["eager"]))
+    if compiled:
+        compiled["step_s"] = float(np.median(times["compile"]))
+    # Per round: the best torch step over jaxtrain's step; its spread says how steady the machine was.
+    round_ratios = [min(r[1:]) / r[0] for r in zip(*times.values())]
+    del state, trainer, eager_trainer, compiled_trainer
     load_end = os.getloadavg()
 
     # --- report --------------------------------------------------------------------------------------------
@@ -134,7 +143,8 @@ def _main():
     log(f"model: {n_params / 1e6:.2f}M params, vocab {model_cfg.vocab_size}, d_model {model_cfg.d_model}, "
         f"{model_cfg.n_layers} layers, {model_cfg.n_heads} heads / {model_cfg.n_kv_heads} kv of {model_cfg.head_dim}, "
         f"d_ff {model_cfg.d_ff}, {'tied' if model_cfg.tie_embeddings else 'untied'}, {model_cfg.dtype}, "
-        f"remat {model_cfg.remat} | batch {b} x {s} = {tokens:,} tokens/step | median of {steps} steps after 2 warm-up")
+        f"remat {model_cfg.remat} | batch {b} x {s} = {tokens:,} tokens/step | median of {steps} rounds (one step of "
+        f"each in turn) after 2 warm-up steps")
     loss_line = f"first-step loss: jaxtrain {jax_loss0:.6f} | torch eager {eager['first_loss']:.6f}"
     if compiled:
         loss_line += f" | torch.compile {compiled['first_loss']:.6f}"
@@ -144,8 +154,8 @@ def _main():
     log(f"{'':20s} {'step ms':>10s} {'tokens/s':>10s}")
     for name, step_s, note in rows:
         log(f"{name:20s} {1e3 * step_s:10.1f} {tokens / step_s:10,.0f}  {note}")
-    log(f"{'jaxtrain, re-timed':20s} {1e3 * jax_again_s:10.1f} {tokens / jax_again_s:10,.0f}  after torch "
-        f"(drift check: {100 * (jax_again_s / jax_s - 1):+.1f}% vs the first; not used in the ratio)")
+    log(f"per-round ratio (best torch step / jaxtrain step, the same round): median {np.median(round_ratios):.2f}x, "
+        f"range {min(round_ratios):.2f}-{max(round_ratios):.2f}x over {steps} rounds")
     if compile_error:
         log(f"torch.compile failed (eager only): {compile_error}")
     log(f"jaxtrain / max(eager, compile) = {ratio:.2f}x (best torch: {best_torch}); "
@@ -153,7 +163,7 @@ def _main():
 
     result = {"config": cfg.workdir, "steps": steps, "tokens_per_step": tokens, "torch_threads": threads,
               "jax_step_ms": 1e3 * jax_s, "jax_tokens_per_sec": tokens / jax_s,
-              "jax_retimed_step_ms": 1e3 * jax_again_s,
+              "round_ratio_min": min(round_ratios), "round_ratio_max": max(round_ratios),
               "torch_eager_step_ms": 1e3 * eager["step_s"], "torch_eager_tokens_per_sec": tokens / eager["step_s"],
               "torch_compile_step_ms": 1e3 * compiled["step_s"] if compiled else None,
               "torch_compile_tokens_per_sec": tokens / compiled["step_s"] if compiled else None,
