@@ -11,6 +11,7 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import plan
 from jaxtrain import train
 from jaxtrain.models import cross_entropy
 from parallel_worker import synthetic_batches, train_steps
@@ -103,17 +104,35 @@ def test_fast_paths_train_like_the_plain_step(tiny_config, mesh):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
 
 
+def compiled_text(tiny_config, chunk_tokens, mesh=None):
+    """The compiled train step's HLO, and the mesh shape."""
+    cfg = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": chunk_tokens})
+    devices = jax.devices() if mesh else jax.devices()[:1]
+    facts = config_lib.validate(cfg, len(devices))
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text(), facts["mesh_shape"]
+
+
+def test_chunks_do_not_multiply_the_gradient_traffic(tiny_config):
+    """Data parallel over 8 devices, 1 row each: 8 chunks of 4 positions. The head's gradient is summed per device
+    across chunks and reduced once, so the all-reduced bytes equal the unfused step's (not 8x the head's)."""
+    def reduced_bytes(chunk_tokens):
+        text, mesh_shape = compiled_text(tiny_config, chunk_tokens, {"data": 8})
+        return sum(op["bytes"] for op in plan.collectives(text, mesh_shape) if op["kind"] == "all-reduce")
+
+    head_bytes = 32 * 512 * 4
+    plain, chunked = reduced_bytes(0), reduced_bytes(4)
+    assert plain >= head_bytes
+    assert abs(chunked - plain) < 0.1 * head_bytes, (plain, chunked)
+
+
 def test_full_logits_never_exist_in_the_compiled_step(tiny_config):
-    def compiled_text(chunk_tokens):
-        cfg = step_config(tiny_config, **{"model.vocab_size": 512, "model.loss_chunk_tokens": chunk_tokens})
-        facts = config_lib.validate(cfg, 1)
-        trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
-        batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
-        return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+    compiled_text_ = lambda chunk_tokens: compiled_text(tiny_config, chunk_tokens)[0]  # noqa: E731
 
     full = "f32[8,32,512]"  # [B, T, vocab] logits
-    assert full in compiled_text(0)
-    chunked = compiled_text(64)  # 8 positions x 8 rows per chunk
+    assert full in compiled_text_(0)
+    chunked = compiled_text_(64)  # 8 positions x 8 rows per chunk
     assert full not in chunked and "f32[256,512]" not in chunked
     assert "f32[8,8,512]" in chunked or "f32[64,512]" in chunked
 
