@@ -218,7 +218,7 @@ def split_ways(name: str) -> int:
     if active is None:
         return 1
     mesh, rules = active
-    return math.prod(mesh.shape[axis] for axis in rules.get(name, ()))
+    return axis_ways(mesh.shape, rules, name)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -239,6 +239,11 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
     return NamedSharding(mesh, P(axes or None, None))
 
 
+def axis_ways(shape: Mapping[str, int], rules, name: str) -> int:
+    """How many ways the rules split the logical axis `name` on a mesh of `shape`."""
+    return math.prod(shape[a] for a in rules.get(name, ()))
+
+
 def data_parallel_size(shape: Mapping[str, int], rules) -> int:
     """How many ways the global batch is split."""
-    return math.prod(shape[a] for a in rules.get("batch", ()))
+    return axis_ways(shape, rules, "batch")

@@ -605,8 +605,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
         if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
             from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
-            rows = batch // (microbatches * dp)
-            chunk_tokens = tokens_dev // cross_entropy._n_chunks(rows, seq_len, cfg.loss_chunk_tokens)
+            chunk_tokens = tokens_dev // cross_entropy.n_chunks(tokens_dev // seq_len, seq_len, cfg.loss_chunk_tokens)
             logits = 8 + (act_bytes if act_bytes < 4 else 0)
             return total + chunk_tokens * cfg.vocab_size / vocab_split * logits, per_layer
         logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)

@@ -36,7 +36,7 @@ def reference(x, w, targets, weights):
 @pytest.mark.parametrize("chunk_tokens,chunks", [(0, 1), (4 * 24, 1), (4 * 8, 3), (4 * 5, 6), (4, 24), (1, 24)])
 def test_loss_and_gradients_equal_the_unfused_head(chunk_tokens, chunks):
     x, w, targets, weights = inputs()
-    assert cross_entropy._n_chunks(B, T, chunk_tokens) == chunks
+    assert cross_entropy.n_chunks(B, T, chunk_tokens) == chunks
     fused = lambda x, w: cross_entropy.linear_cross_entropy(x, w, targets, weights, chunk_tokens, jnp.float32)
     loss, (dx, dw) = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(x, w)
     want, (want_dx, want_dw) = jax.value_and_grad(lambda x, w: reference(x, w, targets, weights), argnums=(0, 1))(x, w)
@@ -59,14 +59,14 @@ def test_gradient_scales_with_the_cotangent():
 
 
 def test_chunks_have_equal_length_and_follow_the_local_batch():
-    assert cross_entropy._n_chunks(4, 512, 512) == 4  # 128 positions x 4 rows
-    assert cross_entropy._n_chunks(4, 100, 120) == 4  # 30 positions wanted -> 25, the largest divisor of 100 <= 30
-    assert cross_entropy._n_chunks(4, 97, 8) == 97  # a prime length: 1 position per chunk
-    assert cross_entropy._n_chunks(16, 128, 0) == 1
+    assert cross_entropy.n_chunks(4, 512, 512) == 4  # 128 positions x 4 rows
+    assert cross_entropy.n_chunks(4, 100, 120) == 4  # 30 positions wanted -> 25, the largest divisor of 100 <= 30
+    assert cross_entropy.n_chunks(4, 97, 8) == 97  # a prime length: 1 position per chunk
+    assert cross_entropy.n_chunks(16, 128, 0) == 1
     # Batch split 4 ways over data: 4 local rows, so 512 tokens are 128 positions.
     mesh = mesh_lib.make_mesh({"data": 4, "tensor": 2})
     with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("dp_fsdp_tp")):
-        assert cross_entropy._n_chunks(16, 512, 512) == 4
+        assert cross_entropy.n_chunks(16, 512, 512) == 4
 
 
 def test_bf16_compute_keeps_f32_gradients_for_f32_params():
@@ -128,11 +128,9 @@ def test_chunks_do_not_multiply_the_gradient_traffic(tiny_config):
 
 
 def test_full_logits_never_exist_in_the_compiled_step(tiny_config):
-    compiled_text_ = lambda chunk_tokens: compiled_text(tiny_config, chunk_tokens)[0]  # noqa: E731
-
     full = "f32[8,32,512]"  # [B, T, vocab] logits
-    assert full in compiled_text_(0)
-    chunked = compiled_text_(64)  # 8 positions x 8 rows per chunk
+    assert full in compiled_text(tiny_config, 0)[0]
+    chunked = compiled_text(tiny_config, 64)[0]  # 8 positions x 8 rows per chunk
     assert full not in chunked and "f32[256,512]" not in chunked
     assert "f32[8,8,512]" in chunked or "f32[64,512]" in chunked
 

@@ -35,10 +35,10 @@ def _unchunk(a):
     return jnp.moveaxis(a, 0, 2).reshape(b, c * n, *a.shape[3:])
 
 
-def _chunk_logits(x, w, dtype):
-    """[B, C, d] @ [d, V] -> f32 [B, C, V], the matmul in the compute dtype with f32 results."""
+def _chunk_logits(x, w):
+    """[B, C, d] @ [d, V] -> f32 [B, C, V], the matmul in w's (compute) dtype with f32 results."""
     b, c, d = x.shape
-    logits = jnp.dot(x.reshape(b * c, d).astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    logits = jnp.dot(x.reshape(b * c, d).astype(w.dtype), w, preferred_element_type=jnp.float32)
     return constrain(logits.reshape(b, c, -1), ("batch", "seq", "act_vocab"))
 
 
@@ -49,7 +49,7 @@ def _chunk_loss(logits, targets, weights):
     return jnp.sum(weights * (lse - target_logit)), lse
 
 
-def _n_chunks(batch: int, t: int, chunk_tokens: int) -> int:
+def n_chunks(batch: int, t: int, chunk_tokens: int) -> int:
     """How many chunks the sequence splits into so that one chunk holds at most `chunk_tokens` tokens per device
     (the batch is split over `split_ways("batch")` devices), with every chunk the same length (a divisor of t)."""
     positions = max(chunk_tokens * split_ways("seq") // max(batch // split_ways("batch"), 1), 1)
@@ -63,19 +63,20 @@ def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
     """x: [B, T, d] final hidden states, w: [d, V] output projection, targets: int [B, T], weights: f32 [B, T].
     Returns the f32 sum over positions of weights * cross-entropy of softmax(x @ w) against targets, computing
     about `chunk_tokens` tokens per device at a time (0 = all at once). The matmuls run in `dtype`, f32 results."""
-    n = _n_chunks(x.shape[0], x.shape[1], chunk_tokens)
+    n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
+    w_dt = w.astype(dtype)  # cast once, not per chunk
 
     def body(total, xs):
         x_c, t_c, w_c = xs
-        return total + _chunk_loss(_chunk_logits(x_c, w, dtype), t_c, w_c)[0], None
+        return total + _chunk_loss(_chunk_logits(x_c, w_dt), t_c, w_c)[0], None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (_chunks(x, n), _chunks(targets, n), _chunks(weights, n)))
     return total
 
 
 def _fwd(x, w, targets, weights, chunk_tokens, dtype):
-    n = _n_chunks(x.shape[0], x.shape[1], chunk_tokens)
-    w_dt = w.astype(dtype)
+    n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
+    w_dt = w.astype(dtype)  # cast once, not per chunk
     # dW is summed over every token, and the tokens are split over the batch's `shards` devices. Each device sums
     # its own tokens' share into its slice of a [shards, d, V] accumulator, reduced once after the last chunk: a
     # plain [d, V] sum would make XLA reduce it across devices after every chunk (n times the gradient traffic).
@@ -84,7 +85,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     def body(carry, xs):
         total, dw = carry
         x_c, x_t, t_c, wt_c = xs
-        logits = _chunk_logits(x_c, w, dtype)
+        logits = _chunk_logits(x_c, w_dt)
         loss, lse = _chunk_loss(logits, t_c, wt_c)
         # d(loss)/d(logits) = weights * (softmax - one_hot), one fused pass over the chunk's logits.
         is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
