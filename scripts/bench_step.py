@@ -53,7 +53,7 @@ def main(argv):
     del argv
     import jax
 
-    from jaxtrain import metrics
+    from jaxtrain import host_memory, metrics
     from jaxtrain.models import transformer
 
     cfg = _CONFIG.value
@@ -68,10 +68,10 @@ def main(argv):
               "dtype": trainer.model_cfg.dtype, "remat": cfg.model.remat, "step_ms": 1e3 * step_s,
               "tokens_per_sec": tok_s, "model_gflops_per_sec": tok_s * flops_per_token / 1e9,
               "peak_gflops": peak / 1e9, "mfu": tok_s * flops_per_token / peak,
-              "startup_to_warm_s": startup_s, "loss": float(m["loss"])}
+              "startup_to_warm_s": startup_s, "loss": float(m["loss"]), "host_memory": host_memory.status}
     print(f"step {1e3 * step_s:.1f} ms (median of {_STEPS.value}) | {tok_s:,.0f} tok/s | "
           f"{result['model_gflops_per_sec']:.1f} model GFLOP/s | peak {peak / 1e9:.0f} GFLOP/s | "
-          f"MFU {100 * result['mfu']:.1f}%", file=sys.stderr)
+          f"MFU {100 * result['mfu']:.1f}% | host malloc {host_memory.status}", file=sys.stderr)
     print(json.dumps(result))
 
 

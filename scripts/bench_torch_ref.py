@@ -9,7 +9,8 @@ fails the error is printed and the run goes on with eager). After 2 warm-up step
 step of each in turn, and each figure is the median over the rounds: interleaved, so a shared machine that speeds
 up or slows down during the run moves all three alike. The spread of the per-round ratio is printed as a measure
 of how steady the machine was. Both torch models start from jaxtrain's initial params, and the first-step losses
-of all three are printed side by side. torch runs with torch.set_num_threads(os.cpu_count()).
+of all three are printed side by side. torch runs with torch.set_num_threads(os.cpu_count()). jaxtrain's host malloc
+settings (jaxtrain/host_memory.py) apply to the whole process, so to torch as well; the header says which were used.
 
 Prints a table (step ms, tokens/s, jaxtrain / max(eager, compile) against the 1.2x target) on stderr, then one
 JSON line on stdout, e.g. {"jax_tokens_per_sec": ..., "torch_eager_tokens_per_sec": ..., "ratio": ..., ...}
@@ -29,6 +30,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (scripts/ is not a package)
+from jaxtrain import host_memory  # noqa: E402  (importing jaxtrain sets malloc up before any thread starts)
 
 TARGET = 1.2
 
@@ -140,6 +142,7 @@ def _main():
     log(f"jax {jax.__version__} ({jax.devices()[0].device_kind} x {jax.device_count()}) | torch {torch.__version__}, "
         f"torch.set_num_threads(os.cpu_count()) = {threads} threads, AdamW fused={fused} | "
         f"load avg {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
+    log(f"host malloc (jaxtrain.host_memory, one process so both frameworks alike): {host_memory.status}")
     log(f"model: {n_params / 1e6:.2f}M params, vocab {model_cfg.vocab_size}, d_model {model_cfg.d_model}, "
         f"{model_cfg.n_layers} layers, {model_cfg.n_heads} heads / {model_cfg.n_kv_heads} kv of {model_cfg.head_dim}, "
         f"d_ff {model_cfg.d_ff}, {'tied' if model_cfg.tie_embeddings else 'untied'}, {model_cfg.dtype}, "
@@ -171,7 +174,7 @@ def _main():
               "best_torch": best_torch, "ratio": ratio, "target": TARGET, "meets_target": ratio >= TARGET,
               "jax_first_loss": jax_loss0, "torch_eager_first_loss": eager["first_loss"],
               "torch_compile_first_loss": compiled["first_loss"] if compiled else None,
-              "load_avg_start": load_start[0], "load_avg_end": load_end[0]}
+              "load_avg_start": load_start[0], "load_avg_end": load_end[0], "host_memory": host_memory.status}
     print(json.dumps(result))
 
 
