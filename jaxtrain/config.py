@@ -51,8 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
     # How the step runs, not what the model is (checkpoints do not depend on them): `loss_chunk_tokens` fuses the
     # output projection with the loss, about that many tokens per device at a time, so [B, T, vocab] logits never
     # exist (0 = plain logits); `scan_unroll` layers per iteration of the layer loop (n_layers = no loop: faster
-    # steps, compile time grows with depth); `attention_block` > 0 runs causal attention in query blocks of that
-    # many positions and skips the blocks above the diagonal.
+    # steps, compile time grows with depth); `attention_block` > 0 runs causal attention written out (einsums and a
+    # softmax) in query blocks of that many positions and skips the blocks above the diagonal (0 = the library call).
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
                    rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="",

@@ -208,6 +208,30 @@ def test_forward_matches_numpy_reference(tie, execution):
     np.testing.assert_allclose(got[real], want[real], rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("block", [3, 4, 9], ids=["3_blocks", "not_dividing", "one_block"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_written_out_attention_matches_library_call(block, kv_heads):
+    """`model.attention_block` > 0 (einsums + softmax, in query blocks) against one jax.nn.dot_product_attention
+    call: outputs and the gradients of q, k and v, with documents and padding crossing the block edges."""
+    rng = np.random.default_rng(0)
+    q = jax.numpy.asarray(rng.standard_normal((2, 9, 4, 8)), jax.numpy.float32)
+    k, v = (jax.numpy.asarray(rng.standard_normal((2, 9, kv_heads, 8)), jax.numpy.float32) for _ in range(2))
+    seg = jax.numpy.asarray([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    mask = transformer.attention_mask(seg)
+    real = np.asarray(seg != 0)[:, :, None, None]  # a padded query attends to nothing: its output is unspecified
+    probe = jax.numpy.asarray(rng.standard_normal(q.shape), jax.numpy.float32) * real
+
+    def loss_and_out(block, q, k, v):
+        out = transformer.causal_attention(q, k, v, mask, block)
+        return jax.numpy.sum(out * probe), out
+
+    (_, want), want_grads = jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True)(0, q, k, v)
+    (_, got), got_grads = jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True)(block, q, k, v)
+    np.testing.assert_allclose(np.asarray(got) * real, np.asarray(want) * real, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 # --- FLOP count ------------------------------------------------------------------------------------------
 
 
