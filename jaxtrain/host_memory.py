@@ -1,19 +1,21 @@
-"""Host memory: glibc malloc settings that stop XLA:CPU from page-faulting its buffers in again on every step.
+"""Host memory on CPU runs: keep freed heap memory in the process so XLA:CPU stops page-faulting its buffers in
+again on every step.
 
 XLA:CPU allocates a step's outputs and temporaries with posix_memalign and frees them when the step ends. With
-glibc's defaults blocks that large come from mmap, or from per-thread arenas that are trimmed with madvise, so the
-kernel takes the pages back on free and zero-fills fresh ones on the next step: on configs/bench_cpu.py ~150,000
-minor page faults and ~0.35 s of system CPU time per 1.4 s step. One arena that neither unmaps nor trims keeps those
-pages: the faults stop after the first steps and the step is ~12% faster (BUILD.md, performance). The price is that
-the process keeps its high-water mark of host memory (1.4 -> 1.95 GiB resident on bench_cpu; the step touches
-that much anyway).
+glibc's defaults blocks that large are mmap'd and unmapped again on free, so every step the kernel zero-fills
+fresh pages: on configs/bench_cpu.py ~150,000 minor page faults and ~0.35 s of system CPU time per 1.4 s step.
+`keep_freed_memory` turns that off for the main malloc arena (no mmap'd blocks, no trimming) and makes jax run a
+CPU computation on the calling thread (`jax_cpu_enable_async_dispatch=False`): with async dispatch the step runs,
+and allocates, on a worker thread, whose glibc arena serves blocks over 64 MiB with mmap whatever the settings.
+The faults stop after the first steps and the step is ~12% faster (BUILD.md, performance). The prices: the process
+keeps its high-water mark of host memory (1.4 -> 1.95 GiB resident on bench_cpu; the step touches that much
+anyway), and on CPU a step call returns when the step is done instead of at once. Limiting glibc to one arena
+would also have done it, but it serializes every thread's malloc: the Rust tokenizer ran 3.4x slower.
 
-`jaxtrain/__init__.py` applies it on import, because the arena limit only binds threads that have not allocated
-yet: import jaxtrain before running any jax computation. Applied only to CPU runs (an accelerator run's host
-buffers are checkpoint staging and input batches, which should go back to the OS), decided without starting jax:
-JAX_PLATFORMS / JAX_PLATFORM_NAME if set (the first platform listed), else whether a GPU or TPU plugin is
-installed. JAXTRAIN_KEEP_FREED_MEMORY=1 forces it, =0 leaves glibc's defaults. Only glibc has these knobs;
-elsewhere (macOS, musl) it does nothing.
+Call it before jax starts its backend (the dispatch setting is read then): `train.run` and the benchmark scripts
+do. Only for CPU runs, decided without starting jax: JAX_PLATFORMS / JAX_PLATFORM_NAME if set (the first
+platform listed), else whether a GPU or TPU plugin is installed. JAXTRAIN_KEEP_FREED_MEMORY=1 forces it, =0
+leaves the defaults. The malloc settings need glibc; elsewhere (macOS, musl) only the dispatch setting applies.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import platform
 import warnings
 
 ENV = "JAXTRAIN_KEEP_FREED_MEMORY"
-# mallopt(3) parameters and the values set: one arena, no mmap'd blocks, no trimming below 2 GiB of free top,
-# and the heap grown 64 MiB at a time (with glibc's 128 KiB pad the faults came back every step).
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 64 << 20))
+# mallopt(3) parameters and values: no mmap'd blocks, no trimming below 2 GiB of free top, and the heap grown
+# 64 MiB at a time (with glibc's 128 KiB pad some faults came back every step).
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 64 << 20))
 ACCELERATOR_MODULES = ("jax_cuda", "jax_rocm", "libtpu")  # name prefixes of jax's GPU/TPU plugin packages
 
-status = "not applied"  # what keep_freed_memory() did; scripts print it next to their figures
+status = "not applied"  # what keep_freed_memory() last did; scripts print it next to their figures
 
 
 def cpu_run(environ=os.environ, installed=None) -> bool:
@@ -45,20 +47,28 @@ def cpu_run(environ=os.environ, installed=None) -> bool:
 
 
 def keep_freed_memory(environ=os.environ) -> str:
-    """Applies SETTINGS where wanted (see the module doc); returns and records in `status` what it did."""
+    """Applies the settings where wanted (see the module doc); returns and records in `status` what it did."""
     global status
+    import jax
+    from jax._src import xla_bridge
+
     wanted = environ.get(ENV, "").strip()
     if wanted not in ("", "0", "1"):
-        status = f"glibc defaults ({ENV}={wanted!r} is neither 0 nor 1)"
-        warnings.warn(f"{ENV}: must be 0 or 1, got {wanted!r}; left glibc's malloc defaults", stacklevel=2)
-    elif wanted == "0":
-        status = f"glibc defaults ({ENV}=0)"
-    elif wanted == "" and not cpu_run(environ):
-        status = "glibc defaults (accelerator run)"
-    elif platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        status = "system defaults (not glibc)"
-    else:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
-        status = "kept (glibc: 1 arena, no mmap, no trim)" if ok else "glibc defaults (mallopt refused)"
+        warnings.warn(f"{ENV}: must be 0 or 1, got {wanted!r}; left the defaults", stacklevel=2)
+        status = f"defaults ({ENV}={wanted!r} is neither 0 nor 1)"
+        return status
+    if wanted == "0" or (wanted == "" and not cpu_run(environ)):
+        status = f"defaults ({ENV}=0)" if wanted == "0" else "defaults (accelerator run)"
+        return status
+    if xla_bridge.backends_are_initialized():
+        status = "defaults (jax had already started; call keep_freed_memory before the first jax computation)"
+        return status
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        status = "steps on the calling thread; system malloc defaults (not glibc)"
+        return status
+    libc = ctypes.CDLL("libc.so.6")
+    ok = all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
+    status = ("kept (glibc main arena: no mmap, no trim; steps on the calling thread)" if ok else
+              "steps on the calling thread; glibc malloc defaults (mallopt refused)")
     return status

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import distributed, faults, goodput, hf
+from jaxtrain import distributed, faults, goodput, hf, host_memory
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
@@ -186,6 +186,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
     t_start = time.perf_counter()
     # ===== Config and hosts: validated before anything compiles or touches the workdir ================
+    host_memory.keep_freed_memory()  # CPU runs; before jax starts its backend (jaxtrain/host_memory.py)
     config_lib.validate_distributed(config)
     try:
         distributed.initialize(**config.distributed)

@@ -30,7 +30,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (scripts/ is not a package)
-from jaxtrain import host_memory  # noqa: E402  (importing jaxtrain sets malloc up before any thread starts)
+from jaxtrain import host_memory  # noqa: E402
 
 TARGET = 1.2
 
@@ -142,7 +142,8 @@ def _main():
     log(f"jax {jax.__version__} ({jax.devices()[0].device_kind} x {jax.device_count()}) | torch {torch.__version__}, "
         f"torch.set_num_threads(os.cpu_count()) = {threads} threads, AdamW fused={fused} | "
         f"load avg {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
-    log(f"host malloc (jaxtrain.host_memory, one process so both frameworks alike): {host_memory.status}")
+    log(f"host memory (jaxtrain.host_memory; one process, so glibc's settings hold for torch too): "
+        f"{host_memory.status}")
     log(f"model: {n_params / 1e6:.2f}M params, vocab {model_cfg.vocab_size}, d_model {model_cfg.d_model}, "
         f"{model_cfg.n_layers} layers, {model_cfg.n_heads} heads / {model_cfg.n_kv_heads} kv of {model_cfg.head_dim}, "
         f"d_ff {model_cfg.d_ff}, {'tied' if model_cfg.tie_embeddings else 'untied'}, {model_cfg.dtype}, "

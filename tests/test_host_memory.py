@@ -41,17 +41,28 @@ class FakeLibc:
 
 @pytest.fixture
 def fake_libc(monkeypatch):
+    """glibc and a jax that has not started, with mallopt and jax.config.update recorded instead of applied (this
+    test process's jax has started and must keep its settings)."""
+    import jax
+    from jax._src import xla_bridge
+
     libc = FakeLibc()
+    libc.config_updates = []
     monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: libc)
     monkeypatch.setattr(host_memory.platform, "system", lambda: "Linux")
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(jax.config, "update", lambda name, value: libc.config_updates.append((name, value)))
     monkeypatch.setattr(host_memory, "status", host_memory.status)  # restored after the test
     return libc
 
 
+SYNC = [("jax_cpu_enable_async_dispatch", False)]
+
+
 def test_applies_on_cpu_runs_and_when_forced(fake_libc):
-    assert host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"}) == "kept (glibc: 1 arena, no mmap, no trim)"
-    assert fake_libc.calls == list(host_memory.SETTINGS)
+    assert host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"}).startswith("kept (glibc main arena")
+    assert fake_libc.calls == list(host_memory.SETTINGS) and fake_libc.config_updates == SYNC
     fake_libc.calls.clear()
     forced = {"JAX_PLATFORMS": "cuda", host_memory.ENV: "1"}
     assert host_memory.keep_freed_memory(forced).startswith("kept")
@@ -59,45 +70,56 @@ def test_applies_on_cpu_runs_and_when_forced(fake_libc):
 
 
 @pytest.mark.parametrize("environ, status", [
-    ({"JAX_PLATFORMS": "cpu", host_memory.ENV: "0"}, "glibc defaults (JAXTRAIN_KEEP_FREED_MEMORY=0)"),
-    ({"JAX_PLATFORMS": "cuda"}, "glibc defaults (accelerator run)"),
+    ({"JAX_PLATFORMS": "cpu", host_memory.ENV: "0"}, "defaults (JAXTRAIN_KEEP_FREED_MEMORY=0)"),
+    ({"JAX_PLATFORMS": "cuda"}, "defaults (accelerator run)"),
 ])
 def test_leaves_defaults(fake_libc, environ, status):
     assert host_memory.keep_freed_memory(environ) == status
-    assert fake_libc.calls == []
+    assert fake_libc.calls == [] and fake_libc.config_updates == []
+
+
+def test_too_late_once_jax_has_started(fake_libc, monkeypatch):
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert "jax had already started" in host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"})
+    assert fake_libc.calls == [] and fake_libc.config_updates == []
 
 
 def test_bad_setting_warns_and_leaves_defaults(fake_libc):
     with pytest.warns(UserWarning, match="JAXTRAIN_KEEP_FREED_MEMORY: must be 0 or 1, got 'yes'"):
         status = host_memory.keep_freed_memory({host_memory.ENV: "yes"})
-    assert status.startswith("glibc defaults") and fake_libc.calls == []
+    assert status.startswith("defaults") and fake_libc.calls == [] and fake_libc.config_updates == []
 
 
 def test_not_glibc_or_refused(fake_libc, monkeypatch):
     fake_libc.result = 0
-    assert host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"}) == "glibc defaults (mallopt refused)"
+    assert host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"}).endswith("glibc malloc defaults (mallopt refused)")
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("", ""))
+    fake_libc.calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"}) == "system defaults (not glibc)"
+        status = host_memory.keep_freed_memory({"JAX_PLATFORMS": "cpu"})
+    assert status.endswith("system malloc defaults (not glibc)") and fake_libc.calls == []
 
 
-# A fresh process (the settings only bind threads that have not allocated yet): import jaxtrain, then run a jitted
-# step shaped like the train step (donated 16 MiB state, a sort's temporaries) and count minor page faults per call
-# once warm.
+# A fresh process (the settings must come before jax starts): keep_freed_memory, then a jitted step shaped like the
+# train step (donated 16 MiB state, a matmul's operands and result as temporaries), counting minor page faults per call once warm.
 PROBE = textwrap.dedent("""
     import json, resource
-    import jaxtrain
+    from jaxtrain import host_memory
+    host_memory.keep_freed_memory()
     import jax, jax.numpy as jnp
-    step = jax.jit(lambda x: jnp.sort(jnp.sin(x)) * 0.5, donate_argnums=0)
+    step = jax.jit(lambda x: (jnp.sin(x).reshape(2048, 2048) @ jnp.cos(x).reshape(2048, 2048)).reshape(-1) * 0.5,
+                   donate_argnums=0)
     x = jnp.ones((4 << 20,), jnp.float32)
-    for _ in range(3):
+    for _ in range(8):
         x = step(x).block_until_ready()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
+    for _ in range(10):
         x = step(x).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-    print(json.dumps({"status": jaxtrain.host_memory.status, "faults_per_call": faults}))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+    print(json.dumps({"status": host_memory.status, "faults_per_call": faults}))
 """)
 
 
@@ -113,7 +135,7 @@ def probe(keep: str) -> dict:
                     reason="glibc Linux only")
 def test_freed_buffers_stay_mapped():
     kept, default = probe("1"), probe("0")
-    assert kept["status"].startswith("kept") and default["status"] == "glibc defaults (JAXTRAIN_KEEP_FREED_MEMORY=0)"
-    # 16 MiB of fresh pages is 4,096 faults; with glibc's defaults the sort's temporaries fault in on every call.
+    assert kept["status"].startswith("kept") and default["status"] == "defaults (JAXTRAIN_KEEP_FREED_MEMORY=0)"
+    # 16 MiB of fresh pages is 4,096 faults; with glibc's defaults the temporaries fault in on every call.
     assert default["faults_per_call"] > 4096, default
     assert kept["faults_per_call"] < default["faults_per_call"] / 20, (kept, default)
