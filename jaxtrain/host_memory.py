@@ -8,8 +8,8 @@ fresh pages: on configs/bench_cpu.py ~150,000 minor page faults and ~0.35 s of s
 CPU computation on the calling thread (`jax_cpu_enable_async_dispatch=False`): with async dispatch the step runs,
 and allocates, on a worker thread, whose glibc arena serves blocks over 64 MiB with mmap whatever the settings.
 The faults stop after the first steps and the step is ~12% faster (BUILD.md, performance). The prices: the process
-keeps its high-water mark of host memory (1.4 -> 1.95 GiB resident on bench_cpu; the step touches that much
-anyway), and on CPU a step call returns when the step is done instead of at once. Limiting glibc to one arena
+keeps its high-water mark of host memory (on bench_cpu 1,425 MiB resident against 1,370-1,400 with the defaults),
+and on CPU a step call returns when the step is done instead of at once. Limiting glibc to one arena
 would also have done it, but it serializes every thread's malloc: the Rust tokenizer ran 3.4x slower.
 
 Call it before jax starts its backend (the dispatch setting is read then): `train.run` and the benchmark scripts
