@@ -49,26 +49,28 @@ def cpu_run(environ=os.environ, installed=None) -> bool:
 def keep_freed_memory(environ=os.environ) -> str:
     """Applies the settings where wanted (see the module doc); returns and records in `status` what it did."""
     global status
+    status = _apply(environ)
+    return status
+
+
+def _apply(environ) -> str:
     import jax
     from jax._src import xla_bridge
 
     wanted = environ.get(ENV, "").strip()
     if wanted not in ("", "0", "1"):
-        warnings.warn(f"{ENV}: must be 0 or 1, got {wanted!r}; left the defaults", stacklevel=2)
-        status = f"defaults ({ENV}={wanted!r} is neither 0 nor 1)"
-        return status
-    if wanted == "0" or (wanted == "" and not cpu_run(environ)):
-        status = f"defaults ({ENV}=0)" if wanted == "0" else "defaults (accelerator run)"
-        return status
+        warnings.warn(f"{ENV}: must be 0 or 1, got {wanted!r}; left the defaults", stacklevel=3)
+        return f"defaults ({ENV}={wanted!r} is neither 0 nor 1)"
+    if wanted == "0":
+        return f"defaults ({ENV}=0)"
+    if wanted == "" and not cpu_run(environ):
+        return "defaults (accelerator run)"
     if xla_bridge.backends_are_initialized():
-        status = "defaults (jax had already started; call keep_freed_memory before the first jax computation)"
-        return status
+        return "defaults (jax had already started; call keep_freed_memory before the first jax computation)"
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        status = "steps on the calling thread; system malloc defaults (not glibc)"
-        return status
+        return "steps on the calling thread; system malloc defaults (not glibc)"
     libc = ctypes.CDLL("libc.so.6")
-    ok = all(libc.mallopt(param, value) == 1 for param, value in SETTINGS)
-    status = ("kept (glibc main arena: no mmap, no trim; steps on the calling thread)" if ok else
-              "steps on the calling thread; glibc malloc defaults (mallopt refused)")
-    return status
+    if all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
+        return "kept (glibc main arena: no mmap, no trim; steps on the calling thread)"
+    return "steps on the calling thread; glibc malloc defaults (mallopt refused)"

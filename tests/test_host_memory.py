@@ -104,7 +104,8 @@ def test_not_glibc_or_refused(fake_libc, monkeypatch):
 
 
 # A fresh process (the settings must come before jax starts): keep_freed_memory, then a jitted step shaped like the
-# train step (donated 16 MiB state, a matmul's operands and result as temporaries), counting minor page faults per call once warm.
+# train step (donated 16 MiB state, a matmul's operands and result as temporaries), counting minor page faults per
+# call once warm.
 PROBE = textwrap.dedent("""
     import json, resource
     from jaxtrain import host_memory

@@ -191,7 +191,8 @@ def reference_forward(p, cfg, tokens, positions, seg):
 
 
 @pytest.mark.parametrize("tie,execution", [(True, {}), (False, {}), (False, {"attention_block": 3}),
-                                            (True, {"scan_unroll": 2}), (False, {"scan_unroll": 2, "attention_block": 3})],
+                                            (True, {"scan_unroll": 2}),
+                                            (False, {"scan_unroll": 2, "attention_block": 3})],
                          ids=["tied", "untied", "untied_attention_blocks", "tied_unrolled", "untied_unrolled_blocks"])
 def test_forward_matches_numpy_reference(tie, execution):
     """Also with the execution knobs: causal attention in 3 query blocks of 3 (the documents and the padding
