@@ -14,8 +14,10 @@ from flax import nnx
 
 from jaxtrain import config as config_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import plan
 from jaxtrain import step as step_lib
 from jaxtrain import train
+from jaxtrain.models import transformer
 from helpers import read_jsonl
 from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
 
@@ -79,6 +81,27 @@ def test_sequence_parallel_splits_activations_and_keeps_attention_exact(tiny_con
 def test_sequence_parallel_trains_like_one_device(tiny_config, mesh):
     cfg = configure(tiny_config, mesh)
     assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 16], ids=["plain_logits", "fused_loss_2_chunks"])
+def test_sequence_parallel_splits_the_matmuls_and_moves_only_keys_and_values(tiny_config, chunk_tokens):
+    """The compiled step on data 2 x sequence 4: each device runs the matmuls of its own positions only (HLO dot
+    FLOPs of all devices within 1.3x the model's; when the projections merged batch and sequence into one
+    dimension, XLA gathered their inputs and every device computed all positions: 3.9x), and along `sequence` it
+    gathers each layer's K and V and nothing else (the gradients come back as reduce-scatters)."""
+    cfg = configure(tiny_config, {"data": 2, "sequence": 4}, **{"model.loss_chunk_tokens": chunk_tokens})
+    facts = config_lib.validate(cfg, 8)
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+    m = trainer.model_cfg
+    model_flops = transformer.train_flops_per_token(m, 32) * 8 * 32
+    assert plan.dot_flops(text) * 8 < 1.3 * model_flops, plan.dot_flops(text) * 8 / model_flops
+    gathers = [op for op in plan.collectives(text, facts["mesh_shape"]) if op["kind"] == "all-gather"]
+    assert {op["axes"] for op in gathers} == {("sequence",)}
+    rows = 8 // 2  # per data shard
+    kv_bytes = m.n_layers * 2 * rows * 32 * m.n_kv_heads * m.head_dim * 4  # f32 K and V of every layer, whole
+    assert kv_bytes <= sum(op["bytes"] for op in gathers) <= kv_bytes + 2 * rows * 32 * 4  # + int32 segment ids
 
 
 def test_sequence_axis_must_divide_the_sequence(tiny_config):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.mesh import constrain, split_ways
+from jaxtrain.models.transformer import project
 
 
 def _chunks(a, n: int):
@@ -37,9 +38,18 @@ def _unchunk(a):
 
 def _chunk_logits(x, w):
     """[B, C, d] @ [d, V] -> f32 [B, C, V], the matmul in w's (compute) dtype with f32 results."""
-    b, c, d = x.shape
-    logits = jnp.dot(x.reshape(b * c, d).astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return constrain(logits.reshape(b, c, -1), ("batch", "seq", "act_vocab"))
+    return constrain(project(x.astype(w.dtype), w, preferred_element_type=jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False):
+    """[B, C, f] -> [batch_ways, seq_ways, tokens, f] (or [..., f, tokens]): each device's tokens, grouped under the
+    (batch shard, sequence shard) it holds, so that dW is summed on every device apart. A local reshuffle (the
+    leading dims are 1 per device); merging batch and sequence directly would gather the sequence."""
+    b, c, f = a.shape
+    a = a.reshape(batch_ways, b // batch_ways, seq_ways, c // seq_ways, f)
+    a = jnp.transpose(a, (0, 2, 4, 1, 3) if tokens_last else (0, 2, 1, 3, 4))
+    shape = (f, -1) if tokens_last else (-1, f)
+    return constrain(a.reshape(batch_ways, seq_ways, *shape), ("batch", "seq"))
 
 
 def _chunk_loss(logits, targets, weights):
@@ -49,13 +59,16 @@ def _chunk_loss(logits, targets, weights):
     return jnp.sum(weights * (lse - target_logit)), lse
 
 
-def n_chunks(batch: int, t: int, chunk_tokens: int) -> int:
+def n_chunks(batch: int, t: int, chunk_tokens: int, batch_ways: int | None = None, seq_ways: int | None = None) -> int:
     """How many chunks the sequence splits into so that one chunk holds at most `chunk_tokens` tokens per device
-    (the batch is split over `split_ways("batch")` devices), with every chunk the same length (a divisor of t)."""
-    positions = max(chunk_tokens * split_ways("seq") // max(batch // split_ways("batch"), 1), 1)
+    (the batch is split over `batch_ways` devices, the sequence over `seq_ways`; default: as the active rules
+    split them), with every chunk the same length (a divisor of t, and a multiple of seq_ways)."""
+    batch_ways = split_ways("batch") if batch_ways is None else batch_ways
+    seq_ways = split_ways("seq") if seq_ways is None else seq_ways  # divides t (config validation)
+    positions = max(chunk_tokens * seq_ways // max(batch // batch_ways, 1), seq_ways)
     if chunk_tokens <= 0 or positions >= t:
         return 1
-    return t // max(c for c in range(1, positions + 1) if t % c == 0)
+    return t // max(c for c in range(seq_ways, positions + 1, seq_ways) if t % c == 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -77,10 +90,11 @@ def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
 def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
     w_dt = w.astype(dtype)  # cast once, not per chunk
-    # dW is summed over every token, and the tokens are split over the batch's `shards` devices. Each device sums
-    # its own tokens' share into its slice of a [shards, d, V] accumulator, reduced once after the last chunk: a
-    # plain [d, V] sum would make XLA reduce it across devices after every chunk (n times the gradient traffic).
-    shards = split_ways("batch")
+    # dW is summed over every token, and the tokens are split over devices along the batch and the sequence. Each
+    # device sums its own tokens' share into its slice of a [batch ways, seq ways, d, V] accumulator, reduced once
+    # after the last chunk: a plain [d, V] sum would make XLA reduce it across devices after every chunk (n times
+    # the gradient traffic).
+    ways = split_ways("batch"), split_ways("seq")
 
     def body(carry, xs):
         total, dw = carry
@@ -91,21 +105,19 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
         is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
         dlogits = wt_c[..., None] * (jnp.exp(logits - lse[..., None]) - is_target)
         dlogits = constrain(dlogits.astype(dtype), ("batch", "seq", "act_vocab"))
-        b, c, v = dlogits.shape
-        dx_c = jnp.dot(dlogits.reshape(b * c, v), w_dt.T, preferred_element_type=jnp.float32).reshape(b, c, -1)
-        per_shard = constrain(dlogits.reshape(shards, b // shards * c, v), ("batch", None, "act_vocab"))
-        dw = dw + jax.lax.dot_general(x_t, per_shard, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-        return (total + loss, constrain(dw, ("batch", None, "act_vocab"))), dx_c.astype(x.dtype)
+        dx_c = project(dlogits, w_dt.T, preferred_element_type=jnp.float32)
+        per_shard = constrain(_by_shard(dlogits, *ways), ("batch", "seq", None, "act_vocab"))
+        dw = dw + jax.lax.dot_general(x_t, per_shard, (((3,), (2,)), ((0, 1), (0, 1))),
+                                      preferred_element_type=jnp.float32)
+        return (total + loss, constrain(dw, ("batch", "seq", None, "act_vocab"))), dx_c.astype(x.dtype)
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((shards, *w.shape), jnp.float32))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((*ways, *w.shape), jnp.float32))
     x_chunks = _chunks(x, n)
-    # [n, shards, d, tokens]: dW's matmul reads x transposed; transposed once here it is a row-major matmul
-    # (XLA:CPU ran the transposed-operand form ~25% slower).
-    b, c, d = x_chunks.shape[1:]
-    x_t = jnp.swapaxes(x_chunks.reshape(n, shards, b // shards * c, d), 2, 3).astype(dtype)
-    x_t = constrain(x_t, (None, "batch"))
+    # [n, batch ways, seq ways, d, tokens]: dW's matmul reads x transposed; transposed once here it is a row-major
+    # matmul (XLA:CPU ran the transposed-operand form ~25% slower).
+    x_t = jax.vmap(lambda a: _by_shard(a.astype(dtype), *ways, tokens_last=True))(x_chunks)
     (total, dw), dx = jax.lax.scan(body, init, (x_chunks, x_t, _chunks(targets, n), _chunks(weights, n)))
-    return total, (_unchunk(dx), dw.sum(0).astype(w.dtype))
+    return total, (_unchunk(dx), dw.sum((0, 1)).astype(w.dtype))
 
 
 def _bwd(chunk_tokens, dtype, res, g):

@@ -73,11 +73,16 @@ class ModelConfig:
     loss_chunk_tokens: int = 0
 
 
-def project(x, w, contract: int = 1):
+def project(x, w, contract: int = 1, preferred_element_type=None):
     """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
-    dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free."""
+    dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free.
+    Not when the sequence is split over devices: merging batch and sequence into one dimension made XLA gather
+    every projection's input whole along the sequence (each device then computed every position)."""
+    if split_ways("seq") > 1:
+        dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
     k = math.prod(w.shape[:contract])
-    y = x.reshape(-1, k) @ w.reshape(k, -1)
+    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
     return y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
 
 
