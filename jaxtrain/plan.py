@@ -33,7 +33,8 @@ by an earlier dimension, does not count):
   optimizer  = AdamW: 2 moments * params  +  4 bytes per int32 step counter in the optax chain
   arguments  = params + optimizer + step + batch (3 int32 arrays [B, S] split over the batch axes)
   temporaries= gradients + L * act_layer(policy) * t + logits
-    t = tokens per device per microbatch = B / (microbatches * dp) * S, dp = product of the batch axes,
+    t = tokens per device per microbatch = B / (microbatches * dp) * S / Q, dp = product of the batch axes,
+    Q = product of the sequence axes (each layer then also keeps K and V gathered whole, (1 - 1/Q) of them more),
     T = tensor axis size, h/kv heads, hd head dim, f = d_ff, d = d_model, S = seq_len, per token:
     act_layer(none | everything_saveable) = a*(4d + (h+2kv)*hd/T + h*hd/T + 4f/T) + 8d + (8+a)*h*S/T
       (norm inputs and their f32 copies, q/k/v, attention scores and probabilities in f32 and the
@@ -85,12 +86,37 @@ m = microbatches (the gradient accumulator is sharded like the params, so every 
     2 * m * n*p/prod(Sp - G); reduce-scatter the grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x);
   R = Bt - Sp (data parallel): all-reduce the grad shard over R, m * n*p/shards  (ring: 2(n-1)/n on wire);
   tensor (Megatron, no sequence parallelism): all-reduce t*d*a 4 times per layer (2 forward, 2 backward;
-    6 with remat=full) plus 2 for embedding / unembedding, per microbatch.
+    6 with remat=full) plus 2 for embedding / unembedding, per microbatch. Per-layer collectives count the
+    layer runs of a device: L, or with a pipeline ticks * L / (P * R * M) (each tick runs L/(P*R) layers on one
+    microbatch, bubble ticks included; symbols below).
+  experts: an axis that splits a dimension named "experts" owns those weights; it is left out of G (the
+    tokens travel, the weights never do).
+  tied embeddings: the table's R all-reduce counts twice (XLA reduces the lookup's and the head's gradients
+    one after the other).
+  sequence axes Q (context parallelism), rows = B / (m * dp) sequences per device: every gradient shard is
+    all-reduced over Q too (XLA reduces over R, then over Q); each layer all-gathers K and V whole,
+    2 * rows * S * kv*hd/T * a, and reduce-scatters their gradients (the same bytes); the backward gathers again
+    what remat drops (both under `full`, K under the dots policies: RoPE is not a dot).
+  expert axes (MoE): the token buffer [experts, rows, capacity, d] goes to its experts and back, forward and
+    backward: 4 all-to-alls of experts * rows * capacity * d * a per layer and microbatch (6 with remat=full).
+  pipeline (P stages, M microbatches, R repeats, ticks = R*M + P - 1): a pipelined layer's gradient counts
+    ticks / R times per microbatch, not once (each tick adds to the chunk every stage ran, and XLA reduces it
+    there); each tick hands every stage's microbatch on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions
+    and segment ids forward, x's gradient back, and x once more: the backward loop re-sends the forward shift);
+    the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
+    (all-reduce over pipeline); circular with R > 1 re-lays the stage weights out in chunk order and their
+    gradients back, 2 * stage weight bytes (all-to-all over pipeline).
 Where XLA departs from this (the ratio column shows it): it may keep the forward's gathered weights for
 backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes); the input embedding's
 gradient is a scatter-add, for which it all-gathers the token gradients instead of reducing the table;
 with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
-per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts.
+per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts. MoE with
+remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
+CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence: the dispatch contracts over
+the split sequence, an all-reduce of the token buffer over `sequence` that is not predicted. Pipeline x FSDP:
+XLA hoists some gathers out of the tick loop and re-lays buffers over data x pipeline (the analytic is ~1.4x
+over). Within 2% (tests/test_plan.py) on data x sequence, data x expert (remat full) and data x pipeline (gpipe
+and circular) meshes.
 """
 
 from __future__ import annotations
@@ -566,13 +592,20 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
 
 
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
-             microbatches: int, opt_counters: int) -> dict:
-    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded)."""
-    batch_axes = tuple(a for a in rules.get("batch", ()) if mesh_shape[a] > 1)
+             microbatches: int, opt_counters: int, pipeline: dict | None = None) -> dict:
+    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded). `pipeline`: the
+    config's pipeline group (stages, microbatches, repeats) when the layers are pipelined."""
+    def active(name):
+        return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
+
+    batch_axes, seq_axes, expert_axes = active("batch"), active("seq"), active("experts")
     dp = math.prod(mesh_shape[a] for a in batch_axes)
+    seq_ways = math.prod(mesh_shape[a] for a in seq_axes)
     tensor = mesh_shape.get("tensor", 1) if any("tensor" in v for v in rules.values()) else 1
     a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
-    param_bytes = 0.0
+    stages = pipeline["stages"] if pipeline else 1
+    ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
+    param_bytes = stage_bytes = 0.0
     comms: dict[tuple, float] = {}
 
     def add(kind, axes, nbytes):
@@ -583,29 +616,69 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     for p in params:
         shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
         param_bytes += p["bytes"] / shards
-        gather = [x for x in axes if x in batch_axes]
+        # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
+        owned = [x for x in axes if x in expert_axes and "experts" in (p["names"] or ())]
+        gather = [x for x in axes if x in batch_axes and x not in owned]
         reduce = [x for x in batch_axes if x not in axes]
         gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
-        add("all-gather", gather, 2 * microbatches * gathered)
-        add("reduce-scatter", gather, microbatches * gathered)
-        add("all-reduce", reduce, microbatches * p["bytes"] / shards)
-    tokens_dev = batch // (microbatches * dp) * seq_len
+        # A pipelined layer's gradient is reduced on every tick: each tick adds to the chunk each stage ran (a
+        # stage holds `repeats` chunks).
+        pipelined = stages > 1 and "layers" in (p["names"] or ())
+        times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
+        stage_bytes += p["bytes"] / shards if pipelined else 0
+        add("all-gather", gather, 2 * times * gathered)
+        add("reduce-scatter", gather, times * gathered)
+        # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
+        tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
+        add("all-reduce", reduce, (2 if tied else 1) * times * p["bytes"] / shards)
+        add("all-reduce", seq_axes, times * p["bytes"] / shards)  # each sequence slice's share, reduced after
+    rows = batch // (microbatches * dp)  # sequences per device per microbatch
+    tokens_dev = rows * seq_len // seq_ways
+    # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R) layers
+    # on a microbatch (bubble ticks included), ticks * L / (P * R * M).
+    layer_runs = model_cfg.n_layers * (ticks / (stages * pipeline["repeats"] * pipeline["microbatches"])
+                                       if stages > 1 else 1)
     if tensor > 1:
         per_layer = 6 if model_cfg.remat == "full" else 4
-        add("all-reduce", ("tensor",), microbatches * (per_layer * model_cfg.n_layers + 2) * tokens_dev
+        add("all-reduce", ("tensor",), microbatches * (per_layer * layer_runs + 2) * tokens_dev
             * model_cfg.d_model * a)
+    kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
+    kv_whole = 2 * rows * seq_len * kv_dim * a  # one layer's K and V, the whole sequence
+    if seq_axes:  # every layer gathers K and V whole; their gradients go back as a reduce-scatter
+        # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
+        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5}.get(model_cfg.remat, 0.0)
+        add("all-gather", seq_axes, microbatches * layer_runs * (1 + again) * kv_whole)
+        add("reduce-scatter", seq_axes, microbatches * layer_runs * kv_whole)
+    if model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
+        from jaxtrain.models import moe  # noqa: PLC0415 (imports jax)
+        slots = moe.capacity(model_cfg.moe_capacity_factor, seq_len, model_cfg.moe_top_k, model_cfg.n_experts)
+        buffer = model_cfg.n_experts * rows * slots * model_cfg.d_model * a
+        passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
+        add("all-to-all", expert_axes, microbatches * model_cfg.n_layers * passes * buffer)
+    if stages > 1:  # each tick hands every stage's microbatch on (x and its int32 positions and segment ids)
+        pipeline_axes = active("stages")
+        micro_rows = rows // pipeline["microbatches"]
+        x_bytes = micro_rows * seq_len // seq_ways * model_cfg.d_model * a
+        add("collective-permute", pipeline_axes, microbatches * ticks * (
+            x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes))
+        # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
+        add("all-reduce", pipeline_axes, microbatches * 2 * rows * seq_len // seq_ways * model_cfg.d_model * a)
+        if pipeline["repeats"] > 1:  # circular: the layers re-laid out in chunk order, and their gradients back
+            add("all-to-all", pipeline_axes, microbatches * 2 * stage_bytes)
     opt = 2 * param_bytes + 4 * opt_counters
 
     def activations(cfg):
+        act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
         per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
+        if seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
+            per_layer += kv_whole / a * act_bytes * (1 - 1 / seq_ways)
         total = cfg.n_layers * per_layer
         if cfg.remat == "full":  # one layer is recomputed at a time during backward
             total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
         vocab_split = tensor if cfg.vocab_size % tensor == 0 else 1
-        act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
         if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
             from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
-            chunk_tokens = tokens_dev // cross_entropy.n_chunks(tokens_dev // seq_len, seq_len, cfg.loss_chunk_tokens)
+            chunk_tokens = tokens_dev // cross_entropy.n_chunks(rows, seq_len, cfg.loss_chunk_tokens, 1, seq_ways)
             logits = 8 + (act_bytes if act_bytes < 4 else 0)
             return total + chunk_tokens * cfg.vocab_size / vocab_split * logits, per_layer
         logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
@@ -764,7 +837,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     counters = sum(1 for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
                    if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
-                   microbatches=t.microbatches, opt_counters=counters)
+                   microbatches=t.microbatches, opt_counters=counters, pipeline=dict(config.pipeline))
 
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""
