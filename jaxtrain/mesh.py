@@ -37,16 +37,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 
-_TP = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_TP = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": ("tensor", "pipeline")}
 # Stacked layers and pipeline buffers ("layers", "stages") live on their stage; experts on the expert axis;
 # activations' sequence dimension ("seq") on the sequence axis. Size-1 axes drop out, so every preset has them.
-_PP_EP_SP = {"layers": "pipeline", "stages": "pipeline", "experts": "expert", "seq": "sequence"}
+# The vocabulary tables are not pipelined, so they are split over `pipeline` along the vocab: otherwise every
+# stage would hold (and Adam) both whole tables and compute the whole head and loss of its batch again.
+_PP_EP_SP = {"layers": "pipeline", "stages": "pipeline", "experts": "expert", "seq": "sequence",
+             "vocab": "pipeline"}
 # Logical axis -> mesh axis (or tuple of mesh axes). Unlisted logical axes are replicated.
 PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "dp": {"batch": ("data", "expert"), **_PP_EP_SP},
     "fsdp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP},
-    "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_TP, **_PP_EP_SP},
-    "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_TP, **_PP_EP_SP},
+    "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
+    "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
 }
 # Activations use their own names ("act_embed", "act_mlp", ...) so that FSDP shards the weights' "embed"
 # dimension without also sharding the activations' hidden dimension. By default an activation axis
@@ -156,22 +159,28 @@ def spec_for(shape: Sequence[int], names: Sequence[str | None] | None, mesh: Mes
     """PartitionSpec for an array of `shape` whose dims carry logical `names`.
 
     Mesh axes already taken by an earlier dimension are left out of a later one's mapping (experts on
-    `expert`, then the batch on the rest of its axes); a mapping left empty, or that does not divide its
-    dimension, is dropped (that dimension is replicated). An array with no names at all falls back to
-    FSDP on its largest dimension that the fsdp axis divides.
+    `expert`, then the batch on the rest of its axes). A mapping that does not divide its dimension keeps its
+    longest leading run of axes that does (a 50257 vocab over tensor x pipeline: none; 32002 over 2 x 4: tensor
+    only); a mapping left empty replicates that dimension. An array with no names at all falls back to FSDP on
+    its largest dimension that the fsdp axis divides.
     """
     if names is None:
         return _fsdp_fallback(shape, mesh, rules)
+    return P(*[axes[0] if len(axes) == 1 else axes or None for axes in dim_axes(shape, names, mesh.shape, rules)])
+
+
+def dim_axes(shape: Sequence[int], names: Sequence[str | None], mesh_shape: Mapping[str, int],
+             rules: Mapping[str, tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """The mesh axes each dimension is split over (() = replicated), by `spec_for`'s rules."""
     taken: set[str] = set()
-    spec = []
+    out = []
     for size, name in zip(shape, names):
-        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in taken) if name else ()
-        if not axes or size % math.prod(mesh.shape[a] for a in axes):
-            spec.append(None)
-            continue
+        axes = tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1 and a not in taken) if name else ()
+        while axes and size % math.prod(mesh_shape[a] for a in axes):
+            axes = axes[:-1]
         taken |= set(axes)
-        spec.append(axes[0] if len(axes) == 1 else axes)
-    return P(*spec)
+        out.append(axes)
+    return out
 
 
 def _fsdp_fallback(shape, mesh, rules) -> P:

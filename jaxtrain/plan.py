@@ -32,7 +32,8 @@ by an earlier dimension, does not count):
   gradients  = params (same sharding and dtype)
   optimizer  = AdamW: 2 moments * params  +  4 bytes per int32 step counter in the optax chain
   arguments  = params + optimizer + step + batch (3 int32 arrays [B, S] split over the batch axes)
-  temporaries= gradients + L * act_layer(policy) * t + logits
+  temporaries= gradients + L' * act_layer(policy) * t + logits, L' = L, or under a pipeline the layer runs
+    ticks * L / (P * R * M) of a device (a stage keeps its layers' activations for every tick; symbols below)
     t = tokens per device per microbatch = B / (microbatches * dp) * S / Q, dp = product of the batch axes,
     Q = product of the sequence axes (each layer then also keeps K and V gathered whole, (1 - 1/Q) of them more),
     T = tensor axis size, h/kv heads, hd head dim, f = d_ff, d = d_model, S = seq_len, per token:
@@ -42,8 +43,8 @@ by an earlier dimension, does not count):
     act_layer(full) = a*d  (the layer input), plus one layer's `none` activations while it is recomputed
     act_layer(dots_saveable) = a*(3d + (h+2kv)*hd/T + h*hd/T + 2f/T) + a*h*S/T
     act_layer(dots_with_no_batch_dims_saveable) = a*(3d + (h+2kv)*hd/T + 2f/T)
-    logits = t * V/T_vocab * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax); with the
-      fused chunked loss (model.loss_chunk_tokens > 0) t_chunk * V/T_vocab * (8 + (a if a < 4)) for one chunk's
+    logits = t * V/V_ways * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax); with the
+      fused chunked loss (model.loss_chunk_tokens > 0) t_chunk * V/V_ways * (8 + (a if a < 4)) for one chunk's
       f32 logits, f32 gradient and its compute-dtype copy
   These are the saved-for-backward tensors (Korthikanti et al. 2022 count the same way); XLA's buffer
   reuse and fusion move the compiled figure by tens of percent, which the ratio column shows. Against the
@@ -86,7 +87,10 @@ m = microbatches (the gradient accumulator is sharded like the params, so every 
     2 * m * n*p/prod(Sp - G); reduce-scatter the grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x);
   R = Bt - Sp (data parallel): all-reduce the grad shard over R, m * n*p/shards  (ring: 2(n-1)/n on wire);
   tensor (Megatron, no sequence parallelism): all-reduce t*d*a 4 times per layer (2 forward, 2 backward;
-    6 with remat=full) plus 2 for embedding / unembedding, per microbatch. Per-layer collectives count the
+    6 with remat=full) per microbatch.
+  vocab axes (tensor and pipeline in the presets; V_ways ways): all-reduce t*d*a twice per microbatch, the
+    embedding lookup's partial rows and the head's input gradient, and t*3*4 for the loss (each token's f32 max,
+    sum of exponentials and target logit). Per-layer collectives count the
     layer runs of a device: L, or with a pipeline ticks * L / (P * R * M) (each tick runs L/(P*R) layers on one
     microbatch, bubble ticks included; symbols below).
   experts: an axis that splits a dimension named "experts" owns those weights; it is left out of G (the
@@ -559,19 +563,15 @@ def dot_flops(hlo) -> float:
 
 def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tuple[str, ...]]:
     """ZeRO-table arithmetic: how many ways a parameter is split, and by which mesh axes. A logical name's
-    mesh axes count if they are > 1, divide the dimension and are not taken by an earlier dimension."""
-    taken: list[str] = []
+    mesh axes are those `mesh.spec_for` shards it over."""
     if names is None:  # unannotated: FSDP on the largest dimension fsdp divides (mesh._fsdp_fallback)
         fsdp = mesh_shape.get("fsdp", 1)
         if fsdp > 1 and any("fsdp" in axes for axes in rules.values()) and any(n % fsdp == 0 for n in shape):
             return fsdp, ("fsdp",)
         return 1, ()
-    for size, name in zip(shape, names):
-        axes = [a for a in rules.get(name, ()) if mesh_shape[a] > 1] if name else []
-        if not axes or set(axes) & set(taken) or size % math.prod(mesh_shape[a] for a in axes):
-            continue
-        taken += axes
-    return math.prod(mesh_shape[a] for a in taken), tuple(taken)
+    from jaxtrain import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    taken = tuple(a for axes in mesh_lib.dim_axes(shape, names, mesh_shape, rules) for a in axes)
+    return math.prod(mesh_shape[a] for a in taken), taken
 
 
 def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> float:
@@ -640,8 +640,12 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
                                        if stages > 1 else 1)
     if tensor > 1:
         per_layer = 6 if model_cfg.remat == "full" else 4
-        add("all-reduce", ("tensor",), microbatches * (per_layer * layer_runs + 2) * tokens_dev
-            * model_cfg.d_model * a)
+        add("all-reduce", ("tensor",), microbatches * per_layer * layer_runs * tokens_dev * model_cfg.d_model * a)
+    # Vocabulary tables split along the vocab: the lookup's partial rows and the head's input gradient are summed,
+    # and the loss combines each token's f32 max, sum of exponentials and target logit over the vocab shards.
+    vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
+    vocab_ways = math.prod(mesh_shape[x] for x in vocab_axes)
+    add("all-reduce", vocab_axes, microbatches * tokens_dev * (2 * model_cfg.d_model * a + 3 * 4))
     kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
     kv_whole = 2 * rows * seq_len * kv_dim * a  # one layer's K and V, the whole sequence
     if seq_axes:  # every layer gathers K and V whole; their gradients go back as a reduce-scatter
@@ -672,17 +676,16 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
         if seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
             per_layer += kv_whole / a * act_bytes * (1 - 1 / seq_ways)
-        total = cfg.n_layers * per_layer
+        total = layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
         if cfg.remat == "full":  # one layer is recomputed at a time during backward
             total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
-        vocab_split = tensor if cfg.vocab_size % tensor == 0 else 1
         if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
             from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
             chunk_tokens = tokens_dev // cross_entropy.n_chunks(rows, seq_len, cfg.loss_chunk_tokens, 1, seq_ways)
             logits = 8 + (act_bytes if act_bytes < 4 else 0)
-            return total + chunk_tokens * cfg.vocab_size / vocab_split * logits, per_layer
+            return total + chunk_tokens * cfg.vocab_size / vocab_ways * logits, per_layer
         logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
-        return total + tokens_dev * cfg.vocab_size / vocab_split * logits, per_layer
+        return total + tokens_dev * cfg.vocab_size / vocab_ways * logits, per_layer
 
     act, per_layer = activations(model_cfg)
     act_f32, _ = activations(dataclasses.replace(model_cfg, dtype="float32"))

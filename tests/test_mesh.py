@@ -243,6 +243,12 @@ def test_mapping_that_does_not_divide_is_replicated():
     # A mesh axis already used by an earlier dim is not used twice.
     rules2 = mesh_lib.resolve_rules("embed=tensor,mlp=tensor")
     assert tuple(mesh_lib.spec_for((32, 64), ("embed", "mlp"), mesh, rules2)) == ("tensor", None)
+    # A mapping over several axes keeps the longest leading run that divides: the vocab over tensor x pipeline.
+    mesh = mesh_lib.make_mesh({"pipeline": 4, "tensor": 2})
+    rules = mesh_lib.resolve_rules("dp_fsdp_tp")
+    assert tuple(mesh_lib.spec_for((32000, 8), ("vocab", "embed"), mesh, rules)) == (("tensor", "pipeline"), None)
+    assert tuple(mesh_lib.spec_for((32002, 8), ("vocab", "embed"), mesh, rules)) == ("tensor", None)
+    assert tuple(mesh_lib.spec_for((50257, 8), ("vocab", "embed"), mesh, rules)) == (None, None)
 
 
 # --- Equivalence across meshes ---------------------------------------------------------------------------
