@@ -253,6 +253,20 @@ def axis_ways(shape: Mapping[str, int], rules, name: str) -> int:
     return math.prod(shape[a] for a in rules.get(name, ()))
 
 
+def replica_axes(shape: Mapping[str, int], rules) -> tuple[str, ...]:
+    """The leading mesh axes (> 1) of the batch mapping that split no parameter: pure replicas (`data` in the
+    presets). A gradient summed over many microbatches needs reducing over them only once. Names other than
+    "batch", "seq" and "act_*" name parameter dimensions ("experts" claims `expert` even in a dense model)."""
+    param_axes = {a for name, axes in rules.items() if name not in ("batch", "seq") and not name.startswith("act_")
+                  for a in axes}
+    out = []
+    for axis in (a for a in rules.get("batch", ()) if shape[a] > 1):
+        if axis in param_axes:
+            break
+        out.append(axis)
+    return tuple(out)
+
+
 def data_parallel_size(shape: Mapping[str, int], rules) -> int:
     """How many ways the global batch is split."""
     return axis_ways(shape, rules, "batch")

@@ -29,7 +29,11 @@ Sharding: stage-major buffers are constrained to ("stages", "batch") and stage p
 leading dims (the leaf to ("layers",) first); their other dims are left unconstrained, so that fsdp, tensor
 or sequence shardings set inside `layer_fn` survive. The vmap over stages passes the stage mesh axes as
 `spmd_axis_name`, so constraints inside `layer_fn` keep the stage dim on its shard. The final carry is read
-from stage 0's device and broadcast over the pipeline axis once per call. No 1F1B schedule: under one jit the
+from stage 0's device and broadcast over the pipeline axis once per call. Gradients: each tick adds to the
+weight gradient of the chunk each stage ran; summed over a microbatch's rows split over `data`, XLA would
+all-reduce it over `data` on every tick. So each pure data-parallel replica (mesh.replica_axes) gets its own
+copy of the stage weights ([S, R, D, K, ...], a broadcast sharded over the replica axes) and runs its rows
+with it (a vmap over the replicas): the copies' gradients stay local through the loop and are summed once. No 1F1B schedule: under one jit the
 backward pass is the transpose of the whole tick loop, so its activation memory is GPipe's whatever the order;
 the circular schedule is the one that shrinks the bubble.
 
@@ -43,10 +47,12 @@ microbatch spans every data shard) and the output is put back in the original ro
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
@@ -94,6 +100,24 @@ def _stage_axis(stages: int):
     return None if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
 
 
+def _replicas() -> tuple[tuple[str, ...], int]:
+    """(mesh axes, ways) of the pure data-parallel replicas under the active sharding (mesh.replica_axes)."""
+    active = mesh_lib.active_sharding()
+    if active is None:
+        return (), 1
+    mesh, rules = active
+    axes = mesh_lib.replica_axes(mesh.shape, rules)
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+def _per_replica(w, stage_axes, replica_axes):
+    """[S, R, K, ...] -> [S, R, D, K, ...]: a copy of the stage weights on each replica (a broadcast, no traffic)."""
+    mesh = mesh_lib.active_sharding()[0]
+    w = jnp.broadcast_to(w[:, :, None], (*w.shape[:2], math.prod(mesh.shape[a] for a in replica_axes), *w.shape[2:]))
+    spec = P(stage_axes, None, replica_axes, *[P.UNCONSTRAINED] * (w.ndim - 3))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+
+
 def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of step.split_microbatches
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
@@ -130,13 +154,30 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
 
     stage_params = jax.tree.map(to_stages, layer_params)
     stage_ids = jnp.arange(S)
+    replica_axes, D = _replicas()
+    if D > 1 and (batch // M) % D == 0:
+        # Each data-parallel replica runs its rows of a microbatch with its own copy of the stage weights, so every
+        # tick's weight gradient stays on its replica; the copies' gradients are summed once, after the loop (one
+        # all-reduce over the replicas a step instead of one per tick). Inside, the activations' batch dim no
+        # longer names the replica axes (the vmap over replicas holds them).
+        stage_params = jax.tree.map(lambda w: _per_replica(w, _stage_axis(S), replica_axes), stage_params)
+        mesh, rules = mesh_lib.active_sharding()
+        inner_rules = {k: tuple(a for a in v if a not in replica_axes) for k, v in rules.items()}
+
+        def run_chunk(chunk, c):  # chunk leaves [D, K, ...], c leaves [microbatch, ...]
+            split = jax.tree.map(lambda x: x.reshape(D, x.shape[0] // D, *x.shape[1:]), c)
+            with mesh_lib.activation_sharding(mesh, inner_rules):
+                out = jax.vmap(scan_layers, spmd_axis_name=replica_axes)(chunk, split)
+            return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
+    else:
+        run_chunk = scan_layers
 
     def stage_fn(params, repeat, c):  # one stage's work for one tick (vmapped over the stages)
         if R == 1:
             chunk = jax.tree.map(lambda w: w[0], params)
         else:
             chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), params)
-        return scan_layers(chunk, c)
+        return run_chunk(chunk, c)
 
     run_stages = jax.vmap(stage_fn, spmd_axis_name=_stage_axis(S))
 

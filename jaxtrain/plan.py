@@ -103,9 +103,10 @@ m = microbatches (the gradient accumulator is sharded like the params, so every 
     what remat drops (both under `full`, K under the dots policies: RoPE is not a dot).
   expert axes (MoE): the token buffer [experts, rows, capacity, d] goes to its experts and back, forward and
     backward: 4 all-to-alls of experts * rows * capacity * d * a per layer and microbatch (6 with remat=full).
-  pipeline (P stages, M microbatches, R repeats, ticks = R*M + P - 1): a pipelined layer's gradient counts
-    ticks / R times per microbatch, not once (each tick adds to the chunk every stage ran, and XLA reduces it
-    there); each tick hands every stage's microbatch on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions
+  pipeline (P stages, M microbatches, R repeats, ticks = R*M + P - 1): over the replica axes (mesh.replica_axes,
+    `data` in the presets) a pipelined layer's gradient is reduced once per microbatch (each replica keeps its own
+    copy of the stage weights through the tick loop); over the other batch axes it counts ticks / R times (each
+    tick adds to the chunk every stage ran, and XLA reduces it there); each tick hands every stage's microbatch on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions
     and segment ids forward, x's gradient back, and x once more: the backward loop re-sends the forward shift);
     the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
     (all-reduce over pipeline); circular with R > 1 re-lays the stage weights out in chunk order and their
@@ -606,6 +607,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     stages = pipeline["stages"] if pipeline else 1
     ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
     param_bytes = stage_bytes = 0.0
+    from jaxtrain import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    replicas = mesh_lib.replica_axes(mesh_shape, rules)
     comms: dict[tuple, float] = {}
 
     def add(kind, axes, nbytes):
@@ -621,8 +624,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         gather = [x for x in axes if x in batch_axes and x not in owned]
         reduce = [x for x in batch_axes if x not in axes]
         gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
-        # A pipelined layer's gradient is reduced on every tick: each tick adds to the chunk each stage ran (a
-        # stage holds `repeats` chunks).
+        # A pipelined layer's gradient is reduced on every tick (each tick adds to the chunk each stage ran; a stage
+        # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
         pipelined = stages > 1 and "layers" in (p["names"] or ())
         times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
         stage_bytes += p["bytes"] / shards if pipelined else 0
@@ -630,7 +633,9 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         add("reduce-scatter", gather, times * gathered)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
         tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
-        add("all-reduce", reduce, (2 if tied else 1) * times * p["bytes"] / shards)
+        per_tick = [x for x in reduce if not (pipelined and x in replicas)]
+        add("all-reduce", [x for x in reduce if x not in per_tick], microbatches * p["bytes"] / shards)
+        add("all-reduce", per_tick, (2 if tied else 1) * times * p["bytes"] / shards)
         add("all-reduce", seq_axes, times * p["bytes"] / shards)  # each sequence slice's share, reduced after
     rows = batch // (microbatches * dp)  # sequences per device per microbatch
     tokens_dev = rows * seq_len // seq_ways

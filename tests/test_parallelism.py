@@ -151,10 +151,12 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
     assert max(errors.values()) < 1e-5, errors
 
 
-def test_pipeline_splits_the_vocabulary_table_and_its_work_over_the_stages(tiny_config):
+def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_once(tiny_config):
     """The (tied) embedding is not pipelined; the presets split it along the vocab over `pipeline` as well, so each
     stage holds a quarter of it and of its Adam moments and computes a quarter of the logits. When every stage
-    held it whole and ran its data shard's whole head and loss, HLO dot FLOPs were 3.4x the model's here."""
+    held it whole and ran its data shard's whole head and loss, HLO dot FLOPs were 3.4x the model's here. And
+    the gradients cross `data` once a step, not on each of the 7 ticks (each replica keeps its own copy of the
+    stage weights through the tick loop)."""
     cfg = pipelined_config(tiny_config, "gpipe4")
     cfg.model.vocab_size = 4096  # the head dominates, as in configs/bench_cpu.py
     facts = config_lib.validate(cfg, 8)
@@ -168,6 +170,11 @@ def test_pipeline_splits_the_vocabulary_table_and_its_work_over_the_stages(tiny_
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
     # The layers' share runs 7 ticks for 4 microbatches (the bubble); the head's is done once.
     assert plan.dot_flops(text) * 8 < 1.5 * model_flops, plan.dot_flops(text) * 8 / model_flops
+    over_data = [op for op in plan.collectives(text, facts["mesh_shape"]) if "data" in op["axes"]]
+    assert {(op["kind"], op["axes"]) for op in over_data} == {("all-reduce", ("data",))}
+    # Every gradient shard once; the tied table twice (XLA reduces its lookup and head parts one after the other).
+    once = plan._per_device_bytes(state["params"]) + 1024 * 32 * 4
+    assert sum(op["bytes"] for op in over_data) == pytest.approx(once, rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2"])
