@@ -33,9 +33,9 @@ from stage 0's device and broadcast over the pipeline axis once per call. Gradie
 weight gradient of the chunk each stage ran; summed over a microbatch's rows split over `data`, XLA would
 all-reduce it over `data` on every tick. So each pure data-parallel replica (mesh.replica_axes) gets its own
 copy of the stage weights ([S, R, D, K, ...], a broadcast sharded over the replica axes) and runs its rows
-with it (a vmap over the replicas): the copies' gradients stay local through the loop and are summed once. No 1F1B schedule: under one jit the
-backward pass is the transpose of the whole tick loop, so its activation memory is GPipe's whatever the order;
-the circular schedule is the one that shrinks the bubble.
+with it (a vmap over the replicas): the copies' gradients stay local through the loop and are summed once.
+No 1F1B schedule: under one jit the backward pass is the transpose of the whole tick loop, so its activation
+memory is GPipe's whatever the order; the circular schedule is the one that shrinks the bubble.
 
 Idle stage-ticks (the bubble) compute on real, finite data (an earlier microbatch), never on
 uninitialised buffers, and their results never reach the output, so their cotangents are exactly zero and

@@ -106,8 +106,9 @@ m = microbatches (the gradient accumulator is sharded like the params, so every 
   pipeline (P stages, M microbatches, R repeats, ticks = R*M + P - 1): over the replica axes (mesh.replica_axes,
     `data` in the presets) a pipelined layer's gradient is reduced once per microbatch (each replica keeps its own
     copy of the stage weights through the tick loop); over the other batch axes it counts ticks / R times (each
-    tick adds to the chunk every stage ran, and XLA reduces it there); each tick hands every stage's microbatch on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions
-    and segment ids forward, x's gradient back, and x once more: the backward loop re-sends the forward shift);
+    tick adds to the chunk every stage ran, and XLA reduces it there); each tick hands every stage's microbatch
+    on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions and segment ids forward, x's gradient back, and x
+    once more: the backward loop re-sends the forward shift);
     the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
     (all-reduce over pipeline); circular with R > 1 re-lays the stage weights out in chunk order and their
     gradients back, 2 * stage weight bytes (all-to-all over pipeline).
