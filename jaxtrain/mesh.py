@@ -242,6 +242,40 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+# --- Per-replica copies -----------------------------------------------------------------------------------
+# A gradient summed over several pieces of work (microbatches, pipeline ticks) on rows split over `data` is a
+# partial sum per replica, and XLA reduces it over `data` after every piece. Giving each replica its own copy of
+# the weights (a broadcast sharded over the replica axes: no data moves) and running its rows with it under a
+# vmap keeps every piece's gradient local; the copies' gradients are summed once, where the copies were made.
+def per_replica(x: jax.Array, axes: tuple[str, ...], dim: int = 0, leading=None) -> jax.Array:
+    """`x` with a new dimension `dim` holding one copy per replica along mesh `axes` (inside
+    `activation_sharding`). `leading`: the specs of the dims before `dim` (default: left to XLA)."""
+    mesh = _ACTIVE.get()[0]
+    x = jax.numpy.expand_dims(x, dim)
+    x = jax.numpy.broadcast_to(x, (*x.shape[:dim], math.prod(mesh.shape[a] for a in axes), *x.shape[dim + 1:]))
+    leading = (P.UNCONSTRAINED,) * dim if leading is None else tuple(leading)
+    spec = P(*leading, axes, *[P.UNCONSTRAINED] * (x.ndim - dim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def over_replicas(fn, axes: tuple[str, ...]):
+    """fn(copies, rows) vmapped over the replica dim (0) of both; inside, the rules no longer map the replica
+    axes (the vmap holds them), so activation constraints name the rest. `rows` leaves are [batch, ...]."""
+    mesh, rules = _ACTIVE.get()
+    n = math.prod(mesh.shape[a] for a in axes)
+    inner_rules = {name: tuple(a for a in mapped if a not in axes) for name, mapped in rules.items()}
+
+    def inner(copy, part):
+        with activation_sharding(mesh, inner_rules):
+            return fn(copy, part)
+
+    def run(copies, rows):
+        split = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), rows)
+        return jax.vmap(inner, spmd_axis_name=axes)(copies, split)
+
+    return run
+
+
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
     """Sharding of [batch, seq] input arrays (config validation guarantees the batch divides)."""
     axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)

@@ -52,7 +52,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
@@ -110,14 +109,6 @@ def _replicas() -> tuple[tuple[str, ...], int]:
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
-def _per_replica(w, stage_axes, replica_axes):
-    """[S, R, K, ...] -> [S, R, D, K, ...]: a copy of the stage weights on each replica (a broadcast, no traffic)."""
-    mesh = mesh_lib.active_sharding()[0]
-    w = jnp.broadcast_to(w[:, :, None], (*w.shape[:2], math.prod(mesh.shape[a] for a in replica_axes), *w.shape[2:]))
-    spec = P(stage_axes, None, replica_axes, *[P.UNCONSTRAINED] * (w.ndim - 3))
-    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
-
-
 def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of step.split_microbatches
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
@@ -156,19 +147,15 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     stage_ids = jnp.arange(S)
     replica_axes, D = _replicas()
     if D > 1 and (batch // M) % D == 0:
-        # Each data-parallel replica runs its rows of a microbatch with its own copy of the stage weights, so every
-        # tick's weight gradient stays on its replica; the copies' gradients are summed once, after the loop (one
-        # all-reduce over the replicas a step instead of one per tick). Inside, the activations' batch dim no
-        # longer names the replica axes (the vmap over replicas holds them).
-        stage_params = jax.tree.map(lambda w: _per_replica(w, _stage_axis(S), replica_axes), stage_params)
-        mesh, rules = mesh_lib.active_sharding()
-        inner_rules = {k: tuple(a for a in v if a not in replica_axes) for k, v in rules.items()}
+        # Each data-parallel replica runs its rows of a microbatch with its own copy of the stage weights
+        # ([S, R, D, K, ...]), so every tick's weight gradient stays on its replica and the copies' gradients are
+        # summed once, after the loop (mesh.per_replica): one all-reduce over the replicas a step, not one a tick.
+        stage_params = jax.tree.map(
+            lambda w: mesh_lib.per_replica(w, replica_axes, dim=2, leading=(_stage_axis(S), None)), stage_params)
+        per_replica_layers = mesh_lib.over_replicas(scan_layers, replica_axes)
 
         def run_chunk(chunk, c):  # chunk leaves [D, K, ...], c leaves [microbatch, ...]
-            split = jax.tree.map(lambda x: x.reshape(D, x.shape[0] // D, *x.shape[1:]), c)
-            with mesh_lib.activation_sharding(mesh, inner_rules):
-                out = jax.vmap(scan_layers, spmd_axis_name=replica_axes)(chunk, split)
-            return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
+            return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), per_replica_layers(chunk, c))
     else:
         run_chunk = scan_layers
 

@@ -82,10 +82,14 @@ counts as a reduce-scatter of its full result (tuple all-reduces are split per e
 wire bytes = per device ring traffic: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n,
 all-to-all (n-1)/n of bytes, collective-permute bytes.
 Analytic, per parameter with shard axes Sp, batch axes Bt (mesh axes > 1 that split the batch),
-m = microbatches (the gradient accumulator is sharded like the params, so every microbatch reduces):
+m = microbatches (the gradient accumulator is sharded like the params, so every microbatch reduces, except over
+the replica axes, see R):
   G = Sp & Bt (ZeRO-3 / FSDP): all-gather the params in forward and again in backward,
     2 * m * n*p/prod(Sp - G); reduce-scatter the grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x);
   R = Bt - Sp (data parallel): all-reduce the grad shard over R, m * n*p/shards  (ring: 2(n-1)/n on wire);
+    over the replica axes (mesh.replica_axes, `data` in the presets) once a step when m > 1 or the layers are
+    pipelined (each replica accumulates on its own copy, mesh.per_replica), unless the model is a mixture of
+    experts with m > 1 (its balance loss needs batch-wide means);
   tensor (Megatron, no sequence parallelism): all-reduce t*d*a 4 times per layer (2 forward, 2 backward;
     6 with remat=full) per microbatch.
   vocab axes (tensor and pipeline in the presets; V_ways ways): all-reduce t*d*a twice per microbatch, the
@@ -634,9 +638,11 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         add("reduce-scatter", gather, times * gathered)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
         tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
-        per_tick = [x for x in reduce if not (pipelined and x in replicas)]
-        add("all-reduce", [x for x in reduce if x not in per_tick], microbatches * p["bytes"] / shards)
-        add("all-reduce", per_tick, (2 if tied else 1) * times * p["bytes"] / shards)
+        # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
+        copies = pipelined or (microbatches > 1 and not model_cfg.n_experts)
+        once = [x for x in reduce if copies and x in replicas]
+        add("all-reduce", once, p["bytes"] / shards)
+        add("all-reduce", [x for x in reduce if x not in once], (2 if tied else 1) * times * p["bytes"] / shards)
         add("all-reduce", seq_axes, times * p["bytes"] / shards)  # each sequence slice's share, reduced after
     rows = batch // (microbatches * dp)  # sequences per device per microbatch
     tokens_dev = rows * seq_len // seq_ways

@@ -49,6 +49,28 @@ def split_microbatches(x, n: int):
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
+def _accumulation_grad_fn(objective, graphdef, params, mesh, rules):
+    """(params to differentiate, value_and_grad of `objective` at them, gradients -> the params' gradients) for
+    gradient accumulation. With pure data-parallel replicas (mesh.replica_axes) the params are one copy per
+    replica and each replica's rows run on its copy (mesh.per_replica), so the accumulated gradients stay local
+    and cross `data` once a step rather than after every microbatch (DDP's no_sync). A mixture of experts keeps
+    the plain path: its load-balancing loss is a product of batch-wide means, which per-replica parts would change."""
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    axes = mesh_lib.replica_axes(mesh.shape, rules)
+    if not axes or nnx.merge(graphdef, params).cfg.n_experts:
+        return params, grad_fn, lambda grads: grads
+
+    per_replica = mesh_lib.over_replicas(objective, axes)
+
+    def summed_objective(copies, mb):
+        value, (loss, aux) = per_replica(copies, mb)
+        return value.sum(), (loss.sum(), jax.tree.map(jnp.sum, aux))
+
+    copies = jax.tree.map(lambda w: mesh_lib.per_replica(w, axes), params)
+    return copies, jax.value_and_grad(summed_objective, has_aux=True), lambda grads: jax.tree.map(
+        lambda g: g.sum(0), grads)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient."""
@@ -68,14 +90,17 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             if microbatches == 1:
                 (_, (loss, aux)), grads = grad_fn(state["params"], batch)
             else:
+                params, grad_fn, summed = _accumulation_grad_fn(objective, graphdef, state["params"], mesh, rules)
+
                 def accumulate(carry, mb):
-                    (_, (loss, aux)), grads = grad_fn(state["params"], mb)
+                    (_, (loss, aux)), grads = grad_fn(params, mb)
                     return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
                 micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
                 first = jax.tree.map(lambda x: x[0], micro)
-                (_, (loss, aux)), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state["params"], first))
+                (_, (loss, aux)), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
                 (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
+                grads = summed(grads)
 
             grad_norm = optax.tree.norm(grads)
 

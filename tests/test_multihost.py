@@ -91,8 +91,9 @@ def losses(workdir):
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tiny_config, tmp_path):
     # dcn_data=2: a hybrid mesh whose granules are the 2 processes (a CPU block of 4 devices in the
-    # 1-process runs), each holding one data row.
-    overrides = {"train.steps": STEPS, "checkpoint.every_steps": 5, "eval.every_steps": 10,
+    # 1-process runs), each holding one data row. Gradient accumulation: each data replica (here a process)
+    # accumulates on its own copy of the weights, summed across the processes once a step.
+    overrides = {"train.steps": STEPS, "checkpoint.every_steps": 5, "eval.every_steps": 10, "train.microbatches": 2,
                  "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.dcn_data": 2, "log.fingerprints": True}
     reference_cfg = tiny_config(**overrides)
     reference = train.run(reference_cfg, print_fn=lambda *a: None)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxtrain import config as config_lib
 from jaxtrain import mesh as mesh_lib
-from jaxtrain import optim, train
+from jaxtrain import optim, plan, train
 from jaxtrain.config import base_config
 from jaxtrain.data import pipeline
 from jaxtrain.models import transformer
@@ -68,6 +68,14 @@ def test_microbatches_equal_one_big_batch(tiny_config, tiny_data_dir):
         trainer = build(cfg)
         state = trainer.init()
         before = by_path(state["params"])
+        if n > 1:  # each data replica accumulates on its own copy: the gradients cross `data` once, not 4 times
+            global_batch = train.global_batch(batch, trainer.batch_sharding)
+            text = trainer.train_step.lower(state, global_batch).compile().as_text()
+            mesh_shape = {a: trainer.mesh.shape[a] for a in mesh_lib.AXES}
+            over_data = [op for op in plan.collectives(text, mesh_shape) if "data" in op["axes"]]
+            assert {op["kind"] for op in over_data} == {"all-reduce"}
+            assert sum(op["bytes"] for op in over_data) == pytest.approx(plan._per_device_bytes(state["params"]),
+                                                                         rel=0.01)
         state, metrics = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
         results[n] = before, jax.device_get(state), jax.device_get(metrics)
 
