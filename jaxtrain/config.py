@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
                    rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="",
-                   n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01,
+                   n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01, moe_group_tokens=0,
                    loss_chunk_tokens=512, scan_unroll=1, attention_block=0)
 
     # Pipeline parallelism (jaxtrain/pipeline_parallel.py): `stages` (1 = off) splits the layers into that many
@@ -215,6 +215,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
             raise ConfigError("model.moe_top_k", f"{m.moe_top_k} exceeds model.n_experts={m.n_experts}")
         _number(m.moe_capacity_factor, "model.moe_capacity_factor", lo=0, lo_open=True)
         _number(m.moe_aux_weight, "model.moe_aux_weight", lo=0)
+        group = _positive_int(cfg, "model.moe_group_tokens", allow_zero=True)
+        if group and cfg.train.seq_len % group:
+            raise ConfigError("model.moe_group_tokens", f"{group} does not divide train.seq_len={cfg.train.seq_len}")
+        if group and (cfg.train.seq_len // group) % shape["sequence"]:
+            raise ConfigError("model.moe_group_tokens", f"the {cfg.train.seq_len // group} groups of a sequence do not "
+                              f"split over mesh.sequence={shape['sequence']} (a group must sit on one sequence shard)")
         if m.n_experts % shape["expert"]:
             raise ConfigError("mesh.expert", f"{shape['expert']} does not divide model.n_experts={m.n_experts}")
     elif shape["expert"] > 1:

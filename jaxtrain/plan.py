@@ -99,14 +99,16 @@ the replica axes, see R):
     microbatch, bubble ticks included; symbols below).
   experts: an axis that splits a dimension named "experts" owns those weights; it is left out of G (the
     tokens travel, the weights never do).
-  tied embeddings: the table's R all-reduce counts twice (XLA reduces the lookup's and the head's gradients
-    one after the other).
+  tied embeddings: the table's R and Q all-reduces count twice (XLA reduces the lookup's and the head's
+    gradients one after the other), except where it is reduced once a step (per-replica copies).
   sequence axes Q (context parallelism), rows = B / (m * dp) sequences per device: every gradient shard is
     all-reduced over Q too (XLA reduces over R, then over Q); each layer all-gathers K and V whole,
     2 * rows * S * kv*hd/T * a, and reduce-scatters their gradients (the same bytes); the backward gathers again
     what remat drops (both under `full`, K under the dots policies: RoPE is not a dot).
-  expert axes (MoE): the token buffer [experts, rows, capacity, d] goes to its experts and back, forward and
-    backward: 4 all-to-alls of experts * rows * capacity * d * a per layer and microbatch (6 with remat=full).
+  expert axes (MoE): the token buffer [experts, rows, groups, capacity, d] goes to its experts and back, forward
+    and backward: 4 all-to-alls of experts * rows * groups * capacity * d * a per layer and microbatch (6 with
+    remat=full); groups = a device's routing groups of a sequence (model.moe_group_tokens; 1 for whole
+    sequences), capacity per group.
   pipeline (P stages, M microbatches, R repeats, ticks = R*M + P - 1): over the replica axes (mesh.replica_axes,
     `data` in the presets) a pipelined layer's gradient is reduced once per microbatch (each replica keeps its own
     copy of the stage weights through the tick loop); over the other batch axes it counts ticks / R times (each
@@ -122,8 +124,9 @@ gradient is a scatter-add, for which it all-gathers the token gradients instead 
 with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
 per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts. MoE with
 remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
-CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence: the dispatch contracts over
-the split sequence, an all-reduce of the token buffer over `sequence` that is not predicted. Pipeline x FSDP:
+CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence with whole-sequence routing
+groups (model.moe_group_tokens = 0): the dispatch contracts over the split sequence, an all-reduce of the token
+buffer over `sequence` that is not predicted (groups that fit a sequence shard avoid it). Pipeline x FSDP:
 XLA hoists some gathers out of the tick loop and re-lays buffers over data x pipeline (the analytic is ~1.4x
 over). Within 2% (tests/test_plan.py) on data x sequence, data x expert (remat full) and data x pipeline (gpipe
 and circular) meshes.
@@ -643,7 +646,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         once = [x for x in reduce if copies and x in replicas]
         add("all-reduce", once, p["bytes"] / shards)
         add("all-reduce", [x for x in reduce if x not in once], (2 if tied else 1) * times * p["bytes"] / shards)
-        add("all-reduce", seq_axes, times * p["bytes"] / shards)  # each sequence slice's share, reduced after
+        add("all-reduce", seq_axes, (2 if tied else 1) * times * p["bytes"] / shards)  # each slice's share
     rows = batch // (microbatches * dp)  # sequences per device per microbatch
     tokens_dev = rows * seq_len // seq_ways
     # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R) layers
@@ -667,8 +670,10 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         add("reduce-scatter", seq_axes, microbatches * layer_runs * kv_whole)
     if model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
         from jaxtrain.models import moe  # noqa: PLC0415 (imports jax)
-        slots = moe.capacity(model_cfg.moe_capacity_factor, seq_len, model_cfg.moe_top_k, model_cfg.n_experts)
-        buffer = model_cfg.n_experts * rows * slots * model_cfg.d_model * a
+        group = model_cfg.moe_group_tokens or seq_len
+        local_groups = seq_len // group // seq_ways if group < seq_len else 1  # groups sit on one sequence shard
+        slots = moe.capacity(model_cfg.moe_capacity_factor, group, model_cfg.moe_top_k, model_cfg.n_experts)
+        buffer = model_cfg.n_experts * rows * local_groups * slots * model_cfg.d_model * a
         passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
         add("all-to-all", expert_axes, microbatches * model_cfg.n_layers * passes * buffer)
     if stages > 1:  # each tick hands every stage's microbatch on (x and its int32 positions and segment ids)

@@ -116,6 +116,24 @@ def test_matches_loop_reference(capacity_factor, dropping):
     assert np.abs(ref_y).max() > 0.1
 
 
+def test_routing_groups_route_like_sequences_of_their_own():
+    """moe_group_tokens=4 on 8-token sequences: capacity is per group and groups do not compete for slots, so it
+    equals whole-sequence routing of the same tokens cut into 4-token rows (capacity 0.5: tokens are dropped)."""
+    cfg, graphdef, params = build(moe_capacity_factor=0.5)
+    _, grouped_graphdef, _ = build(moe_capacity_factor=0.5, moe_group_tokens=4)
+    x = np.random.default_rng(3).normal(size=(3, 8, cfg.d_model)).astype(np.float32)
+    y, aux = run(grouped_graphdef, params, x)
+    want_y, want_aux = run(graphdef, params, x.reshape(6, 4, cfg.d_model))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y).reshape(x.shape), rtol=0, atol=1e-6)
+    for k in ("load_balance_loss", "dropped_fraction"):
+        assert float(aux[k]) == pytest.approx(float(want_aux[k]), rel=1e-6), k
+    assert float(aux["dropped_fraction"]) > 0
+    # Not the whole-sequence routing: there, late tokens take slots the early ones left free in the other half.
+    assert np.abs(np.asarray(run(graphdef, params, x)[0]) - np.asarray(y)).max() > 1e-3
+    # A length the group size does not divide (decoding: one token) routes as one group.
+    assert run(grouped_graphdef, params, x[:, :1])[0].shape == (3, 1, cfg.d_model)
+
+
 def test_first_choices_fill_capacity_before_second_choices():
     # 4 tokens, 2 experts, top-2, capacity 2. Tokens 0 and 1 prefer expert 0, tokens 2 and 3 prefer expert 1.
     # First choices fill both experts, so every second choice is dropped; a token-major order would instead

@@ -230,6 +230,21 @@ def test_expert_parallel_trains_like_one_device(tiny_config, mesh):
     assert (got["moe/load_balance_loss"] >= 1.0 - 1e-6).all()
 
 
+def test_expert_parallel_with_sequence_shards_routes_within_them(tiny_config):
+    """expert 2 x sequence 4 with 8-token routing groups (one per sequence shard): trains like one device with the
+    same groups, and each shard runs only its own groups' experts (HLO dot FLOPs 1.4x the model's; with
+    whole-sequence groups every sequence shard ran every slot: 3.0x)."""
+    cfg = configure(tiny_config, {"expert": 2, "sequence": 4}, **MOE, **{"model.moe_group_tokens": 8})
+    got = assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
+    assert 0 < got["moe/dropped_fraction"][0] < 0.5
+    facts = config_lib.validate(cfg, 8)
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+    model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
+    assert plan.dot_flops(text) * 8 < 1.6 * model_flops, plan.dot_flops(text) * 8 / model_flops
+
+
 def test_expert_weights_live_on_the_expert_axis(tiny_config):
     cfg = configure(tiny_config, {"expert": 4, "data": 2}, **MOE)
     facts = config_lib.validate(cfg, 8)
@@ -245,6 +260,8 @@ def test_expert_weights_live_on_the_expert_axis(tiny_config):
     ({"mesh.expert": 2}, "mesh.expert: size 2 needs a mixture of experts"),
     ({**MOE, "mesh.expert": 8}, "mesh.expert: 8 does not divide model.n_experts=4"),
     ({**MOE, "model.moe_top_k": 5}, "model.moe_top_k: 5 exceeds model.n_experts=4"),
+    ({**MOE, "model.moe_group_tokens": 12}, "model.moe_group_tokens: 12 does not divide train.seq_len=32"),
+    ({**MOE, "model.moe_group_tokens": 16, "mesh.sequence": 4}, "model.moe_group_tokens: the 2 groups of a sequence"),
 ])
 def test_bad_expert_settings_name_the_field(tiny_config, overrides, message):
     with pytest.raises(config_lib.ConfigError, match=message):

@@ -7,16 +7,18 @@
   which the rules put on the `expert` mesh axis.
 - The router runs in float32: probs = softmax(x @ w_router); each token takes its top `moe_top_k` experts, and
   its gate weights are those probs renormalised to sum to 1 (Mixtral).
-- A group is one batch row (sequence), so dispatch stays inside a data shard. Each expert takes at most
-  C = ceil(moe_capacity_factor * T * k / E) tokens of a group, clamped to [1, T] (an expert sees a token at
+- A group is one batch row (sequence), or `moe_group_tokens` consecutive tokens of it, so dispatch stays inside a
+  data shard (and, with groups that fit one, a sequence shard). Each expert takes at most
+  C = ceil(moe_capacity_factor * G * k / E) tokens of a group of G, clamped to [1, G] (an expert sees a token at
   most once). `capacity` rounds the product to 6 decimals first, so float noise (1.1 * 10 = 11.000000000000002)
   does not add a slot.
 - Filling capacity: every token's first choice goes before any second choice, and within one choice rank
   earlier tokens go first. An assignment past its expert's capacity is dropped: the token gets nothing from that
   expert (the residual connection outside carries it), and its gate weight is not given to the kept ones.
-- Dispatch and combine are one-hot tensors [B, T, E, C] used in einsums, so every shape is static and the
-  expert computation is dense [E, B, C, d]. With experts on the `expert` mesh axis and the batch split over data
-  axes that include `expert`, XLA inserts the all-to-alls between the token and the expert layouts.
+- Dispatch and combine are one-hot tensors [B, N, G, E, C] (N groups of G) used in einsums, so every shape is
+  static and the expert computation is dense [E, B, N, C, d]. With experts on the `expert` mesh axis and the
+  batch split over data axes that include `expert`, XLA inserts the all-to-alls between the token and the expert
+  layouts.
 - load_balance_loss (Switch Transformer) = E * sum_e f_e * P_e: f_e is the fraction of the B*T*k assignments
   (before capacity) that chose expert e, P_e the mean router probability of e over all tokens. It is 1 when
   routing is perfectly balanced; only P_e carries a gradient. dropped_fraction = dropped assignments / (B*T*k).
@@ -54,30 +56,31 @@ def _top_k(probs: jax.Array, k: int):
 
 
 def route(logits: jax.Array, top_k: int, capacity: int):
-    """Router logits [B, T, E] (f32) -> (dispatch [B, T, E, C] f32 0/1, combine [B, T, E, C] f32, aux).
+    """Router logits [..., T, E] (f32; the leading dims index groups) -> (dispatch [..., T, E, C] f32 0/1,
+    combine [..., T, E, C] f32, aux).
 
-    dispatch[b, t, e, c] = 1 where token t of group b fills slot c of expert e; combine is dispatch times that
-    assignment's gate weight. aux: {"load_balance_loss", "dropped_fraction"} f32 scalars."""
-    batch, tokens, n_experts = logits.shape
+    dispatch[..., t, e, c] = 1 where token t of its group fills slot c of expert e; combine is dispatch times
+    that assignment's gate weight. aux: {"load_balance_loss", "dropped_fraction"} f32 scalars over all groups."""
+    *groups, tokens, n_experts = logits.shape
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_probs, top_idx = _top_k(probs, top_k)  # [B, T, k], best first
+    top_probs, top_idx = _top_k(probs, top_k)  # [..., T, k], best first
     gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32)  # [B, T, k, E]
+    chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32)  # [..., T, k, E]
 
     # Slot of each assignment in its expert: count earlier assignments in priority order (choice rank, then token).
-    by_priority = jnp.swapaxes(chosen, 1, 2).reshape(batch, top_k * tokens, n_experts)
-    slot = jnp.sum((jnp.cumsum(by_priority, axis=1) - 1) * by_priority, axis=-1)  # [B, k*T]
-    slot = jnp.swapaxes(slot.reshape(batch, top_k, tokens), 1, 2)  # [B, T, k]
+    by_priority = jnp.swapaxes(chosen, -3, -2).reshape(*groups, top_k * tokens, n_experts)
+    slot = jnp.sum((jnp.cumsum(by_priority, axis=-2) - 1) * by_priority, axis=-1)  # [..., k*T]
+    slot = jnp.swapaxes(slot.reshape(*groups, top_k, tokens), -1, -2)  # [..., T, k]
     kept = slot < capacity
     kept_chosen = chosen.astype(jnp.float32) * kept[..., None]
-    slot_onehot = jax.nn.one_hot(jnp.where(kept, slot, 0), capacity, dtype=jnp.float32)  # [B, T, k, C]
+    slot_onehot = jax.nn.one_hot(jnp.where(kept, slot, 0), capacity, dtype=jnp.float32)  # [..., T, k, C]
     # A token's k choices are distinct experts, so each (t, e) pair receives at most one of them.
-    dispatch = jnp.einsum("btke,btkc->btec", kept_chosen, slot_onehot)
-    combine = jnp.einsum("btke,btkc->btec", kept_chosen * gates[..., None], slot_onehot)
+    dispatch = jnp.einsum("...tke,...tkc->...tec", kept_chosen, slot_onehot)
+    combine = jnp.einsum("...tke,...tkc->...tec", kept_chosen * gates[..., None], slot_onehot)
 
-    assignments = batch * tokens * top_k
-    fraction_routed = jnp.sum(chosen, axis=(0, 1, 2)).astype(jnp.float32) / assignments  # f_e
-    mean_prob = jnp.mean(probs, axis=(0, 1))  # P_e
+    assignments = math.prod(groups) * tokens * top_k
+    fraction_routed = jnp.sum(chosen, axis=tuple(range(chosen.ndim - 1))).astype(jnp.float32) / assignments  # f_e
+    mean_prob = jnp.mean(probs, axis=tuple(range(probs.ndim - 1)))  # P_e
     aux = {
         "load_balance_loss": n_experts * jnp.sum(fraction_routed * mean_prob),
         "dropped_fraction": (assignments - jnp.sum(kept, dtype=jnp.int32)).astype(jnp.float32) / assignments,
@@ -109,17 +112,25 @@ class MoE(nnx.Module):
     def __call__(self, x):
         """x [B, T, d] -> (y [B, T, d] in x's dtype, {"load_balance_loss", "dropped_fraction"} f32 scalars)."""
         cfg, dt = self.cfg, x.dtype
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.w_router[...].astype(jnp.float32))
+        batch, tokens, d = x.shape
+        # Groups [B, N, G]: the sequence's groups N carry its sequence split (config validation: N divides it); one
+        # group (N = 1, the default, and any T the group size does not divide, e.g. decoding) leaves it on G.
+        group = cfg.moe_group_tokens if cfg.moe_group_tokens and tokens % cfg.moe_group_tokens == 0 else tokens
+        seq = ("batch", "seq", None) if group < tokens else ("batch", None, "seq")
+        x = constrain(x.reshape(batch, tokens // group, group, d), (*seq, "act_embed"))
+        logits = jnp.einsum("bngd,de->bnge", x.astype(jnp.float32), self.w_router[...].astype(jnp.float32))
         dispatch, combine, aux = route(logits, cfg.moe_top_k,
-                                       capacity(cfg.moe_capacity_factor, x.shape[1], cfg.moe_top_k, cfg.n_experts))
-        dispatch = constrain(dispatch.astype(dt), ("batch", "seq", None, None))
-        combine = constrain(combine.astype(dt), ("batch", "seq", None, None))
+                                       capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
+        dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
+        combine = constrain(combine.astype(dt), (*seq, None, None))
 
-        expert_in = constrain(jnp.einsum("btec,btd->ebcd", dispatch, x), ("act_experts", "batch", None, "act_embed"))
-        gate = jnp.einsum("ebcd,edf->ebcf", expert_in, self.w_gate[...].astype(dt))
-        up = jnp.einsum("ebcd,edf->ebcf", expert_in, self.w_up[...].astype(dt))
-        hidden = constrain(jax.nn.silu(gate) * up, ("act_experts", "batch", None, "act_mlp"))
-        expert_out = constrain(jnp.einsum("ebcf,efd->ebcd", hidden, self.w_down[...].astype(dt)),
-                               ("act_experts", "batch", None, "act_embed"))
-        y = jnp.einsum("btec,ebcd->btd", combine, expert_out)
+        # The expert buffer [E, B, N, C, d]: with groups, each sequence shard fills and runs its own groups' slots.
+        rows = ("act_experts", "batch", "seq" if group < tokens else None, None)
+        expert_in = constrain(jnp.einsum("bngec,bngd->ebncd", dispatch, x), (*rows, "act_embed"))
+        gate = jnp.einsum("ebncd,edf->ebncf", expert_in, self.w_gate[...].astype(dt))
+        up = jnp.einsum("ebncd,edf->ebncf", expert_in, self.w_up[...].astype(dt))
+        hidden = constrain(jax.nn.silu(gate) * up, (*rows, "act_mlp"))
+        expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, self.w_down[...].astype(dt)),
+                               (*rows, "act_embed"))
+        y = jnp.einsum("bngec,ebncd->bngd", combine, expert_out).reshape(batch, tokens, d)
         return constrain(y, ("batch", "seq", "act_embed")), aux

@@ -62,6 +62,10 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_capacity_factor: float = 1.25
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
+    # Tokens per routing group (0 = a whole sequence): capacity is per group and a group's tokens meet only their
+    # own. Under sequence parallelism a group must sit on one sequence shard (seq_len / mesh.sequence or a divisor),
+    # else every shard repeats its experts' work.
+    moe_group_tokens: int = 0
     # Pipeline parallelism (jaxtrain.pipeline_parallel): how the layer stack runs, not what the model is. 1 stage = a
     # plain scan over the layers.
     pipeline_stages: int = 1
