@@ -78,7 +78,10 @@ def wait_for_step(workdir, step, procs, timeout=180):
         if path.exists() and any(json.loads(line).get("step", 0) >= step and "loss" in line
                                  for line in path.read_text().splitlines()):
             return
-        assert all(p.poll() is None for p in procs), "a process exited early"
+        if any(p.poll() is not None for p in procs):  # show why: the next failure is then diagnosable
+            codes, outputs = finish(procs, timeout=30)
+            raise AssertionError(f"a process exited early: codes {codes}\n"
+                                 + "\n".join(f"--- process {i}:\n{out[-3000:]}" for i, out in enumerate(outputs)))
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not reached in {timeout}s")
 
