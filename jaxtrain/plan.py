@@ -615,14 +615,14 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     stages = pipeline["stages"] if pipeline else 1
     ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
     param_bytes = stage_bytes = 0.0
-    from jaxtrain import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    from jaxtrain import mesh as mesh_lib, step as step_lib  # noqa: PLC0415 (imports jax)
     replicas = mesh_lib.replica_axes(mesh_shape, rules)
     comms: dict[tuple, float] = {}
 
     def add(kind, axes, nbytes):
         if axes and nbytes:
-            comms[(kind, tuple(x for x in mesh_shape if x in axes))] = comms.get(
-                (kind, tuple(x for x in mesh_shape if x in axes)), 0.0) + nbytes
+            key = (kind, tuple(x for x in mesh_shape if x in axes))
+            comms[key] = comms.get(key, 0.0) + nbytes
 
     for p in params:
         shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
@@ -642,7 +642,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
         tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
         # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
-        copies = pipelined or (microbatches > 1 and not model_cfg.n_experts)
+        copies = pipelined or step_lib.accumulates_per_replica(model_cfg, microbatches)
         once = [x for x in reduce if copies and x in replicas]
         add("all-reduce", once, p["bytes"] / shards)
         add("all-reduce", [x for x in reduce if x not in once], (2 if tied else 1) * times * p["bytes"] / shards)

@@ -49,15 +49,20 @@ def split_microbatches(x, n: int):
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
-def _accumulation_grad_fn(objective, graphdef, params, mesh, rules):
+def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
+    """Whether gradient accumulation runs on per-replica weight copies (when there are replica axes). Not for a
+    mixture of experts: its load-balancing loss is a product of batch-wide means, which per-replica parts change."""
+    return microbatches > 1 and not model_cfg.n_experts
+
+
+def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches):
     """(params to differentiate, value_and_grad of `objective` at them, gradients -> the params' gradients) for
     gradient accumulation. With pure data-parallel replicas (mesh.replica_axes) the params are one copy per
     replica and each replica's rows run on its copy (mesh.per_replica), so the accumulated gradients stay local
-    and cross `data` once a step rather than after every microbatch (DDP's no_sync). A mixture of experts keeps
-    the plain path: its load-balancing loss is a product of batch-wide means, which per-replica parts would change."""
+    and cross `data` once a step rather than after every microbatch (DDP's no_sync); see accumulates_per_replica."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     axes = mesh_lib.replica_axes(mesh.shape, rules)
-    if not axes or nnx.merge(graphdef, params).cfg.n_experts:
+    if not axes or not accumulates_per_replica(nnx.merge(graphdef, params).cfg, microbatches):
         return params, grad_fn, lambda grads: grads
 
     per_replica = mesh_lib.over_replicas(objective, axes)
@@ -90,7 +95,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             if microbatches == 1:
                 (_, (loss, aux)), grads = grad_fn(state["params"], batch)
             else:
-                params, grad_fn, summed = _accumulation_grad_fn(objective, graphdef, state["params"], mesh, rules)
+                params, grad_fn, summed = _accumulation_grad_fn(objective, graphdef, state["params"], mesh, rules,
+                                                                microbatches)
 
                 def accumulate(carry, mb):
                     (_, (loss, aux)), grads = grad_fn(params, mb)

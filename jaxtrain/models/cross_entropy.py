@@ -41,15 +41,17 @@ def _chunk_logits(x, w):
     return constrain(project(x.astype(w.dtype), w, preferred_element_type=jnp.float32), ("batch", "seq", "act_vocab"))
 
 
-def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False):
+def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False, f_name: str | None = None):
     """[B, C, f] -> [batch_ways, seq_ways, tokens, f] (or [..., f, tokens]): each device's tokens, grouped under the
     (batch shard, sequence shard) it holds, so that dW is summed on every device apart. A local reshuffle (the
-    leading dims are 1 per device); merging batch and sequence directly would gather the sequence."""
+    leading dims are 1 per device); merging batch and sequence directly would gather the sequence. `f_name`: the
+    logical name of f (tokens first only)."""
     b, c, f = a.shape
     a = a.reshape(batch_ways, b // batch_ways, seq_ways, c // seq_ways, f)
     a = jnp.transpose(a, (0, 2, 4, 1, 3) if tokens_last else (0, 2, 1, 3, 4))
     shape = (f, -1) if tokens_last else (-1, f)
-    return constrain(a.reshape(batch_ways, seq_ways, *shape), ("batch", "seq"))
+    return constrain(a.reshape(batch_ways, seq_ways, *shape), ("batch", "seq") if tokens_last else
+                     ("batch", "seq", None, f_name))
 
 
 def _chunk_loss(logits, targets, weights):
@@ -106,7 +108,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
         dlogits = wt_c[..., None] * (jnp.exp(logits - lse[..., None]) - is_target)
         dlogits = constrain(dlogits.astype(dtype), ("batch", "seq", "act_vocab"))
         dx_c = project(dlogits, w_dt.T, preferred_element_type=jnp.float32)
-        per_shard = constrain(_by_shard(dlogits, *ways), ("batch", "seq", None, "act_vocab"))
+        per_shard = _by_shard(dlogits, *ways, f_name="act_vocab")
         dw = dw + jax.lax.dot_general(x_t, per_shard, (((3,), (2,)), ((0, 1), (0, 1))),
                                       preferred_element_type=jnp.float32)
         return (total + loss, constrain(dw, ("batch", "seq", None, "act_vocab"))), dx_c.astype(x.dtype)
