@@ -128,8 +128,8 @@ CPU compiler moves f32 activations (2x the activation collectives). MoE x sequen
 groups (model.moe_group_tokens = 0): the dispatch contracts over the split sequence, an all-reduce of the token
 buffer over `sequence` that is not predicted (groups that fit a sequence shard avoid it). Pipeline x FSDP:
 XLA hoists some gathers out of the tick loop and re-lays buffers over data x pipeline (the analytic is ~1.4x
-over). Within 2% (tests/test_plan.py) on data x sequence, data x expert (remat full) and data x pipeline (gpipe
-and circular) meshes.
+over). Within 2% (tests/test_plan.py) on data x sequence, data x expert (remat full), data x pipeline (gpipe
+and circular) and data with gradient accumulation.
 """
 
 from __future__ import annotations

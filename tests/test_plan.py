@@ -249,6 +249,7 @@ def test_cli_bad_flags_exit_2_with_one_line(args, field):
 
 
 ANALYTIC_CASES = {
+    "accumulation": {"mesh.data": 8, "train.microbatches": 2, "train.batch_size": 16},  # reduced once a step
     "sequence": {"mesh.data": 2, "mesh.sequence": 4},
     "sequence_remat_full": {"mesh.data": 2, "mesh.sequence": 4, "model.remat": "full"},
     "expert_remat_full": {"mesh.data": 2, "mesh.expert": 4, "model.n_experts": 8, "model.remat": "full"},
@@ -264,8 +265,9 @@ ANALYTIC_CASES = {
 def test_analytic_collectives_match_the_compiled_ones(tiny_config, case):
     """Sequence (K/V gathers, their reduce-scatters, the gradients' reduce over `sequence`), expert (the tokens'
     all-to-alls, expert weights never gathered) and pipeline (per-tick hand-offs and gradient reduces, the final
-    broadcast, the circular re-layout): every collective of more than 1 KiB a step is predicted within 2%, and
-    nothing is predicted that the compiled step does not do."""
+    broadcast, the circular re-layout) and gradient accumulation (the per-replica copies' one reduce over `data`):
+    every collective of more than 1 KiB a step is predicted within 2%, and nothing is predicted that the compiled
+    step does not do."""
     config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, **ANALYTIC_CASES[case]})
     result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
     for row in result["collectives"]:
