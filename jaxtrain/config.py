@@ -314,8 +314,6 @@ def _validate_pipeline(cfg, shape: dict, microbatch: int) -> None:
         raise ConfigError("mesh.pipeline", f"{shape['pipeline']} does not divide pipeline.stages={p.stages}")
     if p.stages == 1:
         return
-    if cfg.model.n_experts:
-        raise ConfigError("pipeline.stages", "a mixture of experts cannot be pipelined yet (model.n_experts > 0)")
     from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jax)
 
     try:

@@ -70,8 +70,9 @@ def tiny_config(mesh: dict, **overrides):
 COMBINED = {
     "data2_fsdp2_tensor2_pipeline2": ({"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 2},
                                       {"pipeline.stages": 2, "pipeline.microbatches": 2}),
-    "data2_fsdp2_expert2_tensor2": ({"data": 2, "fsdp": 2, "expert": 2, "tensor": 2},
-                                    {"model.n_experts": 4, "model.moe_capacity_factor": 1.0}),
+    "data2_expert2_tensor2_pipeline2": ({"data": 2, "expert": 2, "tensor": 2, "pipeline": 2},
+                                        {"model.n_experts": 4, "model.moe_capacity_factor": 1.0,
+                                         "pipeline.stages": 2, "pipeline.microbatches": 2}),
 }
 
 

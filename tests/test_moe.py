@@ -30,12 +30,20 @@ def build(seed=0, std=0.5, **overrides):
 
 
 def apply(graphdef, params, x):
-    return nnx.merge(graphdef, params)(x)
+    """-> (y, the layer's load-balancing loss and dropped fraction over the whole batch)."""
+    y, stats = nnx.merge(graphdef, params)(x)
+    assert all(v.shape[0] == x.shape[0] for v in jax.tree.leaves(stats))  # per row
+    return y, moe.summarize(stats)
+
+
+def summarized_route(logits, top_k, capacity):
+    dispatch, combine, stats = moe.route(logits, top_k, capacity)
+    return dispatch, combine, moe.summarize(stats)
 
 
 # One compile each instead of many eager ops (slow to dispatch on a busy 2-core machine).
 run = jax.jit(apply, static_argnums=0)
-route = jax.jit(moe.route, static_argnums=(1, 2))
+route = jax.jit(summarized_route, static_argnums=(1, 2))
 
 
 # --- Plain references --------------------------------------------------------------------------------

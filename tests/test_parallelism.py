@@ -111,16 +111,19 @@ def test_sequence_axis_must_divide_the_sequence(tiny_config):
 
 # --- Pipeline parallelism -------------------------------------------------------------------------------------
 
+MOE = {"model.n_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0}
 PIPELINES = {  # id: (mesh, pipeline settings); the model gets 4 layers
     "gpipe4": ({"pipeline": 4, "data": 2}, dict(stages=4, microbatches=4, schedule="gpipe")),
     "gpipe2_tensor": ({"pipeline": 2, "data": 2, "tensor": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
     "circular2x2": ({"pipeline": 2, "fsdp": 4}, dict(stages=2, microbatches=2, schedule="circular", repeats=2)),
+    # A mixture of experts: experts split over `expert` inside each stage; the balancing loss is the whole batch's.
+    "gpipe2_expert2": ({"pipeline": 2, "expert": 2, "data": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
 }
 
 
 def pipelined_config(tiny_config, name):
     mesh, settings = PIPELINES[name]
-    return configure(tiny_config, mesh, **{"model.n_layers": 4},
+    return configure(tiny_config, mesh, **{"model.n_layers": 4}, **(MOE if "expert" in mesh else {}),
                      **{f"pipeline.{k}": v for k, v in settings.items()})
 
 
@@ -138,15 +141,18 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
     batch = synthetic_batches(1, 8, 32, 512)[0]
 
     def loss_and_grads(t, p):
-        def f(p, b):
+        def f(p, b):  # the cross-entropy, plus a mixture of experts' balancing loss (the whole batch's)
             with mesh_lib.activation_sharding(t.mesh, t.rules):
-                total, count = step_lib.loss_sum(t.graphdef, p, b)
-                return total / count
-        return jax.jit(jax.value_and_grad(f))(p, train.global_batch(batch, t.batch_sharding))
+                total, count, aux = step_lib.loss_terms(t.graphdef, p, b)
+                return total / count + aux.get("load_balance_loss", 0.0), aux
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, train.global_batch(batch, t.batch_sharding))
 
-    loss, grads = loss_and_grads(trainer, state["params"])
-    want_loss, want_grads = loss_and_grads(reference, jax.device_put(params, jax.devices()[0]))
+    (loss, aux), grads = loss_and_grads(trainer, state["params"])
+    (want_loss, want_aux), want_grads = loss_and_grads(reference, jax.device_put(params, jax.devices()[0]))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert set(aux) == set(want_aux) == ({"load_balance_loss", "dropped_fraction"} if cfg.model.n_experts else set())
+    for key in want_aux:
+        np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-5, err_msg=key)
     errors = leaf_errors(jax.device_get(grads), jax.device_get(want_grads))
     assert max(errors.values()) < 1e-5, errors
 
@@ -177,7 +183,7 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     assert sum(op["bytes"] for op in over_data) == pytest.approx(once, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2"])
+@pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2", "gpipe2_expert2"])
 def test_pipeline_trains_like_one_device(tiny_config, name):
     cfg = pipelined_config(tiny_config, name)
     if name == "gpipe2_tensor":  # with gradient accumulation too: per-replica copies around the pipeline
@@ -209,7 +215,6 @@ def test_pipeline_run_reports_the_bubble_and_resumes(tiny_config, tmp_path):
     ({"pipeline.stages": 3, "model.n_layers": 4}, "pipeline.stages"),
     ({"pipeline.stages": 2, "pipeline.microbatches": 3}, "pipeline.microbatches"),
     ({"pipeline.stages": 2, "pipeline.schedule": "1f2b"}, "pipeline.schedule"),
-    ({"pipeline.stages": 2, "model.n_experts": 2}, "pipeline.stages: a mixture of experts cannot be pipelined"),
 ])
 def test_bad_pipeline_settings_name_the_field(tiny_config, overrides, message):
     with pytest.raises(config_lib.ConfigError, match=message):
@@ -217,9 +222,6 @@ def test_bad_pipeline_settings_name_the_field(tiny_config, overrides, message):
 
 
 # --- Expert parallelism ---------------------------------------------------------------------------------------
-
-MOE = {"model.n_experts": 4, "model.moe_top_k": 2, "model.moe_capacity_factor": 1.0}
-
 
 @pytest.mark.parametrize("mesh", [{"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}],
                          ids=["expert4_data2", "expert2_fsdp2_tensor2"])
@@ -273,7 +275,7 @@ def test_bad_expert_settings_name_the_field(tiny_config, overrides, message):
 
 @pytest.mark.slow
 def test_all_axes_combined_on_16_devices(tmp_path):
-    """data x fsdp x tensor x pipeline (a dense model) and data x fsdp x expert x tensor (a mixture of experts),
+    """data x fsdp x tensor x pipeline (a dense model) and data x expert x tensor x pipeline (a mixture of experts),
     each 3 steps against its single-device run, in a process that sees 16 devices."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=16", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
@@ -282,7 +284,7 @@ def test_all_axes_combined_on_16_devices(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert set(results) == {"data2_fsdp2_tensor2_pipeline2", "data2_fsdp2_expert2_tensor2"}
+    assert set(results) == {"data2_fsdp2_tensor2_pipeline2", "data2_expert2_tensor2_pipeline2"}
     for name, r in results.items():
         assert r["devices"] == 16 and r["mesh"] == {a: 2 for a in r["mesh"]}, name
         want = {key: w for key, (_, w) in r["metrics"].items()}

@@ -258,6 +258,8 @@ ANALYTIC_CASES = {
                           "pipeline.schedule": "circular", "pipeline.repeats": 2, "model.n_layers": 4},
     "pipeline_x_sequence": {"mesh.data": 2, "mesh.pipeline": 2, "mesh.sequence": 2, "pipeline.stages": 2,
                             "pipeline.microbatches": 2},
+    "pipeline_x_expert": {"mesh.data": 2, "mesh.pipeline": 2, "mesh.expert": 2, "pipeline.stages": 2,
+                          "pipeline.microbatches": 2, "model.n_experts": 4},
 }
 
 

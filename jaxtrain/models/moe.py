@@ -1,7 +1,9 @@
 """Mixture-of-experts feed-forward layer (GShard / Switch style): top-k routing with a capacity per expert.
 
-`MoE(cfg, rngs)(x) -> (y, aux)`, x and y [B, T, d_model] in the compute dtype, aux a dict of f32 scalars
-{"load_balance_loss", "dropped_fraction"}. Choices:
+`MoE(cfg, rngs)(x) -> (y, stats)`, x and y [B, T, d_model] in the compute dtype, stats the routing counts of each
+batch row (`route`), which `summarize` turns into the f32 scalars {"load_balance_loss", "dropped_fraction"} of any
+set of rows: per row, so that a pipelined model, which routes each microbatch on its own, still gets the loss of
+the whole batch. Choices:
 
 - Experts are SwiGLU MLPs like `transformer.MLP`, stacked on a leading "experts" axis ([E, d, f], [E, f, d]),
   which the rules put on the `expert` mesh axis.
@@ -57,10 +59,12 @@ def _top_k(probs: jax.Array, k: int):
 
 def route(logits: jax.Array, top_k: int, capacity: int):
     """Router logits [..., T, E] (f32; the leading dims index groups) -> (dispatch [..., T, E, C] f32 0/1,
-    combine [..., T, E, C] f32, aux).
+    combine [..., T, E, C] f32, stats).
 
     dispatch[..., t, e, c] = 1 where token t of its group fills slot c of expert e; combine is dispatch times
-    that assignment's gate weight. aux: {"load_balance_loss", "dropped_fraction"} f32 scalars over all groups."""
+    that assignment's gate weight. stats, f32 per group: "routed" [..., E] assignments that chose each expert
+    (before capacity), "prob" [..., E] summed router probabilities, "dropped" [...] assignments past capacity,
+    "tokens" [...]; `summarize` turns any set of them into the load-balancing loss and dropped fraction."""
     *groups, tokens, n_experts = logits.shape
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_probs, top_idx = _top_k(probs, top_k)  # [..., T, k], best first
@@ -78,14 +82,30 @@ def route(logits: jax.Array, top_k: int, capacity: int):
     dispatch = jnp.einsum("...tke,...tkc->...tec", kept_chosen, slot_onehot)
     combine = jnp.einsum("...tke,...tkc->...tec", kept_chosen * gates[..., None], slot_onehot)
 
-    assignments = math.prod(groups) * tokens * top_k
-    fraction_routed = jnp.sum(chosen, axis=tuple(range(chosen.ndim - 1))).astype(jnp.float32) / assignments  # f_e
-    mean_prob = jnp.mean(probs, axis=tuple(range(probs.ndim - 1)))  # P_e
-    aux = {
-        "load_balance_loss": n_experts * jnp.sum(fraction_routed * mean_prob),
-        "dropped_fraction": (assignments - jnp.sum(kept, dtype=jnp.int32)).astype(jnp.float32) / assignments,
+    stats = {  # per group; sums and counts, so that any set of groups adds up (`summarize`)
+        "routed": jnp.sum(chosen, axis=(-3, -2)).astype(jnp.float32),
+        "prob": jnp.sum(probs, axis=-2),
+        "dropped": (tokens * top_k - jnp.sum(kept, axis=(-2, -1), dtype=jnp.int32)).astype(jnp.float32),
+        "tokens": jnp.full(groups, tokens, jnp.float32),
     }
-    return dispatch, combine, aux
+    return dispatch, combine, stats
+
+
+def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
+    """Routing statistics of no tokens, shaped like `route`'s with leading dims `leading`."""
+    return {"routed": jnp.zeros((*leading, n_experts)), "prob": jnp.zeros((*leading, n_experts)),
+            "dropped": jnp.zeros(leading), "tokens": jnp.zeros(leading)}
+
+
+def summarize(stats: dict) -> dict:
+    """Routing statistics (`route`'s, any leading dims, all of which are summed) -> the f32 scalars
+    {"load_balance_loss", "dropped_fraction"} of all those tokens together."""
+    routed, prob = (jnp.sum(stats[k], axis=tuple(range(stats[k].ndim - 1))) for k in ("routed", "prob"))
+    assignments = jnp.sum(routed)
+    fraction_routed = routed / assignments  # f_e
+    mean_prob = prob / jnp.sum(stats["tokens"])  # P_e
+    return {"load_balance_loss": routed.shape[-1] * jnp.sum(fraction_routed * mean_prob),
+            "dropped_fraction": jnp.sum(stats["dropped"]) / assignments}
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -110,7 +130,8 @@ class MoE(nnx.Module):
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):
-        """x [B, T, d] -> (y [B, T, d] in x's dtype, {"load_balance_loss", "dropped_fraction"} f32 scalars)."""
+        """x [B, T, d] -> (y [B, T, d] in x's dtype, routing stats per row: `route`'s summed over each row's groups,
+        leading dim B, which `summarize` turns into the load-balancing loss and dropped fraction)."""
         cfg, dt = self.cfg, x.dtype
         batch, tokens, d = x.shape
         # Groups [B, N, G]: the sequence's groups N carry its sequence split (config validation: N divides it); one
@@ -119,8 +140,8 @@ class MoE(nnx.Module):
         seq = ("batch", "seq", None) if group < tokens else ("batch", None, "seq")
         x = constrain(x.reshape(batch, tokens // group, group, d), (*seq, "act_embed"))
         logits = jnp.einsum("bngd,de->bnge", x.astype(jnp.float32), self.w_router[...].astype(jnp.float32))
-        dispatch, combine, aux = route(logits, cfg.moe_top_k,
-                                       capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
+        dispatch, combine, stats = route(logits, cfg.moe_top_k,
+                                         capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
         combine = constrain(combine.astype(dt), (*seq, None, None))
 
@@ -133,4 +154,4 @@ class MoE(nnx.Module):
         expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, self.w_down[...].astype(dt)),
                                (*rows, "act_embed"))
         y = jnp.einsum("bngec,ebncd->bngd", combine, expert_out).reshape(batch, tokens, d)
-        return constrain(y, ("batch", "seq", "act_embed")), aux
+        return constrain(y, ("batch", "seq", "act_embed")), jax.tree.map(lambda v: jnp.sum(v, axis=1), stats)

@@ -223,15 +223,15 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg, rngs)
 
     def feed_forward(self, x):
-        """(output, aux): aux holds the MoE's f32 scalars (load_balance_loss, dropped_fraction), or nothing."""
+        """(output, stats): stats are the MoE's routing counts per batch row (moe.route), or nothing."""
         out = self.mlp(self.mlp_norm(x))
         return out if isinstance(out, tuple) else (out, {})
 
     def __call__(self, x, positions, mask):
-        """-> (x, aux) for this layer."""
+        """-> (x, this layer's MoE routing stats per row)."""
         x = x + self.attn(self.attn_norm(x), positions, mask)
-        out, aux = self.feed_forward(x)
-        return constrain(x + out, ("batch", "seq", "act_embed")), aux
+        out, stats = self.feed_forward(x)
+        return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
     def decode(self, x, positions, mask, cache_k, cache_v, slots):
         attn_out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), positions, mask, cache_k, cache_v, slots)
@@ -259,7 +259,8 @@ class Transformer(nnx.Module):
         return self.forward(tokens, positions, segment_ids)[0]
 
     def forward(self, tokens, positions, segment_ids):
-        """-> (logits, aux): aux holds per-layer means of the MoE's scalars (empty for a dense model)."""
+        """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
+        model)."""
         x, aux = self.hidden(tokens, positions, segment_ids)
         logits = project(x, self.head().astype(x.dtype))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
@@ -285,23 +286,32 @@ class Transformer(nnx.Module):
             def layer(x, state):
                 return nnx.merge(block_def, state)(x, positions, mask)
 
-            x, aux = jax.lax.scan(remat(layer), x, block_state, unroll=cfg.scan_unroll)
-            aux = jax.tree.map(jnp.mean, aux)
-        else:  # config validation keeps MoE out of pipelines (its aux losses do not cross stages yet)
+            x, stats = jax.lax.scan(remat(layer), x, block_state, unroll=cfg.scan_unroll)  # stats [L, B, ...]
+        else:
             from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jaxtrain.mesh, as we do)
 
             def pipelined_layer(state, carry):
                 # The mask is rebuilt per microbatch from its segment ids: [T, T] per row, cheap next to attention.
-                x, _ = nnx.merge(block_def, state)(carry["x"], carry["positions"], attention_mask(carry["segment_ids"]))
-                return {**carry, "x": x}
+                x, stats = nnx.merge(block_def, state)(carry["x"], carry["positions"],
+                                                       attention_mask(carry["segment_ids"]))
+                # Each row's MoE stats ride along as a shift register [rows, L, ...]: after the L layers, which a
+                # microbatch always runs in order, slot l holds layer l's.
+                routing = jax.tree.map(lambda buf, s: jnp.concatenate([buf[:, 1:], s[:, None]], axis=1),
+                                       carry["moe"], stats)
+                return {**carry, "x": x, "moe": routing}
 
+            routing = {}
+            if cfg.n_experts:
+                from jaxtrain.models.moe import zero_stats  # noqa: PLC0415 (moe builds on this module)
+                routing = zero_stats((tokens.shape[0], cfg.n_layers), cfg.n_experts)
             carry = pipeline_parallel.run(remat(pipelined_layer), block_state,
-                                          {"x": x, "positions": positions, "segment_ids": segment_ids},
+                                          {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing},
                                           stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
                                           schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
-            x, aux = constrain(carry["x"], ("batch", "seq", "act_embed")), {}
+            x = constrain(carry["x"], ("batch", "seq", "act_embed"))
+            stats = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), carry["moe"])
 
-        return self.final_norm(x), aux
+        return self.final_norm(x), layer_means(stats)
 
     def decode(self, tokens, cache, start, last_index=None):
         """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
@@ -335,6 +345,15 @@ class Transformer(nnx.Module):
         x = x[:, t - 1 if last_index is None else last_index]
         x = self.final_norm(x)
         return project(x, self.head().astype(dt)), {"k": new_k, "v": new_v}
+
+
+def layer_means(stats) -> dict:
+    """MoE routing stats [layers, rows, ...] -> each layer's load-balancing loss and dropped fraction over all the
+    rows, averaged over the layers; {} for a dense model."""
+    if not stats:
+        return {}
+    from jaxtrain.models.moe import summarize  # noqa: PLC0415 (moe builds on this module)
+    return jax.tree.map(jnp.mean, jax.vmap(summarize)(stats))
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
