@@ -183,7 +183,7 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     assert sum(op["bytes"] for op in over_data) == pytest.approx(once, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2", "gpipe2_expert2"])
+@pytest.mark.parametrize("name", ["gpipe2_tensor", "circular2x2"])  # MoE: the 16-device run trains one
 def test_pipeline_trains_like_one_device(tiny_config, name):
     cfg = pipelined_config(tiny_config, name)
     if name == "gpipe2_tensor":  # with gradient accumulation too: per-replica copies around the pipeline
