@@ -674,9 +674,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         local_groups = seq_len // group // seq_ways if group < seq_len else 1  # groups sit on one sequence shard
         slots = moe.capacity(model_cfg.moe_capacity_factor, group, model_cfg.moe_top_k, model_cfg.n_experts)
         buffer = model_cfg.n_experts * rows * local_groups * slots * model_cfg.d_model * a
-        # remat=full runs the forward's two again. In a pipeline's tick loop the backward also moves the expert outputs
-        # to the token layout once more (for the gates' gradient) instead of keeping the forward's (measured).
-        passes = 6 if model_cfg.remat == "full" else 5 if stages > 1 else 4
+        passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
         add("all-to-all", expert_axes, microbatches * layer_runs * passes * buffer)
     if stages > 1:  # each tick hands every stage's microbatch on (x and its int32 positions and segment ids)
         pipeline_axes = active("stages")

@@ -153,5 +153,8 @@ class MoE(nnx.Module):
         hidden = constrain(jax.nn.silu(gate) * up, (*rows, "act_mlp"))
         expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, self.w_down[...].astype(dt)),
                                (*rows, "act_embed"))
+        # Back to the token layout here, so that the combine's backward keeps this copy for the gates' gradient (left
+        # to XLA, a pipeline's tick loop moved the expert outputs once more in the backward).
+        expert_out = constrain(expert_out, (None, "batch", rows[2], None, "act_embed"))
         y = jnp.einsum("bngec,ebncd->bngd", combine, expert_out).reshape(batch, tokens, d)
         return constrain(y, ("batch", "seq", "act_embed")), jax.tree.map(lambda v: jnp.sum(v, axis=1), stats)
