@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -40,10 +41,30 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm (the same empty state, so checkpoints are unchanged) that takes the norm the step
+    already computed (`update(..., global_norm=n)`) and clips by multiplying with min(1, max_norm / n).
+
+    optax's own form, select(n < max_norm, g, g / n * max_norm), wrote the clipped gradients out before Adam
+    read them and computed the norm a second time; a plain scale fuses into Adam's moment updates: 20 bytes a
+    parameter less memory traffic (bench_cpu, f32), which matters where the optimizer is memory-bound (GPU).
+    Without `global_norm` it computes the norm itself.
+    """
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        scale = jnp.minimum(1.0, max_norm / norm)  # norm 0 -> inf -> 1: unclipped
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformationExtraArgs:
+    """Clipping (optional) then AdamW with decoupled weight decay. `update` takes `global_norm=` (the gradients'
+    global norm, when the caller has it) for the clip."""
     parts = []
     if optim_cfg.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(optim_cfg.clip_norm))
+        parts.append(clip_by_global_norm(optim_cfg.clip_norm))
     parts.append(optax.adamw(schedule(optim_cfg, total_steps), b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
                              weight_decay=optim_cfg.weight_decay, mask=decay_mask))
     return optax.chain(*parts)

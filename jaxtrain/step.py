@@ -111,7 +111,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             grad_norm = optax.tree.norm(grads)
 
             def update(_):
-                updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+                updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"], global_norm=grad_norm)
                 return optax.apply_updates(state["params"], updates), opt_state
 
             # A non-finite loss or gradient never reaches the weights: keep the old ones for this step. A cond, not

@@ -192,6 +192,37 @@ def test_weight_decay_applies_to_weights_not_norms():
         np.testing.assert_allclose(new[k], want, rtol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clips", "leaves_alone"])
+def test_clip_matches_optax_and_uses_the_norm_it_is_given(max_norm):
+    """optim.clip_by_global_norm equals optax's (to rounding: it scales instead of dividing), keeps its state (so
+    checkpoints do not change), and clips by the `global_norm` the step passes rather than recomputing it."""
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(64, 32)).astype(np.float32), "b": {"c": rng.normal(size=(7,)).astype(np.float32)}}
+    norm = optax.tree.norm(grads)
+    ours, reference = optim.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+    assert jax.tree.structure(ours.init(grads)) == jax.tree.structure(reference.init(grads))
+    want, _ = reference.update(grads, reference.init(grads))
+    for given in (None, norm):  # computes the norm itself, or takes the caller's
+        got, _ = ours.update(grads, ours.init(grads), global_norm=given)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), got, want)
+    halved, _ = ours.update(grads, ours.init(grads), global_norm=2 * norm)
+    if max_norm < norm:  # a norm twice the true one clips twice as hard
+        jax.tree.map(lambda h, w: np.testing.assert_allclose(h, w / 2, rtol=1e-6), halved, want)
+    else:
+        jax.tree.map(np.testing.assert_array_equal, halved, grads)  # unclipped is exact
+
+
+def test_optimizer_state_tree_is_optax_clip_then_adamw():
+    """The checkpointed optimizer state keeps the layout of optax.chain(clip_by_global_norm, adamw)."""
+    o = base_config().optim
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: transformer.build(TINY_MODEL, 0))))
+    reference = optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                            optax.adamw(optim.schedule(o, 10), weight_decay=o.weight_decay, mask=optim.decay_mask))
+    ours = optim.make_optimizer(o, total_steps=10)
+    assert jax.tree.structure(jax.eval_shape(ours.init, params)) == jax.tree.structure(
+        jax.eval_shape(reference.init, params))
+
+
 # --- Optimizer: schedules ----------------------------------------------------------------------------------
 
 
