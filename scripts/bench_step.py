@@ -64,6 +64,8 @@ def main(argv):
     cfg = _CONFIG.value
     b, s = cfg.train.batch_size, cfg.train.seq_len
     step_s, startup_s, trainer, m = time_train_step(cfg, _STEPS.value)
+    # The allocator's high-water mark over init, compile and the steps (None on CPU, whose allocator keeps none).
+    mem_peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
     # Peaks measured after the steps, on the same (now warm) machine.
     on_cpu = jax.devices()[0].platform == "cpu"  # CPU devices (fake ones too) share the cores one matmul uses
@@ -78,11 +80,13 @@ def main(argv):
               "tokens_per_sec": tok_s, "model_gflops_per_sec": model_flops / 1e9,
               "peak_gflops": peak / 1e9, "peak_source": peak_source, "mfu": model_flops / peak,
               "measured_matmul_gflops": measured / 1e9, "mfu_vs_measured": model_flops / measured,
-              "startup_to_warm_s": startup_s, "loss": float(m["loss"]), "host_memory": host_memory.status}
+              "startup_to_warm_s": startup_s, "loss": float(m["loss"]), "host_memory": host_memory.status,
+              "peak_bytes_in_use": mem_peak}
     print(f"step {1e3 * step_s:.1f} ms (median of {_STEPS.value}) | {tok_s:,.0f} tok/s | "
           f"{model_flops / 1e9:,.1f} model GFLOP/s | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}) | "
           f"MFU {100 * result['mfu']:.1f}%" + ("" if on_cpu else f" ({100 * result['mfu_vs_measured']:.1f}% of a "
                                                f"measured {trainer.model_cfg.dtype} matmul)")
+          + ("" if mem_peak is None else f" | memory peak {mem_peak / 2**30:.1f} GiB")
           + f" | host memory: {host_memory.status}", file=sys.stderr)
     print(json.dumps(result))
 

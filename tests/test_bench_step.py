@@ -1,6 +1,6 @@
-"""scripts/bench_step.py end to end on the tiny config: its JSON line is self-consistent (tokens/s from the step
-time, model FLOP/s from the model's FLOPs per token, MFU against the peak it names) and, on CPU, quotes the f32
-matmul peak it measured in the same run."""
+"""scripts/bench_step.py end to end on the tiny config, run through scripts/gpu_bench.sh (the GPU session's
+driver): its JSON line is self-consistent (tokens/s from the step time, model FLOP/s from the model's FLOPs per
+token, MFU against the peak it names) and, on CPU, quotes the f32 matmul peak it measured in the same run."""
 
 import importlib.util
 import json
@@ -17,13 +17,24 @@ from jaxtrain.models import transformer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_bench_step_reports_consistent_figures_on_cpu():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "scripts/bench_step.py", "--config", "configs/tiny.py", "--steps", "3"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "MFU" in proc.stderr and "measured f32 matmul" in proc.stderr
+def gpu_bench(out: Path, *variants: str, budget_s: int = 0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(out), CONFIG="configs/tiny.py", STEPS="3",
+               BUDGET_S=str(budget_s), PY=sys.executable)
+    env.pop("XLA_FLAGS", None)  # the script sets each variant's own
+    return subprocess.run(["bash", "scripts/gpu_bench.sh", *variants], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_bench_step_reports_consistent_figures_on_cpu(tmp_path):
+    proc = gpu_bench(tmp_path, "base", "lhs")  # budget 0 s: the first variant runs, the next is skipped
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "gpu_bench: skipped lhs (past BUDGET_S=0s)" in proc.stdout
+    (line,) = (tmp_path / "gpu_bench.jsonl").read_text().splitlines()
+    result = json.loads(line)
+    log = (tmp_path / "base.log").read_text()
+    assert "MFU" in log and "measured f32 matmul" in log
+    assert result["variant"] == "base" and result["xla_flags"] == "" and result["args"] == ""
+    assert result["peak_bytes_in_use"] is None  # the CPU allocator keeps no high-water mark
 
     spec = importlib.util.spec_from_file_location("tiny", REPO / "configs" / "tiny.py")
     tiny = importlib.util.module_from_spec(spec)
@@ -39,3 +50,9 @@ def test_bench_step_reports_consistent_figures_on_cpu():
     assert result["mfu"] == pytest.approx(result["model_gflops_per_sec"] / result["peak_gflops"])
     assert result["mfu_vs_measured"] == result["mfu"]
     assert 0 < result["mfu"] < 1 and result["loss"] > 0
+
+
+def test_gpu_bench_rejects_an_unknown_variant_before_running_any(tmp_path):
+    proc = gpu_bench(tmp_path, "base", "remat_nonee")
+    assert proc.returncode == 2 and "gpu_bench: unknown variant 'remat_nonee'" in proc.stderr
+    assert not (tmp_path / "gpu_bench.jsonl").exists()

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU step measurements (MFU, XLA flags, batch, remat, loss chunk) in one command, for a lent H100/H200.
+#
+# Here, once (the device machine reaches no index; its image already has jax, flax, optax, orbax, tensorstore):
+#   bash scripts/gpu_bench.sh --download          # wheels of what the image lacks, into .whl/ (.gitignore'd)
+# On the device machine (`run` with carry [".whl"]; one call runs at most 10 minutes, so split the variants):
+#   bash scripts/gpu_bench.sh base lhs batch16 remat_none
+#   bash scripts/gpu_bench.sh remat_full chunk0 chunk16k
+# Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
+# $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log). A variant that would start after BUDGET_S seconds
+# (default 480) is skipped and said so, so the call ends inside its limit with what it measured.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0"
+if [[ "${1:-}" == "--download" ]]; then
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl $WHEELS && ls .whl
+  exit
+fi
+
+LHS="--xla_gpu_enable_latency_hiding_scheduler=true"
+variant_args() {  # variant -> "XLA_FLAGS|bench_step flags"
+  case "$1" in
+    base)       echo "|" ;;
+    lhs)        echo "$LHS|" ;;
+    batch16)    echo "|--config.train.batch_size=16" ;;
+    remat_none) echo "|--config.model.remat=none" ;;
+    remat_full) echo "|--config.model.remat=full" ;;
+    chunk0)     echo "|--config.model.loss_chunk_tokens=0" ;;
+    chunk16k)   echo "|--config.model.loss_chunk_tokens=16384" ;;
+    attn512)    echo "|--config.model.attention_block=512" ;;
+    *) return 1 ;;
+  esac
+}
+
+for v in "${@:-base}"; do
+  variant_args "$v" > /dev/null || { echo "gpu_bench: unknown variant '$v'" >&2; exit 2; }
+done
+OUT="${OUT:-/tmp/gpu_bench}"
+mkdir -p "$OUT"
+CONFIG="${CONFIG:-configs/bench_gpu.py}"
+STEPS="${STEPS:-10}"
+BUDGET_S="${BUDGET_S:-480}"
+PY="${PY:-python3}"
+
+# Install only what this Python cannot import: a carried wheel must not shadow the image's own packages.
+missing=$("$PY" -c "import importlib.util as u
+print(' '.join(m for m in ['grain', 'array_record', 'ml_collections', 'portpicker'] if u.find_spec(m) is None))")
+if [[ -n "$missing" ]]; then
+  wheels=()
+  for name in $missing; do wheels+=(.whl/"$name"-*.whl); done
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${wheels[@]}" || {
+    echo "gpu_bench: cannot install ${missing} from .whl/ (run 'bash scripts/gpu_bench.sh --download' here and" \
+         "carry .whl)" >&2; exit 2; }
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__,
+jax.devices())"; } | tee "$OUT/env.txt"
+
+start=$SECONDS
+for v in "${@:-base}"; do
+  spec=$(variant_args "$v")
+  if (( SECONDS - start > BUDGET_S )); then echo "gpu_bench: skipped $v (past BUDGET_S=${BUDGET_S}s)"; continue; fi
+  flags="${spec%%|*}"; args="${spec#*|}"
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  line=$(XLA_FLAGS="$flags" "$PY" scripts/bench_step.py --config "$CONFIG" --steps "$STEPS" $args 2>"$OUT/$v.log" \
+         | tail -n 1)
+  rc=$?
+  if [[ $rc -ne 0 || "$line" != "{"* ]]; then
+    echo "gpu_bench: $v failed (exit $rc), see $v.log:"; tail -n 5 "$OUT/$v.log"; continue
+  fi
+  "$PY" -c "import json, sys; r = json.loads(sys.argv[1]); r.update(variant=sys.argv[2], xla_flags=sys.argv[3],
+args=sys.argv[4]); print(json.dumps(r))" "$line" "$v" "$flags" "$args" >> "$OUT/gpu_bench.jsonl"
+  echo "gpu_bench: $v $((SECONDS - t0))s | $(grep '^step ' "$OUT/$v.log" | tail -n 1)"
+done
