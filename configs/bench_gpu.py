@@ -1,7 +1,8 @@
 """~1B-parameter Llama-style model for one H100/H200 (`scripts/bench_step.py --config configs/bench_gpu.py`):
 the architecture of configs/plan_1b.py (d_model 2048, 18 layers, 16 heads / 8 KV heads of 128, d_ff 5632,
 vocab 32000 untied; 0.98B parameters), bf16 compute (`auto` on GPU) with f32 master weights and Adam moments,
-8 x 2048 tokens a step. Attention is the library call (cuDNN's fused kernel on GPU); the fused loss runs 4096
+8 x 2048 tokens a step. Attention is the library call with XLA's kernel (jax's default on GPUs too; cuDNN's flash
+kernel is `--config.model.attention_impl=cudnn`, scripts/gpu_bench.sh's `cudnn` variant); the fused loss runs 4096
 tokens per chunk; remat keeps the matmul outputs. Planned with
 `python -m jaxtrain.plan --config configs/bench_gpu.py --devices 1 --backend gpu`.
 """

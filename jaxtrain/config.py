@@ -13,7 +13,7 @@ import math
 import ml_collections
 
 from jaxtrain import mesh as mesh_lib
-from jaxtrain.models.transformer import REMAT_POLICIES, ModelConfig
+from jaxtrain.models.transformer import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,12 +52,13 @@ def base_config() -> ml_collections.ConfigDict:
     # output projection with the loss, about that many tokens per device at a time, so [B, T, vocab] logits never
     # exist (0 = plain logits); `scan_unroll` layers per iteration of the layer loop (n_layers = no loop: faster
     # steps, compile time grows with depth); `attention_block` > 0 runs causal attention written out (einsums and a
-    # softmax) in query blocks of that many positions and skips the blocks above the diagonal (0 = the library call).
+    # softmax) in query blocks of that many positions and skips the blocks above the diagonal (0 = the library call);
+    # `attention_impl` is that call's kernel: "xla" (any backend) or "cudnn" (GPU, bf16/fp16 compute, block 0).
     c.model = dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                    tie_embeddings=True, remat="none", dtype="auto", param_dtype="auto",
                    rope_theta=10000.0, norm_eps=1e-5, init_std=0.02, init_from="",
                    n_experts=0, moe_top_k=2, moe_capacity_factor=1.25, moe_aux_weight=0.01, moe_group_tokens=0,
-                   loss_chunk_tokens=512, scan_unroll=1, attention_block=0)
+                   loss_chunk_tokens=512, scan_unroll=1, attention_block=0, attention_impl="xla")
 
     # Pipeline parallelism (jaxtrain/pipeline_parallel.py): `stages` (1 = off) splits the layers into that many
     # stages over the mesh's `pipeline` axis (which must divide it); each batch (or gradient-accumulation
@@ -209,6 +210,10 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _positive_int(cfg, "model.loss_chunk_tokens", allow_zero=True)
     _positive_int(cfg, "model.scan_unroll")
     _positive_int(cfg, "model.attention_block", allow_zero=True)
+    _choice(cfg, "model.attention_impl", ATTENTION_IMPLS)
+    if m.attention_impl == "cudnn" and m.attention_block:
+        raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs model.attention_block=0, "
+                          f"got {m.attention_block}")
     if m.n_experts:
         _positive_int(cfg, "model.moe_top_k")
         if m.moe_top_k > m.n_experts:
@@ -395,6 +400,17 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
         if was != now:
             raise ConfigError(field, f"is {now!r} but the checkpoints in {workdir} were made with {was!r}; "
                               f"set it back or use a new workdir")
+
+
+def check_backend(cfg: ml_collections.ConfigDict, backend: str) -> None:
+    """ConfigError for settings the backend the step compiles for ("cpu", "gpu", "tpu") cannot run."""
+    if cfg.model.attention_impl == "cudnn":
+        if backend != "gpu":
+            raise ConfigError("model.attention_impl", f"cudnn runs on GPUs only; this run compiles for {backend} "
+                              f"(use 'xla')")
+        dtype = model_config(cfg, backend).dtype
+        if dtype not in ("bfloat16", "float16"):
+            raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; model.dtype is {dtype}")
 
 
 def model_config(cfg: ml_collections.ConfigDict, backend: str) -> ModelConfig:

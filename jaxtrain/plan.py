@@ -43,6 +43,8 @@ by an earlier dimension, does not count):
     act_layer(full) = a*d  (the layer input), plus one layer's `none` activations while it is recomputed
     act_layer(dots_saveable) = a*(3d + (h+2kv)*hd/T + h*hd/T + 2f/T) + a*h*S/T
     act_layer(dots_with_no_batch_dims_saveable) = a*(3d + (h+2kv)*hd/T + 2f/T)
+    with a fused attention kernel (model.attention_impl=cudnn) the scores terms become 4*h/T (f32 softmax
+    statistics per query) under none, and 0 under dots_saveable
     logits = t * V/V_ways * (a + 4 + (4 if a < 4))  (logits, their f32 copy for bf16, f32 softmax); with the
       fused chunked loss (model.loss_chunk_tokens > 0) t_chunk * V/V_ways * (8 + (a if a < 4)) for one chunk's
       f32 logits, f32 gradient and its compute-dtype copy
@@ -588,13 +590,15 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
     a = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     d, h, kv, hd, f, t = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, tensor
     qkv = (h + 2 * kv) * hd / t
-    none = a * (4 * d + qkv + h * hd / t + 4 * f / t) + 8 * d + (8 + a) * h * seq_len / t
+    fused = cfg.attention_impl != "xla"  # a flash kernel keeps f32 softmax statistics per query, not the scores
+    scores = 4 * h / t if fused else (8 + a) * h * seq_len / t
+    none = a * (4 * d + qkv + h * hd / t + 4 * f / t) + 8 * d + scores
     if policy in ("none", "everything_saveable"):
         return none
     if policy == "full":
         return a * d
     if policy == "dots_saveable":
-        return a * (3 * d + qkv + h * hd / t + 2 * f / t) + a * h * seq_len / t
+        return a * (3 * d + qkv + h * hd / t + 2 * f / t) + (0 if fused else a * h * seq_len / t)
     if policy == "dots_with_no_batch_dims_saveable":
         return a * (3 * d + qkv + 2 * f / t)
     return none
@@ -819,6 +823,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                                      f"CPU device(s); set XLA_FLAGS=--xla_force_host_platform_device_count="
                                      f"{num_devices} before jax is imported (the CLI does)")
     facts = config_lib.validate(config, num_devices)
+    config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
     if peak_flops is None:  # an unknown device kind fails before the compile
         peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices)
     else:
@@ -826,12 +831,14 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     mesh_shape, rules = facts["mesh_shape"], facts["rules"]
 
     # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
-    # backend it runs on) builds exactly them.
+    # backend it runs on) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the analytic
+    # counts the target's kernel).
     model_cfg = config_lib.model_config(config, backend)
     config = copy.deepcopy(config)
     config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
+    config.model.attention_impl = "xla"
     trainer = train.build_trainer(config, mesh_shape, rules, devices=cpu_devices[:num_devices])
-    assert trainer.model_cfg == model_cfg, (trainer.model_cfg, model_cfg)
+    assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl="xla"), (trainer.model_cfg, model_cfg)
 
     t = config.train
     abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
@@ -893,7 +900,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     return {
         "config": {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size,
                    "seq_len": t.seq_len, "microbatches": t.microbatches, "remat": model_cfg.remat,
-                   "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype},
+                   "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype,
+                   "attention_impl": model_cfg.attention_impl},
         "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
                    "num_devices": num_devices, "compiled_on": f"{num_devices} fake CPU devices",
                    "peak_flops_per_device": peak_dev, "peak_source": peak_source,
@@ -992,6 +1000,10 @@ def format_report(r: dict) -> str:
                      f"f32 activations the analytic temporaries are {_b(a['temporaries_f32_activations'])}"
                      + (f" (analytic/compiled {_r(a['temporaries_f32_activations'] / temp)})" if temp else "")
                      + f"; on the {tg['backend']} expect about the {c['dtype']} figure")
+    if c.get("attention_impl", "xla") != "xla":
+        lines.append(f"  note: compiled with XLA's attention (the CPU has no {c['attention_impl']} kernel), which keeps "
+                     f"[batch, heads, seq, seq] scores that the target's fused kernel does not; the analytic counts "
+                     f"the fused kernel's (its softmax statistics only)")
     f = r["flops"]
     s = r["speed"]
     lines += [

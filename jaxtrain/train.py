@@ -111,6 +111,7 @@ def compiled_to_run_once(jitted, mesh):
 def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None) -> Trainer:
     """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them, `dcn` (validate's
     facts["dcn"]) lays the mesh out across slices or nodes."""
+    config_lib.check_backend(config, (devices or jax.devices())[0].platform)
     mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
     model_cfg = config_lib.model_config(config, jax.default_backend())
     optimizer = optim.make_optimizer(config.optim, config.train.steps)
@@ -163,6 +164,8 @@ def restore_params(workdir, step: int | None = None, devices=None):
     (default: the first device). Raises CheckpointError if there is none."""
     config = load_config(workdir)
     devices = devices or jax.devices()[:1]
+    if devices[0].platform != "gpu":  # a kernel choice, not the model: GPU-trained weights load anywhere
+        config.model.attention_impl = "xla"
     mesh_shape = {"data": len(devices), "fsdp": 1, "tensor": 1}
     trainer = build_trainer(config, mesh_shape, mesh_lib.resolve_rules("dp"), devices=devices)
     checkpointer = make_checkpointer(config, Path(workdir), print_fn=lambda *a, **k: None)
@@ -194,6 +197,7 @@ def run(config, print_fn=print, writers=()) -> dict:
         field, _, reason = str(e).partition(": ")
         raise config_lib.ConfigError(field if reason else "distributed", reason or field) from None
     facts = config_lib.validate(config, jax.device_count(), jax.process_count())
+    config_lib.check_backend(config, jax.default_backend())
     mesh_shape, rules, dcn = facts["mesh_shape"], facts["rules"], facts["dcn"]
     try:  # the devices must form as many slices or nodes as the dcn sizes say
         mesh_lib.granules(jax.devices(), math.prod(dcn.values()))

@@ -4,8 +4,8 @@
 # Here, once (the device machine reaches no index; its image already has jax, flax, optax, orbax, tensorstore):
 #   bash scripts/gpu_bench.sh --download          # wheels of what the image lacks, into .whl/ (.gitignore'd)
 # On the device machine (`run` with carry [".whl"]; one call runs at most 10 minutes, so split the variants):
-#   bash scripts/gpu_bench.sh base lhs batch16 remat_none
-#   bash scripts/gpu_bench.sh remat_full chunk0 chunk16k
+#   bash scripts/gpu_bench.sh base cudnn lhs batch16
+#   bash scripts/gpu_bench.sh remat_none remat_full chunk0 chunk16k
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
 # $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log). A variant that would start after BUDGET_S seconds
 # (default 480) is skipped and said so, so the call ends inside its limit with what it measured.
@@ -32,6 +32,7 @@ variant_args() {  # variant -> "XLA_FLAGS|bench_step flags"
     chunk0)     echo "|--config.model.loss_chunk_tokens=0" ;;
     chunk16k)   echo "|--config.model.loss_chunk_tokens=16384" ;;
     attn512)    echo "|--config.model.attention_block=512" ;;
+    cudnn)      echo "|--config.model.attention_impl=cudnn" ;;
     *) return 1 ;;
   esac
 }

@@ -234,6 +234,25 @@ def run_cli(*args, compilation_cache=None):
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+def test_weights_trained_with_cudnn_attention_restore_on_cpu(trained_workdir, tmp_path):
+    """The attention kernel is how the step runs, not the model: a workdir whose config names cuDNN's (a GPU run)
+    restores here with XLA's, to the same weights."""
+    import json
+    import shutil
+
+    from jaxtrain import train
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained_workdir, copy)
+    saved = json.loads((copy / "config.json").read_text())
+    saved["model"]["attention_impl"] = "cudnn"
+    (copy / "config.json").write_text(json.dumps(saved))
+    _, model_cfg, _, params = train.restore_params(copy)
+    _, _, _, want = train.restore_params(trained_workdir)
+    assert model_cfg.attention_impl == "xla"
+    jax.tree.map(np.testing.assert_array_equal, params, want)
+
+
 def test_cli_prints_prompt_and_continuation_deterministically(trained_workdir, tmp_path):
     args = ["--workdir", trained_workdir, "--prompt", "And God said", "--max_new_tokens", "12",
             "--temperature", "0.9", "--top_k", "40", "--top_p", "0.95", "--seed", "3"]

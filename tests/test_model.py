@@ -233,6 +233,60 @@ def test_written_out_attention_matches_library_call(block, kv_heads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("setting,backend,reason", [
+    ({"attention_impl": "flash"}, "gpu", "unknown value 'flash'"),
+    ({"attention_impl": "cudnn", "attention_block": 64}, "gpu", "needs model.attention_block=0"),
+    ({"attention_impl": "cudnn"}, "cpu", "cudnn runs on GPUs only"),
+    ({"attention_impl": "cudnn", "dtype": "float32"}, "gpu", "needs bfloat16 or float16 compute"),
+    ({"attention_impl": "cudnn"}, "gpu", None),  # auto: bf16 compute on a GPU
+], ids=["unknown", "with_blocks", "on_cpu", "f32_on_gpu", "ok_on_gpu"])
+def test_attention_impl_is_checked_before_anything_compiles(setting, backend, reason):
+    from jaxtrain import config as config_lib
+
+    cfg = config_lib.base_config()
+    cfg.model.update(**setting)
+
+    def check():
+        config_lib.validate(cfg, 1)
+        config_lib.check_backend(cfg, backend)
+
+    if reason is None:
+        check()
+    else:
+        with pytest.raises(config_lib.ConfigError, match=f"^model.attention_impl: .*{reason}"):
+            check()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel runs on GPUs only (a lent GPU machine)")
+def test_cudnn_attention_matches_xla_on_gpu():
+    """model.attention_impl=cudnn against XLA's kernel on packed documents and padding, in bf16: outputs and the
+    gradients of q, k and v. Runs only where a GPU is (CI has none): the check for a session lent one."""
+    bf16 = jax.numpy.bfloat16
+    rng = np.random.default_rng(0)
+    b, t, h, kv, d = 2, 256, 8, 4, 64
+    q = jax.numpy.asarray(rng.standard_normal((b, t, h, d)), bf16)
+    k, v = (jax.numpy.asarray(rng.standard_normal((b, t, kv, d)), bf16) for _ in range(2))
+    seg = np.ones((b, t), np.int32)
+    seg[0, 100:] = 2
+    seg[1, 200:] = 0  # padding
+    mask = transformer.attention_mask(jax.numpy.asarray(seg))
+    real = np.asarray(seg != 0)[:, :, None, None]
+    probe = jax.numpy.asarray(rng.standard_normal(q.shape) * real, bf16)
+
+    def loss_and_out(impl, q, k, v):
+        out = transformer.causal_attention(q, k, v, mask, 0, impl)
+        return jax.numpy.sum((out * probe).astype(jax.numpy.float32)), out
+
+    grad = lambda impl: jax.jit(jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True),  # noqa: E731
+                                static_argnums=0)(impl, q, k, v)
+    (_, want), want_grads = grad("xla")
+    (_, got), got_grads = grad("cudnn")
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(got) * real, f32(want) * real, rtol=2e-2, atol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(f32(g), f32(w), rtol=2e-2, atol=2e-2)
+
+
 # --- FLOP count ------------------------------------------------------------------------------------------
 
 

@@ -33,6 +33,11 @@ REMAT_POLICIES = {
 }
 
 
+# jax.nn.dot_product_attention's kernels that model.attention_impl may name (config.check_backend says where each
+# runs). cuDNN's is unmeasured on jaxtrain so far: no GPU was lent when it was added (BUILD.md, GPU).
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -48,8 +53,11 @@ class ModelConfig:
     # n_layers removes the loop, which saves the stacked per-layer buffers (faster steps on CPU, slower compiles).
     scan_unroll: int = 1
     # Causal attention written out (einsums + softmax) in query blocks of this many positions, skipping the blocks
-    # above the diagonal; 0 = one jax.nn.dot_product_attention call (the cuDNN path on GPU).
+    # above the diagonal; 0 = one jax.nn.dot_product_attention call.
     attention_block: int = 0
+    # That call's kernel: "xla" (jax's default, on every backend: [B, heads, T, T] logits) or "cudnn" (cuDNN's fused
+    # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). See ATTENTION_IMPLS.
+    attention_impl: str = "xla"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     rope_theta: float = 10000.0
@@ -127,10 +135,11 @@ def attention_mask(segment_ids):
     return (causal[None] & same_doc & real)[:, None]
 
 
-def causal_attention(q, k, v, mask, block: int):
+def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
     """Attention of q [B, T, N, D] over k, v [B, S, KV, D] under a causal `mask` [B, 1, T, S].
 
-    block 0: one `jax.nn.dot_product_attention` call (XLA's kernel, or cuDNN's on GPU). block > 0: written out as
+    block 0: one `jax.nn.dot_product_attention` call with `implementation=impl` ("xla" or "cudnn"; jax's own
+    default, None, is XLA's kernel on every backend, GPUs included). block > 0: written out as
     two einsums and a softmax (`attend`) in query blocks of `block` positions; block i attends to keys [0, end of
     block i) only, so the blocks above the diagonal, which the mask zeroes, are never computed (4 blocks: 10/16 of
     the work). On XLA:CPU that is ~1.3x faster than the library call on the same blocks, whose grouped-query
@@ -139,6 +148,8 @@ def causal_attention(q, k, v, mask, block: int):
     over devices (slicing it would move the slices between them)."""
     t = q.shape[1]
     if block <= 0:
+        if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn")
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
     if block >= t or t % block or split_ways("seq") > 1:
         return attend(q, k, v, mask)
@@ -179,7 +190,8 @@ class Attention(nnx.Module):
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
         k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", None, "act_kv_heads", None))
         v = constrain(v, ("batch", None, "act_kv_heads", None))
-        out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), self.cfg.attention_block)
+        out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), self.cfg.attention_block,
+                               self.cfg.attention_impl)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return project(out, self.wo[...].astype(dt), contract=2)
 
