@@ -212,8 +212,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _positive_int(cfg, "model.attention_block", allow_zero=True)
     _choice(cfg, "model.attention_impl", ATTENTION_IMPLS)
     if m.attention_impl == "cudnn" and m.attention_block:
-        raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs model.attention_block=0, "
-                          f"got {m.attention_block}")
+        raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
+                          f"model.attention_block=0, got {m.attention_block}")
     if m.n_experts:
         _positive_int(cfg, "model.moe_top_k")
         if m.moe_top_k > m.n_experts:
@@ -261,9 +261,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
         raise ConfigError("data.corpus", f"unknown corpus {cfg.data.corpus!r}; only 'kjv' ships so far")
     _positive_int(cfg, "data.vocab_size")
     if cfg.data.vocab_size < 258:
-        raise ConfigError("data.vocab_size", f"must be at least 258 (256 bytes + 2 special tokens), got {cfg.data.vocab_size}")
+        raise ConfigError("data.vocab_size", f"must be at least 258 (256 bytes + 2 special tokens), "
+                          f"got {cfg.data.vocab_size}")
     if cfg.data.vocab_size > m.vocab_size:
-        raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's data.vocab_size={cfg.data.vocab_size}")
+        raise ConfigError("model.vocab_size", f"{m.vocab_size} is smaller than the tokenizer's "
+                          f"data.vocab_size={cfg.data.vocab_size}")
     _positive_int(cfg, "data.heldout_docs")
     if cfg.data.mixture:
         from jaxtrain.data.pipeline import parse_mixture
@@ -410,7 +412,8 @@ def check_backend(cfg: ml_collections.ConfigDict, backend: str) -> None:
                               f"(use 'xla')")
         dtype = model_config(cfg, backend).dtype
         if dtype not in ("bfloat16", "float16"):
-            raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; model.dtype is {dtype}")
+            raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
+                              f"model.dtype is {dtype}")
 
 
 def model_config(cfg: ml_collections.ConfigDict, backend: str) -> ModelConfig:

@@ -70,7 +70,8 @@ def resolve_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     fixed = math.prod(n for n in sizes.values() if n != -1)
     if free:
         if num_devices % fixed:
-            raise ValueError(f"mesh.{free[0]}: -1 cannot fill {num_devices} devices, the other axes multiply to {fixed}")
+            raise ValueError(f"mesh.{free[0]}: -1 cannot fill {num_devices} devices, the other axes multiply "
+                             f"to {fixed}")
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:
         shape = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1"
