@@ -18,7 +18,6 @@ BAD = {
     "negative_lr": (["--config.optim.lr=-1"], "optim.lr"),
     "bad_mixture": (["--config.data.mixture=somedir"], "data.mixture"),
     "bad_nan_policy": (["--config.faults.nan_policy=ignore"], "faults.nan_policy"),
-    "cudnn_on_cpu": (["--config.model.attention_impl=cudnn"], "model.attention_impl"),  # checked before the workdir
     "partial_distributed": (["--config.distributed.num_processes=2"], "distributed.coordinator"),
 }
 

@@ -257,6 +257,17 @@ def test_attention_impl_is_checked_before_anything_compiles(setting, backend, re
             check()
 
 
+def test_a_run_with_cudnn_attention_on_cpu_stops_before_its_workdir_exists(tiny_config):
+    from pathlib import Path
+
+    from jaxtrain import config as config_lib, train
+
+    config = tiny_config(**{"model.attention_impl": "cudnn"})
+    with pytest.raises(config_lib.ConfigError, match="^model.attention_impl: cudnn runs on GPUs only"):
+        train.run(config, print_fn=lambda *a, **k: None)
+    assert not Path(config.workdir).exists()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's kernel runs on GPUs only (a lent GPU machine)")
 def test_cudnn_attention_matches_xla_on_gpu():
     """model.attention_impl=cudnn against XLA's kernel on packed documents and padding, in bf16: outputs and the
