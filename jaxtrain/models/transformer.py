@@ -148,8 +148,10 @@ def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
     over devices (slicing it would move the slices between them)."""
     t = q.shape[1]
     if block <= 0:
-        if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn")
+        if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents.
+            # Not on a sequence shard: its queries start mid-sequence, and the mask alone holds the causal offsets.
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=split_ways("seq") == 1,
+                                                implementation="cudnn")
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
     if block >= t or t % block or split_ways("seq") > 1:
         return attend(q, k, v, mask)
