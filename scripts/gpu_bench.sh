@@ -48,8 +48,10 @@ BUDGET_S="${BUDGET_S:-480}"
 PY="${PY:-python3}"
 
 # Install only what this Python cannot import: a carried wheel must not shadow the image's own packages.
-missing=$("$PY" -c "import importlib.util as u
-print(' '.join(m for m in ['grain', 'array_record', 'ml_collections', 'portpicker'] if u.find_spec(m) is None))")
+modules=()
+for wheel in $WHEELS; do modules+=("${wheel%%==*}"); done  # each wheel's import name is its package name
+missing=$("$PY" -c "import importlib.util as u, sys
+print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "${modules[@]}")
 if [[ -n "$missing" ]]; then
   wheels=()
   for name in $missing; do wheels+=(.whl/"$name"-*.whl); done
