@@ -1000,7 +1000,7 @@ def format_report(r: dict) -> str:
                      f"f32 activations the analytic temporaries are {_b(a['temporaries_f32_activations'])}"
                      + (f" (analytic/compiled {_r(a['temporaries_f32_activations'] / temp)})" if temp else "")
                      + f"; on the {tg['backend']} expect about the {c['dtype']} figure")
-    if c.get("attention_impl", "xla") != "xla":
+    if c["attention_impl"] != "xla":
         lines.append(f"  note: compiled with XLA's attention (the CPU has no {c['attention_impl']} kernel), which "
                      f"keeps [batch, heads, seq, seq] scores that the target's fused kernel does not; the analytic "
                      f"counts the fused kernel's (its softmax statistics only)")
