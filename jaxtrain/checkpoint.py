@@ -15,6 +15,12 @@ never deleted) and skipped in favour of the previous one.
 
 Restoring with an abstract target that carries the *current* shardings reshards on the fly, so a run can
 resume on a different mesh or device count. The checksums do not depend on the sharding.
+
+The stacked layers are saved in the order the run keeps them (a circular pipeline keeps them stage-major:
+`jaxtrain.pipeline_parallel.layer_order`), which integrity/ records as `layer_order` (absent: the model's order).
+Restore verifies the checksums on that order, then moves the layers into the restoring run's order, so a run
+can also resume under another pipeline schedule, and tools that read weights get the model's order. Saving
+them converted instead would hold a second copy of the layers on the devices while the save starts.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
+
+from jaxtrain import pipeline_parallel
 
 _FORMAT = 1
 _COMMIT_MARKER = "commit_success.txt"  # Orbax >= 0.12.8 writes it on every backend, then renames on POSIX
@@ -243,7 +251,7 @@ class _Dir:
                 raise _Corrupt("data state differs from its recorded hash")
 
         _agreed(verdict)
-        return state, data
+        return state, data, record["layer_order"]
 
     def move_aside(self, step: int) -> str:
         """Renames a bad step out of Orbax's sight (its listing only matches bare step numbers, and tmp cleanup
@@ -291,6 +299,10 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str) ->
         record = ocp.JsonCheckpointHandler().restore(path / "integrity")
         record["arrays"] = {name: (tuple(a["shape"]), a["dtype"], a["checksum"]) for name, a in record["arrays"].items()}
         record["data_sha256"] = str(record["data_sha256"])
+        order = record.get("layer_order")
+        record["layer_order"] = None if order is None else tuple(int(i) for i in order)
+        if order is not None and sorted(record["layer_order"]) != list(range(len(order))):
+            raise ValueError(f"layer_order {order} is not an order of layers")
     except Exception as e:
         raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e
     _check_matches(record["arrays"], abstract_state, step, directory)
@@ -332,15 +344,21 @@ class Checkpointer:
 
     On a multi-host run every method must be called by all processes at the same steps, and `local_directory`
     must be visible to all of them (Orbax writes each process's shards into one shared step directory).
+
+    `layer_order`: the order of the stacked layers in the states this saves, and into which it restores
+    (`pipeline_parallel.layer_order`; None = the model's). See the module docstring.
     """
 
     def __init__(self, directory, *, keep: int, keep_period: int = 0, every_steps: int = 0,
                  every_minutes: float = 0, local_directory: str | None = None, local_every_steps: int = 0,
-                 local_keep: int = 2, async_save: bool = True, log=print, clock=time.monotonic):
+                 local_keep: int = 2, async_save: bool = True, log=print, clock=time.monotonic,
+                 layer_order: tuple[int, ...] | None = None):
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
+        self.layer_order = None if layer_order is None or list(layer_order) == sorted(layer_order) else \
+            tuple(layer_order)
         self.persistent = _Dir(str(directory), keep, keep_period, async_save)
         self.local = None
         if local_directory:
@@ -384,6 +402,8 @@ class Checkpointer:
                   for name, leaf in _flatten(state)}
         record = {"format": _FORMAT, "step": step, "arrays": arrays,
                   "data_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+        if self.layer_order:
+            record["layer_order"] = list(self.layer_order)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(json.loads(canonical)),
                                   integrity=ocp.args.JsonSave(record))
         # Orbax would wait for a target's previous save anyway; the other directory is only polled.
@@ -425,6 +445,25 @@ class Checkpointer:
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
         return errors
 
+    def _in_own_order(self, state, data, saved_order):
+        """(state, data) with the stacked layers moved from the checkpoint's order into this run's, leaf by leaf
+        (each donated: at most one extra leaf on the devices)."""
+        if saved_order == self.layer_order:
+            return state, data
+
+        def move(path, x):
+            if not pipeline_parallel.stacked_path(path):
+                return x
+            reorder = jax.jit(lambda x: pipeline_parallel.reorder_layers({"blocks": x}, saved_order,
+                                                                         self.layer_order)["blocks"],
+                              out_shardings=x.sharding, donate_argnums=0)
+            return reorder(x)
+
+        try:
+            return jax.tree_util.tree_map_with_path(move, state), data
+        except ValueError as e:  # a recorded order for another number of layers: the record is damaged
+            raise _Corrupt(str(e)) from None
+
     def latest_step(self) -> int | None:
         """Newest committed step in either directory (not verified)."""
         steps = [s for d in self._dirs if (s := d.manager.latest_step()) is not None]
@@ -439,7 +478,7 @@ class Checkpointer:
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
-                    return d.load(step, abstract_state)
+                    return self._in_own_order(*d.load(step, abstract_state))
                 except _Corrupt as e:
                     problems.append(f"{d.path}: {e}")
         raise CheckpointError(f"cannot restore checkpoint step {step}: " + ("; ".join(problems) or "not found"))
@@ -455,8 +494,7 @@ class Checkpointer:
                             key=lambda c: c[:2], reverse=True)
         for step, _, d in candidates:
             try:
-                state, data = d.load(step, abstract_state)
-                return step, state, data
+                return step, *self._in_own_order(*d.load(step, abstract_state))
             except _Corrupt as e:
                 moved = d.move_aside(step)
                 self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "

@@ -9,17 +9,22 @@ collective-permute. The ticks are a `lax.scan`, so autodiff gives the backward p
 permutes); the result equals running every layer in order on the whole batch.
 
 Schedules (S stages, M microbatches, R repeats, L layers):
-  gpipe     stage s holds the contiguous layers [s*L/S, (s+1)*L/S). A params leaf [L, ...] sharded on its
-            dim 0 over `pipeline` is already laid out per stage (the reshape to [S, L/S, ...] moves
-            nothing). M + S - 1 ticks; any M >= 1 works (M >= S keeps the bubble down).
-  circular  interleaved: the layers form S*R chunks of L/(S*R); chunk c runs on stage c % S, so a
-            microbatch goes round the ring R times. R*M + S - 1 ticks. Needs M >= S when R > 1 (a
-            microbatch leaving the last stage must find stage 0 free; when M > S it waits M - S ticks on
-            stage 0's device). Cost: stage s needs chunks s, S+s, 2S+s, ..., which is not the contiguous
-            [L] layout, so turning a leaf sharded on its layer dim into [S, R, L/(S*R), ...] sharded on the
-            stage dim is an all-to-all of the layer weights over the pipeline axis on every step (and its
-            transpose for the gradients). Storing the layers permuted (chunk order) would remove it.
+  gpipe     stage s runs the contiguous layers [s*L/S, (s+1)*L/S). M + S - 1 ticks; any M >= 1 works (M >= S keeps
+            the bubble down).
+  circular  interleaved: the layers form S*R chunks of K = L/(S*R); chunk c runs on stage c % S, so a microbatch
+            goes round the ring R times. R*M + S - 1 ticks. Needs M >= S when R > 1 (a microbatch leaving the
+            last stage must find stage 0 free; when M > S it waits M - S ticks on stage 0's device).
   Fraction of stage-ticks idle (the bubble): (S - 1) / (R*M + S - 1), see `bubble_fraction`.
+
+Layer order: `run` takes the stacked layers stage-major (`layer_order`): position (s*R + r)*K + k holds layer
+(r*S + s)*K + k, the k-th layer of the chunk stage s runs in repeat r. A leaf [L, ...] sharded on its dim 0 over
+`pipeline` then holds on each device exactly its stages' chunks, and the reshape to [S, R, K, ...] moves nothing.
+For gpipe (R = 1) that is the model's order. For circular it is not: the training state keeps its stacked layers
+in this order (`train.abstract_train_state`'s init puts them there), checkpoints record the order they hold
+and restore converts (`jaxtrain.checkpoint`), and decoding reads the layers through it. In the model's order the
+stage weights would have to be re-laid out over the pipeline axis on every step, and their gradients back: an
+all-to-all of all the layer weights twice a step (`configs/plan_1b.py` at 16 layers, data 2 x pipeline 4,
+2 repeats: a 1.41 GiB all-to-all and 1.41 GiB more permutes per device and step; BUILD.md, performance).
 
 Memory: the backward pass keeps each tick's stage inputs (and whatever `layer_fn` saves; wrap it in
 `jax.checkpoint` to trade compute for memory), i.e. activations for R*M + S - 1 stage-microbatches per
@@ -52,6 +57,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import step as step_lib
@@ -88,6 +94,43 @@ def check(n_layers: int, batch: int, stages: int, microbatches: int, schedule: s
                          f"stages, got {microbatches} < {stages}")
 
 
+def layer_order(n_layers: int, stages: int, repeats: int = 1) -> tuple[int, ...]:
+    """The model's layer at each position of the stacked layers' dim 0 when pipelined: stage-major, position
+    (s*R + r)*K + k holds layer (r*S + s)*K + k (K = L/(S*R)). The identity unless repeats > 1 (circular)."""
+    S, R = stages, repeats
+    if n_layers % (S * R):
+        raise ValueError(f"pipeline.repeats: n_layers={n_layers} is not divisible by stages*repeats={S}*{R}")
+    K = n_layers // (S * R)
+    return tuple((r * S + s) * K + k for s in range(S) for r in range(R) for k in range(K))
+
+
+def stacked_path(path) -> bool:
+    """Whether a state leaf's key path lies under the stacked layers (the model's `blocks`, in the params and in
+    every optimizer moment that mirrors them): their dim 0 is the layer."""
+    return any(getattr(key, "key", None) == "blocks" for key in path)
+
+
+def reorder_layers(tree, old_order, new_order):
+    """`tree` with every stacked-layer leaf (`stacked_path`) moved from `old_order` to `new_order` along dim 0
+    (tuples as `layer_order` gives; None = the model's order). A gather: under jit over a sharded dim, XLA moves
+    the layers between devices."""
+    n = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if stacked_path(path):
+            n = leaf.shape[0]
+            break
+    if n is None:
+        return tree
+    old, new = (tuple(range(n)) if o is None else tuple(o) for o in (old_order, new_order))
+    if sorted(old) != list(range(n)) or sorted(new) != list(range(n)):
+        raise ValueError(f"layer orders {old} -> {new}: not both orders of the {n} stacked layers")
+    if old == new:
+        return tree
+    position = {layer: i for i, layer in enumerate(old)}
+    take = [position[layer] for layer in new]  # new position j <- old position of layer new[j]
+    return jax.tree_util.tree_map_with_path(lambda p, x: x[np.asarray(take)] if stacked_path(p) else x, tree)
+
+
 # --- Sharding helpers ---------------------------------------------------------------------------------
 def _stage_axis(stages: int):
     """Mesh axes the stage dimension is sharded over (for vmap's spmd_axis_name), or None."""
@@ -118,10 +161,11 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
         repeats: int = 1):
     """Runs every layer of `layer_params` in order over `carry`, pipelined.
 
-    layer_fn(one_layer_params, carry) -> carry applies one layer; `layer_params` has leaves [n_layers, ...]
-    (layer order); `carry` is a pytree of arrays [batch, ...] (extras such as positions travel with the
-    activations, so each microbatch keeps its own). Returns the final carry [batch, ...] in the original row
-    order, equal to `lax.scan` over all the layers on the whole batch.
+    layer_fn(one_layer_params, carry) -> carry applies one layer; `layer_params` has leaves [n_layers, ...] in
+    `layer_order(n_layers, stages, repeats)`, the model's order unless circular; `carry` is a pytree of arrays
+    [batch, ...] (extras such as positions travel with the activations, so each microbatch keeps its own).
+    Returns the final carry [batch, ...] in the original row order, equal to `lax.scan` over all the layers (in
+    the model's order) on the whole batch.
     """
     n_layers = jax.tree.leaves(layer_params)[0].shape[0]
     batch = jax.tree.leaves(carry)[0].shape[0]
@@ -135,13 +179,11 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     if S == 1:  # one stage: nothing to pipeline, microbatches would change nothing
         return scan_layers(layer_params, carry)
 
-    # Stage params [S, R, K, ...]: stage s, repeat r holds chunk r*S + s = layers [(r*S+s)*K, (r*S+s+1)*K).
-    # For gpipe (R = 1) this is a plain reshape of the contiguous layout; for circular it is a transpose.
+    # Stage params [S, R, K, ...]: stage s, repeat r holds chunk r*S + s, the layers in stage-major order.
     def to_stages(w):
         # Pinning the [L] layout first also pins the gradient's (the transpose of a constraint is itself).
         w = mesh_lib.constrain(w, ("layers",))
-        w = jnp.swapaxes(w.reshape(R, S, K, *w.shape[1:]), 0, 1)
-        return mesh_lib.constrain(w, ("stages",))
+        return mesh_lib.constrain(w.reshape(S, R, K, *w.shape[1:]), ("stages",))
 
     stage_params = jax.tree.map(to_stages, layer_params)
     stage_ids = jnp.arange(S)

@@ -118,8 +118,8 @@ the replica axes, see R):
     on, rows/M * S/Q * (3*d*a + 8) (x and its int32 positions and segment ids forward, x's gradient back, and x
     once more: the backward loop re-sends the forward shift);
     the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
-    (all-reduce over pipeline); circular with R > 1 re-lays the stage weights out in chunk order and their
-    gradients back, 2 * stage weight bytes (all-to-all over pipeline).
+    (all-reduce over pipeline). The stacked layers are kept in the pipeline's order (pipeline_parallel.layer_order),
+    so no weight moves between stages.
 Where XLA departs from this (the ratio column shows it): it may keep the forward's gathered weights for
 backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes); the input embedding's
 gradient is a scatter-add, for which it all-gathers the token gradients instead of reducing the table;
@@ -618,7 +618,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     stages = pipeline["stages"] if pipeline else 1
     ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
-    param_bytes = stage_bytes = 0.0
+    param_bytes = 0.0
     from jaxtrain import mesh as mesh_lib, step as step_lib  # noqa: PLC0415 (imports jax)
     replicas = mesh_lib.replica_axes(mesh_shape, rules)
     comms: dict[tuple, float] = {}
@@ -640,7 +640,6 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
         pipelined = stages > 1 and "layers" in (p["names"] or ())
         times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
-        stage_bytes += p["bytes"] / shards if pipelined else 0
         add("all-gather", gather, 2 * times * gathered)
         add("reduce-scatter", gather, times * gathered)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
@@ -688,8 +687,6 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
             x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes))
         # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
         add("all-reduce", pipeline_axes, microbatches * 2 * rows * seq_len // seq_ways * model_cfg.d_model * a)
-        if pipeline["repeats"] > 1:  # circular: the layers re-laid out in chunk order, and their gradients back
-            add("all-to-all", pipeline_axes, microbatches * 2 * stage_bytes)
     opt = 2 * param_bytes + 4 * opt_counters
 
     def activations(cfg):

@@ -46,6 +46,8 @@ def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
         if params is None:
             params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
+        # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
+        params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     abstract_state = jax.eval_shape(init)
@@ -134,10 +136,11 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
 
 def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpointer:
     c = config.checkpoint
+    order = transformer.layer_order(config_lib.model_config(config, "cpu"))  # the backend only resolves dtypes
     return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
-                                 local_keep=c.local_keep, log=print_fn)
+                                 local_keep=c.local_keep, log=print_fn, layer_order=order)
 
 
 def load_config(workdir) -> "ml_collections.ConfigDict":
@@ -161,11 +164,14 @@ def restore_params(workdir, step: int | None = None, devices=None):
     """(config, model_cfg, graphdef, params) of a workdir's checkpoint: the newest that verifies, or `step`.
 
     For tools that only need the weights (generation, export). The params land replicated over `devices`
-    (default: the first device). Raises CheckpointError if there is none."""
+    (default: the first device), their stacked layers in the model's order. Raises CheckpointError if there is
+    none."""
     config = load_config(workdir)
     devices = devices or jax.devices()[:1]
     if devices[0].platform != "gpu":  # a kernel choice, not the model: GPU-trained weights load anywhere
         config.model.attention_impl = "xla"
+    # How training ran the layers, not what they are; restoring converts a pipeline's layer order to the model's.
+    config.pipeline.update(stages=1, microbatches=1, schedule="gpipe", repeats=1)
     mesh_shape = {"data": len(devices), "fsdp": 1, "tensor": 1}
     trainer = build_trainer(config, mesh_shape, mesh_lib.resolve_rules("dp"), devices=devices)
     checkpointer = make_checkpointer(config, Path(workdir), print_fn=lambda *a, **k: None)
@@ -420,7 +426,9 @@ def run(config, print_fn=print, writers=()) -> dict:
             say(f"goodput {100 * summary['goodput']['goodput']:.1f}% over {len(summary['goodput']['attempts'])} "
                 f"attempt(s), {summary['goodput']['steps_lost']} step(s) recomputed")
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-    summary["state"] = state  # for notebooks and tests; not part of summary.json
+    # For notebooks and tests; not part of summary.json. The stacked layers are in the order the run kept them
+    # (a circular pipeline's: stage-major); pipeline_parallel.reorder_layers(params, order, None) gives the model's.
+    summary["state"] = state
     say(f"done: {step} steps in {summary['wall_s']:.0f}s" +
         (f", eval_loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else ""))
     return summary

@@ -1,5 +1,6 @@
 """KV-cache generation: token-for-token equal to recomputing the whole forward, sampling rules, the CLI."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import generate
+from jaxtrain import generate, pipeline_parallel
 from jaxtrain.models import transformer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -187,6 +188,31 @@ def test_stop_id_ends_generation(model):
                           np.float32(0), np.int32(0), np.float32(1), np.int32(ids[cut]),
                           num_samples=1, max_new_tokens=NEW_TOKENS)
     assert np.asarray(raw)[0].tolist() == ids[:cut + 1] + [-1] * (NEW_TOKENS - cut - 1)
+
+
+def test_decoding_reads_a_circular_pipelines_layer_order():
+    """A circular pipeline's training state keeps its stacked layers stage-major (the end-of-run sample decodes
+    from it): decoding reads each layer from where it is stored, so it equals the model-order weights."""
+    plain = dataclasses.replace(CFG, n_layers=4)
+    circular = dataclasses.replace(plain, pipeline_stages=2, pipeline_microbatches=2, pipeline_schedule="circular",
+                                   pipeline_repeats=2)
+    order = transformer.layer_order(circular)
+    assert order == (0, 2, 1, 3)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(plain, seed=0)))
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), nnx.to_pure_dict(abstract))
+    stored = pipeline_parallel.reorder_layers(params, None, order)
+    circular_def = nnx.split(nnx.eval_shape(lambda: transformer.build(circular, seed=0)))[0]
+    window, prompt = CASES["within_window"]
+    tokens = np.zeros((1, window), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    want, _ = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    got, _ = generate.prefill(circular_def, stored, tokens, np.int32(len(prompt)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    misread, _ = generate.prefill(graphdef, stored, tokens, np.int32(len(prompt)))  # the order does matter
+    assert np.abs(np.asarray(misread) - np.asarray(want)).max() > 1e-3
+    kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=0, seed=0)
+    assert generate.sample(circular_def, stored, prompt, **kw) == generate.sample(graphdef, params, prompt, **kw)
 
 
 def test_num_samples_are_seeded_and_differ(model):

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxtrain import config as config_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import pipeline_parallel
 from jaxtrain import plan
 from jaxtrain import step as step_lib
 from jaxtrain import train
@@ -134,8 +135,11 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
     trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     reference = train.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
     state = trainer.init()
-    params = jax.device_get(state["params"])
-    # Stage s holds layers [s * L/S, (s+1) * L/S): the stacked layer axis is split over the pipeline axis.
+    # The state keeps the stacked layers in the pipeline's order (circular: stage-major); the reference the model's.
+    order = transformer.layer_order(trainer.model_cfg)
+    assert (order != tuple(range(4))) == (cfg.pipeline.schedule == "circular")
+    params = pipeline_parallel.reorder_layers(jax.device_get(state["params"]), order, None)
+    # Stage s holds its chunks' layers: the stacked layer axis is split over the pipeline axis.
     wq = state["params"]["blocks"]["attn"]["wq"]
     assert wq.sharding.spec[0] == "pipeline" and wq.addressable_shards[0].data.shape[0] == 4 // cfg.mesh.pipeline
     batch = synthetic_batches(1, 8, 32, 512)[0]
@@ -153,7 +157,8 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
     assert set(aux) == set(want_aux) == ({"load_balance_loss", "dropped_fraction"} if cfg.model.n_experts else set())
     for key in want_aux:
         np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-5, err_msg=key)
-    errors = leaf_errors(jax.device_get(grads), jax.device_get(want_grads))
+    errors = leaf_errors(pipeline_parallel.reorder_layers(jax.device_get(grads), order, None),
+                         jax.device_get(want_grads))
     assert max(errors.values()) < 1e-5, errors
 
 
@@ -192,17 +197,24 @@ def test_pipeline_trains_like_one_device(tiny_config, name):
 
 
 def test_pipeline_run_reports_the_bubble_and_resumes(tiny_config, tmp_path):
-    cfg = pipelined_config(tiny_config, "gpipe4")
+    cfg = pipelined_config(tiny_config, "circular2x2")
     cfg.train.update(steps=4)
     cfg.checkpoint.every_steps = 2
     lines = []
     result = train.run(cfg, print_fn=lines.append)
     assert result["finished"] and result["step"] == 4
-    # GPipe, 4 stages, 4 microbatches: (S - 1) / (M + S - 1) = 3/7 of each step idle.
-    assert any("pipeline 4 stages x 4 microbatches, gpipe schedule | bubble 42.9%" in line for line in lines), lines
-    # The pipelined checkpoint restores onto a plain data-parallel mesh (orbax reshards).
-    cfg.mesh.update(pipeline=1, data=-1)
-    cfg.pipeline.stages = 1
+    # 2 stages, 2 microbatches, 2 repeats: (S - 1) / (R*M + S - 1) = 1/5 of each step idle.
+    assert any("pipeline 2 stages x 2 microbatches, circular schedule x 2 repeats | bubble 20.0%" in line
+               for line in lines), lines
+    # The checkpoint holds the layers stage-major, as the run kept them; tools get them in the model's order.
+    order = pipeline_parallel.layer_order(4, 2, 2)
+    _, _, _, params = train.restore_params(cfg.workdir)
+    want = pipeline_parallel.reorder_layers(jax.device_get(result["state"]["params"]), order, None)
+    for got, expected in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(got, expected)
+    # It restores onto a plain data-parallel mesh (orbax reshards, the layers move into the model's order).
+    cfg.mesh.update(pipeline=1, fsdp=1, data=-1)
+    cfg.pipeline.update(stages=1, schedule="gpipe", repeats=1)
     cfg.train.steps = 5
     again = train.run(cfg, print_fn=lines.append)
     assert again["resumed"] and again["step"] == 5

@@ -1,6 +1,7 @@
 """Pipeline parallelism (jaxtrain.pipeline): equal to a plain scan over the layers, forward and gradients,
 with and without a mesh; the schedules' bookkeeping; config errors."""
 
+import collections
 import re
 
 import jax
@@ -40,11 +41,19 @@ def make_inputs():
     return params, carry, weights
 
 
-def value_and_grads(layer, weights, **pipe):
-    """jitted (params, carry) -> ((loss, final carry), (d params, d x)); plain scan when `pipe` is empty."""
+def stored(params, stages, repeats):
+    """Model-order stacked params ({"w", "b"}: [L, ...]) in the pipeline's layer order."""
+    return pipeline.reorder_layers({"blocks": params}, None, pipeline.layer_order(L, stages, repeats))["blocks"]
+
+
+def value_and_grads(layer, weights, in_model_order=True, **pipe):
+    """jitted (params, carry) -> ((loss, final carry), (d params, d x)); plain scan when `pipe` is empty. The
+    params (and their gradients) are in the model's layer order, or with in_model_order=False in the pipeline's."""
     def forward(params, x, extras):
         carry = {"x": x, **extras}
         if pipe:
+            if in_model_order:
+                params = stored(params, pipe["stages"], pipe.get("repeats", 1))
             out = pipeline.run(layer, params, carry, **pipe)
         else:
             out = jax.lax.scan(lambda c, p: (layer(p, c), None), carry, params)[0]
@@ -127,13 +136,14 @@ def _gathered_shapes(hlo: str) -> list[tuple[int, ...]]:
 def test_sharded_over_pipeline_axis(reference, schedule, microbatches, repeats):
     mesh = _mesh()
     params, carry, weights = make_inputs()
-    f = value_and_grads(extras_layer, weights, stages=4, microbatches=microbatches, schedule=schedule,
-                        repeats=repeats)
+    f = value_and_grads(extras_layer, weights, in_model_order=False, stages=4, microbatches=microbatches,
+                        schedule=schedule, repeats=repeats)
 
     def sharded(params, carry):
         with mesh_lib.activation_sharding(mesh, RULES):
             return f(params, carry)
 
+    params = stored(params, 4, repeats)  # the pipeline's order: each device's slice of dim 0 is its stage's chunks
     params = jax.device_put(params, NamedSharding(mesh, P("pipeline")))  # layer dim split over the stages
     carry = jax.device_put(carry, NamedSharding(mesh, P("data")))
     jitted = jax.jit(sharded)
@@ -142,19 +152,20 @@ def test_sharded_over_pipeline_axis(reference, schedule, microbatches, repeats):
     (ref_loss, ref_out), ref_grads = reference["extras"]
     assert_close(out, ref_out)
     assert_close(loss, ref_loss)
-    assert_close(grads, ref_grads)
+    assert_close((grads[0], grads[1]), (stored(ref_grads[0], 4, repeats), ref_grads[1]))
 
     hlo = compiled.as_text()
     assert "collective-permute" in hlo  # the shift between stages
     # The weight gradients stay split over the stages like the weights (nothing gathered them whole).
     assert grads[0]["w"].sharding.spec == P("pipeline")
     assert grads[0]["w"].addressable_shards[0].data.shape == (L // 4, D, D)
-    if schedule == "gpipe":
-        # Contiguous stages: each device keeps its own layers. No all-gather yields anything weight-shaped
-        # (trailing [D, D], e.g. the full [L, D, D] stack or a stage's [S, L/S, D, D]).
-        weight_like = [s for s in _gathered_shapes(hlo) if s[-2:] == (D, D)]
-        assert not weight_like, f"weights all-gathered: {weight_like}"
-        assert all(np.prod(s) < L * D * D for s in _gathered_shapes(hlo))  # nor anything as big as them
+    # Each device keeps its own layers: no all-gather yields anything weight-shaped (trailing [D, D], e.g. the
+    # full [L, D, D] stack or a stage's [S, L/S, D, D]), and nothing re-lays them out (the circular schedule did,
+    # with an all-to-all, while it kept the layers in the model's order).
+    weight_like = [s for s in _gathered_shapes(hlo) if s[-2:] == (D, D)]
+    assert not weight_like, f"weights all-gathered: {weight_like}"
+    assert all(np.prod(s) < L * D * D for s in _gathered_shapes(hlo))  # nor anything as big as them
+    assert "all-to-all" not in hlo
 
 
 def test_gathered_shapes_parser():
@@ -170,6 +181,34 @@ def test_bubble_fraction():
     assert pipeline.bubble_fraction(4, 16) == pytest.approx(3 / 19)
     assert pipeline.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)  # circular: R*M + S - 1 ticks
     assert pipeline.bubble_fraction(2, 4, 2) < pipeline.bubble_fraction(2, 4, 1)
+
+
+def test_layer_order_is_stage_major():
+    # 8 layers, 2 stages, 2 repeats: chunks of 2; stage 0 runs chunks 0 and 2 (layers 0,1 and 4,5), stage 1 chunks
+    # 1 and 3. Contiguous halves of dim 0 are then exactly each stage's layers.
+    assert pipeline.layer_order(8, 2, 2) == (0, 1, 4, 5, 2, 3, 6, 7)
+    assert pipeline.layer_order(8, 4, 2) == (0, 4, 1, 5, 2, 6, 3, 7)
+    assert pipeline.layer_order(8, 4, 1) == tuple(range(8))  # gpipe: the model's order
+    with pytest.raises(ValueError, match="pipeline.repeats"):
+        pipeline.layer_order(6, 2, 2)
+
+
+def test_reorder_layers_moves_only_the_stacked_leaves():
+    adam = collections.namedtuple("adam", "count mu")
+    layers = np.arange(8 * 3).reshape(8, 3)
+    tree = {"params": {"blocks": {"w": layers}, "embed": np.arange(8)},
+            "opt_state": (adam(count=np.zeros(()), mu={"blocks": {"w": layers}, "embed": np.arange(8)}),)}
+    order = pipeline.layer_order(8, 2, 2)
+    moved = pipeline.reorder_layers(tree, None, order)
+    np.testing.assert_array_equal(moved["params"]["blocks"]["w"], layers[list(order)])
+    np.testing.assert_array_equal(moved["opt_state"][0].mu["blocks"]["w"], layers[list(order)])
+    np.testing.assert_array_equal(moved["params"]["embed"], np.arange(8))  # not stacked: its dim 0 is no layer
+    np.testing.assert_array_equal(moved["opt_state"][0].mu["embed"], np.arange(8))
+    back = pipeline.reorder_layers(moved, order, None)
+    np.testing.assert_array_equal(back["params"]["blocks"]["w"], layers)
+    other = pipeline.layer_order(8, 4, 2)  # one pipeline order to another
+    np.testing.assert_array_equal(pipeline.reorder_layers(moved, order, other)["params"]["blocks"]["w"],
+                                  layers[list(other)])
 
 
 @pytest.mark.parametrize("args,field", [

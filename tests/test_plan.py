@@ -267,9 +267,9 @@ ANALYTIC_CASES = {
 def test_analytic_collectives_match_the_compiled_ones(tiny_config, case):
     """Sequence (K/V gathers, their reduce-scatters, the gradients' reduce over `sequence`), expert (the tokens'
     all-to-alls, expert weights never gathered) and pipeline (per-tick hand-offs and gradient reduces, the final
-    broadcast, the circular re-layout) and gradient accumulation (the per-replica copies' one reduce over `data`):
-    every collective of more than 1 KiB a step is predicted within 2%, and nothing is predicted that the compiled
-    step does not do."""
+    broadcast; no circular re-layout, the state keeps the layers stage-major) and gradient accumulation (the
+    per-replica copies' one reduce over `data`): every collective of more than 1 KiB a step is predicted within
+    2%, and nothing is predicted that the compiled step does not do."""
     config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, **ANALYTIC_CASES[case]})
     result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
     for row in result["collectives"]:

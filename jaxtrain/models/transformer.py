@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain.mesh import constrain, split_ways
@@ -348,14 +349,18 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         batch_positions = jnp.broadcast_to(positions, (batch, t))
         block_def, block_state = nnx.split(self.blocks)
+        # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
+        # each read from where it is stored, and the cache holds them in the model's order.
+        stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
 
         def layer(x, layer_in):
-            state, cache_k, cache_v = layer_in
+            at, cache_k, cache_v = layer_in
+            state = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state)
             x, cache_k, cache_v = nnx.merge(block_def, state).decode(
                 x, batch_positions, mask[None, None], cache_k, cache_v, slots)
             return x, (cache_k, cache_v)
 
-        x, (new_k, new_v) = jax.lax.scan(layer, x, (block_state, cache["k"], cache["v"]))
+        x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, cache["k"], cache["v"]))
         x = x[:, t - 1 if last_index is None else last_index]
         x = self.final_norm(x)
         return project(x, self.head().astype(dt)), {"k": new_k, "v": new_v}
@@ -368,6 +373,15 @@ def layer_means(stats) -> dict:
         return {}
     from jaxtrain.models.moe import summarize  # noqa: PLC0415 (moe builds on this module)
     return jax.tree.map(jnp.mean, jax.vmap(summarize)(stats))
+
+
+def layer_order(cfg: ModelConfig) -> tuple[int, ...]:
+    """The model's layer at each position of the stacked blocks in a training state for `cfg`: its own order,
+    unless the pipeline is circular (jaxtrain.pipeline_parallel.layer_order)."""
+    if cfg.pipeline_stages == 1:
+        return tuple(range(cfg.n_layers))
+    from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jaxtrain.mesh, as we do)
+    return pipeline_parallel.layer_order(cfg.n_layers, cfg.pipeline_stages, cfg.pipeline_repeats)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
