@@ -96,8 +96,9 @@ def check(n_layers: int, batch: int, stages: int, microbatches: int, schedule: s
 
 def layer_order(n_layers: int, stages: int, repeats: int = 1) -> tuple[int, ...]:
     """The model's layer at each position of the stacked layers' dim 0 when pipelined: stage-major, position
-    (s*R + r)*K + k holds layer (r*S + s)*K + k (K = L/(S*R)). The identity unless repeats > 1 (circular)."""
-    S, R = stages, repeats
+    (s*R + r)*K + k holds layer (r*S + s)*K + k (K = L/(S*R)). The identity unless repeats > 1 (circular) on more
+    than one stage (one stage runs a plain scan, whatever `repeats` says)."""
+    S, R = stages, repeats if stages > 1 else 1
     if n_layers % (S * R):
         raise ValueError(f"pipeline.repeats: n_layers={n_layers} is not divisible by stages*repeats={S}*{R}")
     K = n_layers // (S * R)

@@ -136,7 +136,7 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
 
 def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpointer:
     c = config.checkpoint
-    order = transformer.layer_order(config_lib.model_config(config, "cpu"))  # the backend only resolves dtypes
+    order = pipeline_parallel.layer_order(config.model.n_layers, config.pipeline.stages, config.pipeline.repeats)
     return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,

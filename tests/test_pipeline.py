@@ -189,6 +189,7 @@ def test_layer_order_is_stage_major():
     assert pipeline.layer_order(8, 2, 2) == (0, 1, 4, 5, 2, 3, 6, 7)
     assert pipeline.layer_order(8, 4, 2) == (0, 4, 1, 5, 2, 6, 3, 7)
     assert pipeline.layer_order(8, 4, 1) == tuple(range(8))  # gpipe: the model's order
+    assert pipeline.layer_order(6, 1, 4) == tuple(range(6))  # one stage is a plain scan: repeats change nothing
     with pytest.raises(ValueError, match="pipeline.repeats"):
         pipeline.layer_order(6, 2, 2)
 

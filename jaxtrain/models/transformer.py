@@ -378,8 +378,6 @@ def layer_means(stats) -> dict:
 def layer_order(cfg: ModelConfig) -> tuple[int, ...]:
     """The model's layer at each position of the stacked blocks in a training state for `cfg`: its own order,
     unless the pipeline is circular (jaxtrain.pipeline_parallel.layer_order)."""
-    if cfg.pipeline_stages == 1:
-        return tuple(range(cfg.n_layers))
     from jaxtrain import pipeline_parallel  # noqa: PLC0415 (it imports jaxtrain.mesh, as we do)
     return pipeline_parallel.layer_order(cfg.n_layers, cfg.pipeline_stages, cfg.pipeline_repeats)
 
