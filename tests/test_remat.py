@@ -39,3 +39,27 @@ def test_remat_policies_match_no_remat(tiny_config, batch):
 def test_unknown_remat_policy_is_a_config_error(tiny_config):
     with pytest.raises(config_lib.ConfigError, match="model.remat"):
         config_lib.validate(tiny_config(**{"model.remat": "sometimes"}), 8)
+
+
+def _dot_flops(tiny_config, devices, **overrides):
+    """All devices' matmul FLOPs in the compiled train step (jaxtrain.plan counts them in the HLO)."""
+    from jaxtrain import plan as plan_lib  # noqa: PLC0415
+
+    return plan_lib.plan(tiny_config(**overrides), devices, "cpu", peak_flops=1e12)["flops"]["hlo_dots_total"]
+
+
+def test_dots_policy_saves_weight_matmuls_under_a_vmap_over_weight_copies(tiny_config):
+    """Per-replica gradient accumulation and pipeline stages vmap the layers over weight copies, which gives every
+    weight matmul a batch dimension; jax's own dots_with_no_batch_dims_saveable then saved none of them (= full
+    remat). Ours must recompute only what it recomputes without the vmap: attention's score and value products."""
+    dots = {"model.remat": "dots_with_no_batch_dims_saveable"}
+    one = {"mesh.data": 1}
+    alone = _dot_flops(tiny_config, 1, **one, **dots)
+    recomputed = alone - _dot_flops(tiny_config, 1, **one)
+    assert 0 < recomputed < 0.1 * alone  # attention's products only, not the projections
+    # Two replicas, each accumulating 2 microbatches on its own weight copy: the same work in all.
+    assert _dot_flops(tiny_config, 2, **{"mesh.data": 2, "train.microbatches": 2}, **dots) == pytest.approx(alone)
+    # Two pipeline stages, 2 microbatches: 3 ticks of a microbatch each, so 3/2 of everything, recompute included.
+    pp = {"mesh.data": 1, "mesh.pipeline": 2, "pipeline.stages": 2, "pipeline.microbatches": 2}
+    pipelined = _dot_flops(tiny_config, 2, **pp, **dots)
+    assert pipelined - _dot_flops(tiny_config, 2, **pp) == pytest.approx(1.5 * recomputed)

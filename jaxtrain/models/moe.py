@@ -34,9 +34,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
-from jaxtrain.models.transformer import ModelConfig, _param
+from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -139,7 +140,8 @@ class MoE(nnx.Module):
         group = cfg.moe_group_tokens if cfg.moe_group_tokens and tokens % cfg.moe_group_tokens == 0 else tokens
         seq = ("batch", "seq", None) if group < tokens else ("batch", None, "seq")
         x = constrain(x.reshape(batch, tokens // group, group, d), (*seq, "act_embed"))
-        logits = jnp.einsum("bngd,de->bnge", x.astype(jnp.float32), self.w_router[...].astype(jnp.float32))
+        logits = checkpoint_name(jnp.einsum("bngd,de->bnge", x.astype(jnp.float32),
+                                            self.w_router[...].astype(jnp.float32)), WEIGHT_MATMUL)
         dispatch, combine, stats = route(logits, cfg.moe_top_k,
                                          capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))

@@ -22,14 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain, split_ways
+
+# Every matmul against a weight (`project`, the MoE router) names its output WEIGHT_MATMUL, and
+# "dots_with_no_batch_dims_saveable" saves by that name. Those are the dots jax's policy of that name saves in our
+# layers, but it tells them apart by their batch dimensions, and under a vmap over weight copies (per-replica
+# gradient accumulation, pipeline stages) every weight matmul has one: it then saved nothing, i.e. ran full remat.
+WEIGHT_MATMUL = "weight_matmul"
 
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL),
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
 
@@ -93,10 +100,12 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
     every projection's input whole along the sequence (each device then computed every position)."""
     if split_ways("seq") > 1:
         dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
-        return jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
-    k = math.prod(w.shape[:contract])
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
-    return y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
+        y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+    else:
+        k = math.prod(w.shape[:contract])
+        y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+        y = y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
+    return checkpoint_name(y, WEIGHT_MATMUL)
 
 
 def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
