@@ -80,7 +80,10 @@ those axes is flagged `partial`.
 bytes = per device payload per step: all-reduce / all-to-all / collective-permute: the result;
 all-gather: the gathered result; reduce-scatter: result * group size (the buffer being reduced); an
 all-reduce whose results are all only dynamic-sliced to 1/n (through bitcast/copy/convert and fusions)
-counts as a reduce-scatter of its full result (tuple all-reduces are split per element).
+counts as a reduce-scatter of its full result (tuple all-reduces are split per element); one over the replica
+axes (`data`) and others, sliced over the others only (a gradient kept as its fsdp shard), as a reduce-scatter
+over the others and an all-reduce of the slice over the replica axes, which is how GPU's AllReduceSplitter
+pass compiles it.
 wire bytes = per device ring traffic: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n,
 all-to-all (n-1)/n of bytes, collective-permute bytes.
 Analytic, per parameter with shard axes Sp, batch axes Bt (mesh axes > 1 that split the batch),
@@ -101,8 +104,8 @@ the replica axes, see R):
     microbatch, bubble ticks included; symbols below).
   experts: an axis that splits a dimension named "experts" owns those weights; it is left out of G (the
     tokens travel, the weights never do).
-  tied embeddings: the table's R and Q all-reduces count twice (XLA reduces the lookup's and the head's
-    gradients one after the other), except where it is reduced once a step (per-replica copies).
+  tied embeddings: the table's G reduce-scatters and R and Q all-reduces count twice (XLA reduces the lookup's
+    and the head's gradients one after the other), except where it is reduced once a step (per-replica copies).
   sequence axes Q (context parallelism), rows = B / (m * dp) sequences per device: every gradient shard is
     all-reduced over Q too (XLA reduces over R, then over Q); each layer all-gathers K and V whole,
     2 * rows * S * kv*hd/T * a, and reduce-scatters their gradients (the same bytes); the backward gathers again
@@ -121,8 +124,8 @@ the replica axes, see R):
     (all-reduce over pipeline). The stacked layers are kept in the pipeline's order (pipeline_parallel.layer_order),
     so no weight moves between stages.
 Where XLA departs from this (the ratio column shows it): it may keep the forward's gathered weights for
-backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes); the input embedding's
-gradient is a scatter-add, for which it all-gathers the token gradients instead of reducing the table;
+backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes), and the fused loss
+(model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once;
 with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
 per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts. MoE with
 remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
@@ -305,6 +308,14 @@ def _scattered_elements(module, instr, n: int) -> list[bool]:
     return out
 
 
+def _scatter_axes(axes: tuple[str, ...], mesh_shape: dict, replica_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """For an all-reduce over `axes` whose result is only sliced over part of them: the axes the slice splits,
+    taken to be those that split parameters (not `replica_axes`): a gradient reduced over data x fsdp and
+    kept as its fsdp shard. Empty when that leaves all of `axes` or none of them."""
+    split = tuple(a for a in axes if a not in replica_axes)
+    return split if 0 < len(split) < len(axes) else ()
+
+
 def _tuple_elements(shape: str) -> list[str]:
     """'(f32[2]{0}, /*index=1*/bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']."""
     return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape))]
@@ -485,11 +496,13 @@ _WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1
          "collective-permute": lambda n: 1.0}
 
 
-def collectives(hlo, mesh_shape: dict) -> list[dict]:
+def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> list[dict]:
     """Every collective in compiled HLO (text or `parse_hlo`'s result), one dict per op (an all-reduce whose
-    results are partly sliced afterwards gives two): kind, axes, partial, group_size, count (executions per
-    step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
-    as all-reduce + dynamic-slice). See the module docstring."""
+    results are partly sliced afterwards gives two, or three): kind, axes, partial, group_size, count (executions
+    per step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
+    as all-reduce + dynamic-slice). `replica_axes` (mesh.replica_axes): an all-reduce over them and other axes,
+    only sliced over the others, counts as a reduce-scatter over the others and an all-reduce of the slice over
+    them (GPU's AllReduceSplitter rewrites it so). See the module docstring."""
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     mult, unknown = multiplicities(module)
     num_devices = math.prod(mesh_shape.values())
@@ -517,16 +530,25 @@ def collectives(hlo, mesh_shape: dict) -> list[dict]:
             count = mult.get(comp, 0)
             common = {"axes": axes, "partial": not exact, "group_size": size, "count": count,
                       "name": instr["name"], "async": op.endswith("-start"), "trip_count_unknown": comp in unknown}
-            parts = [(kind, shape_bytes(result["shape"]) * (size if kind == "reduce-scatter" else 1), False)]
+            # (kind, axes, group size, payload bytes, emitted as all-reduce + slice)
+            parts = [(kind, axes, size, shape_bytes(result["shape"]) * (size if kind == "reduce-scatter" else 1),
+                      False)]
             if kind == "all-reduce":  # all-reduce + slice to 1/n = reduce-scatter (the CPU pipeline has none)
                 elements = _tuple_elements(result["shape"]) if result["shape"].startswith("(") else [result["shape"]]
                 scattered = _scattered_elements(module, result, size)
                 rs = sum(shape_bytes(e) for e, sc in zip(elements, scattered) if sc)
-                parts = [(k, b, k == "reduce-scatter") for k, b in
-                         (("all-reduce", shape_bytes(result["shape"]) - rs), ("reduce-scatter", rs)) if b]
-            for k, payload, as_all_reduce in parts:
-                out.append(dict(common, kind=k, bytes=payload * count, wire_bytes=_WIRE[k](size) * payload * count,
-                                as_all_reduce=as_all_reduce))
+                split = _scatter_axes(axes, mesh_shape, replica_axes) if exact else ()
+                n = math.prod(mesh_shape[a] for a in split)
+                partly = _scattered_elements(module, result, n) if split else [False] * len(elements)
+                rs_part = sum(shape_bytes(e) for e, sc, p in zip(elements, scattered, partly) if p and not sc)
+                rest = tuple(a for a in axes if a not in split)
+                parts = [p for p in (("all-reduce", axes, size, shape_bytes(result["shape"]) - rs - rs_part, False),
+                                     ("reduce-scatter", axes, size, rs, True),
+                                     ("reduce-scatter", split, n, rs_part, True),
+                                     ("all-reduce", rest, size // max(n, 1), rs_part / max(n, 1), True)) if p[3]]
+            for k, op_axes, op_size, payload, as_all_reduce in parts:
+                out.append(dict(common, kind=k, axes=op_axes, group_size=op_size, bytes=payload * count,
+                                wire_bytes=_WIRE[k](op_size) * payload * count, as_all_reduce=as_all_reduce))
     return out
 
 
@@ -640,10 +662,10 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
         pipelined = stages > 1 and "layers" in (p["names"] or ())
         times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
-        add("all-gather", gather, 2 * times * gathered)
-        add("reduce-scatter", gather, times * gathered)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
         tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
+        add("all-gather", gather, 2 * times * gathered)
+        add("reduce-scatter", gather, (2 if tied else 1) * times * gathered)
         # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
         copies = pipelined or step_lib.accumulates_per_replica(model_cfg, microbatches)
         once = [x for x in reduce if copies and x in replicas]
@@ -805,7 +827,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from jaxtrain import config as config_lib, optim, pipeline_parallel, train  # noqa: PLC0415
+    from jaxtrain import config as config_lib, mesh as mesh_lib, optim, pipeline_parallel, train  # noqa: PLC0415
     from jaxtrain.models import transformer  # noqa: PLC0415
 
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -868,7 +890,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     if hlo_path:
         Path(hlo_path).write_text(text)
     module = parse_hlo(text)
-    ops = collectives(module, mesh_shape) if text else []
+    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if text else []
     coll_rows = summarize_collectives(ops)
     analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
     for row in coll_rows:

@@ -77,8 +77,12 @@ def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
-                    microbatches: int, mesh, rules, aux_weight: float = 0.0) -> Callable:
-    """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient."""
+                    microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None) -> Callable:
+    """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
+    `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
+    XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
+    all-reduced whole over every batch axis and the norm taken of the whole; in its parameter's layout it is
+    reduced where it is split (reduce-scatter over fsdp) and all-reduced over the replicas only in slices."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's token count so that accumulation equals one big step.
@@ -108,6 +112,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
                 grads = summed(grads)
 
+            if param_shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             grad_norm = optax.tree.norm(grads)
 
             def update(_):

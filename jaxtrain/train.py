@@ -123,7 +123,8 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
-                                 config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight),
+                                 config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
+                                 param_shardings=shardings["params"]),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
                         in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)

@@ -289,6 +289,14 @@ class Transformer(nnx.Module):
         logits = project(x, self.head().astype(x.dtype))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
+    def embed_tokens(self, tokens):
+        """The embedding rows of `tokens` [B, T] -> [B, T, d_model] in the param dtype. The table is gathered whole
+        along d_model first (FSDP shards it there, like every weight): left to XLA, a lookup into a table split
+        along d_model against tokens split along the batch looked up every device's tokens in its d_model slice,
+        then all-gathered and all-to-all'ed those activations back to the batch layout ("involuntary full
+        rematerialization"), traffic that grows with the batch where the table's gather does not."""
+        return jnp.take(constrain(self.embed[...], ("vocab", None)), tokens, axis=0)
+
     def head(self):
         """The output projection [d_model, vocab] in the param dtype (the embedding, transposed, when tied)."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
@@ -297,8 +305,7 @@ class Transformer(nnx.Module):
         """-> (final-normed hidden states [B, T, d_model] in the compute dtype, aux): `forward` before the head."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = constrain(self.embed_tokens(tokens).astype(dt), ("batch", "seq", "act_embed"))
         block_def, block_state = nnx.split(self.blocks)
         policy = REMAT_POLICIES[cfg.remat]
         remat = (lambda f: f) if cfg.remat == "none" else (
@@ -355,7 +362,7 @@ class Transformer(nnx.Module):
         # key >= 0: slots not written yet (or written with a padded prefill's future) stay invisible.
         mask = (key >= 0) & (key <= query) & (query - key < cache_len)
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = self.embed_tokens(tokens).astype(dt)
         batch_positions = jnp.broadcast_to(positions, (batch, t))
         block_def, block_state = nnx.split(self.blocks)
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
