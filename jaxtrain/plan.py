@@ -80,10 +80,10 @@ those axes is flagged `partial`.
 bytes = per device payload per step: all-reduce / all-to-all / collective-permute: the result;
 all-gather: the gathered result; reduce-scatter: result * group size (the buffer being reduced); an
 all-reduce whose results are all only dynamic-sliced to 1/n (through bitcast/copy/convert and fusions)
-counts as a reduce-scatter of its full result (tuple all-reduces are split per element); one over the replica
-axes (`data`) and others, sliced over the others only (a gradient kept as its fsdp shard), as a reduce-scatter
-over the others and an all-reduce of the slice over the replica axes, which is how GPU's AllReduceSplitter
-pass compiles it.
+counts as a reduce-scatter of its full result (tuple all-reduces are split per element); one sliced over part
+of its axes only (a gradient reduced over data x fsdp and kept as its fsdp shard) as a reduce-scatter over that
+part and an all-reduce of the slice over the rest, which is how GPU's AllReduceSplitter pass compiles it (the
+slice's size names the part; parts of one size: the one without replica axes, then the earlier mesh axes).
 wire bytes = per device ring traffic: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n,
 all-to-all (n-1)/n of bytes, collective-permute bytes.
 Analytic, per parameter with shard axes Sp, batch axes Bt (mesh axes > 1 that split the batch),
@@ -308,12 +308,20 @@ def _scattered_elements(module, instr, n: int) -> list[bool]:
     return out
 
 
-def _scatter_axes(axes: tuple[str, ...], mesh_shape: dict, replica_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """For an all-reduce over `axes` whose result is only sliced over part of them: the axes the slice splits,
-    taken to be those that split parameters (not `replica_axes`): a gradient reduced over data x fsdp and
-    kept as its fsdp shard. Empty when that leaves all of `axes` or none of them."""
-    split = tuple(a for a in axes if a not in replica_axes)
-    return split if 0 < len(split) < len(axes) else ()
+def _scatter_axes(module, result, axes: tuple[str, ...], mesh_shape: dict, replica_axes: tuple[str, ...],
+                  ) -> tuple[tuple[str, ...], list[bool]]:
+    """For an all-reduce over `axes` whose results are not only sliced over all of them: the part of `axes` over
+    which they are (a gradient reduced over data x fsdp and kept as its fsdp shard), and which results. The
+    slice's size gives the part's size; equal sizes are told apart by preferring parts without `replica_axes`,
+    then the earlier mesh axes (the HLO does not name the axes a slice splits)."""
+    import itertools  # noqa: PLC0415
+    parts = [part for k in range(1, len(axes)) for part in itertools.combinations(axes, k)]
+    parts.sort(key=lambda part: (any(a in replica_axes for a in part), [axes.index(a) for a in part]))
+    for part in parts:
+        sliced = _scattered_elements(module, result, math.prod(mesh_shape[a] for a in part))
+        if any(sliced):
+            return part, sliced
+    return (), []
 
 
 def _tuple_elements(shape: str) -> list[str]:
@@ -500,9 +508,9 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
     """Every collective in compiled HLO (text or `parse_hlo`'s result), one dict per op (an all-reduce whose
     results are partly sliced afterwards gives two, or three): kind, axes, partial, group_size, count (executions
     per step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
-    as all-reduce + dynamic-slice). `replica_axes` (mesh.replica_axes): an all-reduce over them and other axes,
-    only sliced over the others, counts as a reduce-scatter over the others and an all-reduce of the slice over
-    them (GPU's AllReduceSplitter rewrites it so). See the module docstring."""
+    as all-reduce + dynamic-slice). An all-reduce whose results are only sliced over part of its axes counts as a
+    reduce-scatter over that part and an all-reduce of the slice over the rest (GPU's AllReduceSplitter rewrites
+    it so); `replica_axes` (mesh.replica_axes) breaks ties between parts of one size. See the module docstring."""
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     mult, unknown = multiplicities(module)
     num_devices = math.prod(mesh_shape.values())
@@ -537,9 +545,10 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
                 elements = _tuple_elements(result["shape"]) if result["shape"].startswith("(") else [result["shape"]]
                 scattered = _scattered_elements(module, result, size)
                 rs = sum(shape_bytes(e) for e, sc in zip(elements, scattered) if sc)
-                split = _scatter_axes(axes, mesh_shape, replica_axes) if exact else ()
+                split, partly = _scatter_axes(module, result, axes, mesh_shape, replica_axes) if (
+                    exact and not all(scattered)) else ((), [])
                 n = math.prod(mesh_shape[a] for a in split)
-                partly = _scattered_elements(module, result, n) if split else [False] * len(elements)
+                partly = partly or [False] * len(elements)
                 rs_part = sum(shape_bytes(e) for e, sc, p in zip(elements, scattered, partly) if p and not sc)
                 rest = tuple(a for a in axes if a not in split)
                 parts = [p for p in (("all-reduce", axes, size, shape_bytes(result["shape"]) - rs - rs_part, False),

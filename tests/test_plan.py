@@ -217,6 +217,18 @@ def test_hybrid_fsdp_moves_weights_and_gradients_only(plans):
         assert _rows(result, kind, axes)[0]["ratio"] == pytest.approx(1.0, abs=0.02), (kind, axes)
 
 
+def test_fsdp_x_expert_reduces_dense_gradients_over_expert_as_slices(tiny_config):
+    """`expert` is one more batch axis for the dense weights (not a replica axis: it owns the experts): their
+    gradients, reduced over fsdp x expert and kept as fsdp shards, are read as a reduce-scatter over fsdp and an
+    all-reduce of the shard over expert, as predicted."""
+    config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, "mesh.fsdp": 4, "mesh.expert": 2,
+                            "model.n_experts": 4})
+    result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
+    assert _rows(result, "all-reduce", ("fsdp", "expert"))[0]["bytes"] < 1024
+    for kind, axes in (("reduce-scatter", ("fsdp",)), ("all-reduce", ("expert",))):
+        assert _rows(result, kind, axes)[0]["ratio"] == pytest.approx(1.0, abs=0.02), (kind, axes)
+
+
 def test_tensor_parallel_collectives_are_on_tensor(plans):
     result = plans["2x2x2"]
     tensor = _rows(result, "all-reduce", ("tensor",))
