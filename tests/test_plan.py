@@ -217,18 +217,6 @@ def test_hybrid_fsdp_moves_weights_and_gradients_only(plans):
         assert _rows(result, kind, axes)[0]["ratio"] == pytest.approx(1.0, abs=0.02), (kind, axes)
 
 
-def test_fsdp_x_expert_reduces_dense_gradients_over_expert_as_slices(tiny_config):
-    """`expert` is one more batch axis for the dense weights (not a replica axis: it owns the experts): their
-    gradients, reduced over fsdp x expert and kept as fsdp shards, are read as a reduce-scatter over fsdp and an
-    all-reduce of the shard over expert, as predicted."""
-    config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, "mesh.fsdp": 4, "mesh.expert": 2,
-                            "model.n_experts": 4})
-    result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
-    assert _rows(result, "all-reduce", ("fsdp", "expert"))[0]["bytes"] < 1024
-    for kind, axes in (("reduce-scatter", ("fsdp",)), ("all-reduce", ("expert",))):
-        assert _rows(result, kind, axes)[0]["ratio"] == pytest.approx(1.0, abs=0.02), (kind, axes)
-
-
 def test_tensor_parallel_collectives_are_on_tensor(plans):
     result = plans["2x2x2"]
     tensor = _rows(result, "all-reduce", ("tensor",))
@@ -286,6 +274,10 @@ ANALYTIC_CASES = {
                             "pipeline.microbatches": 2},
     "pipeline_x_expert": {"mesh.data": 2, "mesh.pipeline": 2, "mesh.expert": 2, "pipeline.stages": 2,
                           "pipeline.microbatches": 2, "model.n_experts": 4},
+    # FSDP: weights gathered and gradients reduce-scattered; gradients reduced over data x fsdp or fsdp x expert
+    # and kept as fsdp shards read as a reduce-scatter over fsdp and an all-reduce of the shard over the rest.
+    "hsdp": {"mesh.data": 2, "mesh.fsdp": 4},
+    "fsdp_x_expert": {"mesh.fsdp": 4, "mesh.expert": 2, "model.n_experts": 4},
 }
 
 
@@ -295,13 +287,17 @@ def test_analytic_collectives_match_the_compiled_ones(tiny_config, case):
     all-to-alls, expert weights never gathered) and pipeline (per-tick hand-offs and gradient reduces, the final
     broadcast; no circular re-layout, the state keeps the layers stage-major) and gradient accumulation (the
     per-replica copies' one reduce over `data`): every collective of more than 1 KiB a step is predicted within
-    2%, and nothing is predicted that the compiled step does not do."""
+    2%, and nothing is predicted that the compiled step does not do. Except FSDP's weight gathers: the analytic
+    gathers every weight in the forward and again in the backward, XLA keeps some of the forward's (at most 1.35x
+    over)."""
     config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, **ANALYTIC_CASES[case]})
     result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
     for row in result["collectives"]:
         name = f"{row['kind']} over {row['axes']}"
         assert row["count"] or not row["analytic_bytes"], f"predicted, not compiled: {name}"
-        if row["bytes"] > 1024:
+        if row["kind"] == "all-gather" and tuple(row["axes"]) == ("fsdp",):
+            assert 1.0 <= row["ratio"] <= 1.35, (name, row["bytes"], row["analytic_bytes"])
+        elif row["bytes"] > 1024:
             assert row["ratio"] == pytest.approx(1.0, abs=0.02), (name, row["bytes"], row["analytic_bytes"])
     # Experts stay where they are: no weight is gathered along `expert`.
     assert not any(r["kind"] == "all-gather" and "expert" in r["axes"] for r in result["collectives"])
