@@ -104,9 +104,10 @@ def test_fast_paths_train_like_the_plain_step(tiny_config, mesh):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
 
 
-def compiled_text(tiny_config, chunk_tokens, mesh=None):
+def compiled_text(tiny_config, chunk_tokens, mesh=None, **overrides):
     """The compiled train step's HLO, and the mesh shape."""
-    cfg = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": chunk_tokens})
+    cfg = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": chunk_tokens,
+                                            **overrides})
     devices = jax.devices() if mesh else jax.devices()[:1]
     facts = config_lib.validate(cfg, len(devices))
     trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
@@ -125,6 +126,18 @@ def test_chunks_do_not_multiply_the_gradient_traffic(tiny_config):
     plain, chunked = reduced_bytes(0), reduced_bytes(4)
     assert plain >= head_bytes
     assert abs(chunked - plain) < 0.1 * head_bytes, (plain, chunked)
+
+
+def test_head_gradient_crosses_sequence_as_its_fsdp_shard(tiny_config):
+    """data x fsdp x sequence: the head's gradient [d_model 32, vocab 512] is summed over the batch shards into its
+    fsdp shard [16, 512] first, and only that shard is all-reduced over `sequence` (it once crossed it whole)."""
+    text, mesh_shape = compiled_text(tiny_config, 4, {"data": 2, "fsdp": 2, "sequence": 2},
+                                     **{"model.tie_embeddings": False})
+    module = plan.parse_hlo(text)
+    shapes = [module["by_name"][op["name"]]["shape"] for op in plan.collectives(module, mesh_shape)
+              if op["kind"] == "all-reduce" and op["axes"] == ("sequence",)]
+    assert any("f32[16,512]" in shape for shape in shapes), shapes
+    assert not any("f32[32,512]" in shape for shape in shapes), shapes
 
 
 def test_full_logits_never_exist_in_the_compiled_step(tiny_config):

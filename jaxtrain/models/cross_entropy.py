@@ -119,7 +119,10 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     # matmul (XLA:CPU ran the transposed-operand form ~25% slower).
     x_t = jax.vmap(lambda a: _by_shard(a.astype(dtype), *ways, tokens_last=True))(x_chunks)
     (total, dw), dx = jax.lax.scan(body, init, (x_chunks, x_t, _chunks(targets, n), _chunks(weights, n)))
-    return total, (_unchunk(dx), dw.sum((0, 1)).astype(w.dtype))
+    # Over the batch shards first, into w's layout (a reduce-scatter over fsdp, the rest of the batch axes then
+    # reduce the shard), then over the sequence shards, the shard only.
+    dw = constrain(dw.sum(0), ("seq", "embed", "vocab")).sum(0)
+    return total, (_unchunk(dx), dw.astype(w.dtype))
 
 
 def _bwd(chunk_tokens, dtype, res, g):
