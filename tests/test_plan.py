@@ -195,9 +195,8 @@ def test_fsdp_gathers_params_and_reduce_scatters_grads(plans):
     assert gathers and scatters
     # Every sharded weight is gathered at least once (forward), at most twice (forward and backward).
     assert sharded_weights <= gathers[0]["bytes"] <= 2 * sharded_weights + 4096
-    # The CPU compiler reduce-scatters as all-reduce + slice; the weights' grads are reduced in full, at
-    # most the input embedding's (a scatter-add) goes through its token gradients instead.
-    # Every weight's gradient is reduced once, the input embedding's (a scatter-add) included.
+    # The CPU compiler reduce-scatters as all-reduce + slice. Every weight's gradient is reduced once, the input
+    # embedding's (a scatter-add) included.
     assert scatters[0]["bytes"] == sharded_weights
     assert scatters[0]["as_all_reduce"]
     assert not _rows(result, "all-reduce", ("data",))
