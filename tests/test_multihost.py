@@ -65,8 +65,10 @@ def finish(procs, timeout=300):
 
 def run_two_processes(config, tmp_path, name, timeout=300, **extra_env):
     codes, outputs = finish(start_two_processes(config, tmp_path, name, **extra_env), timeout)
-    for code, out in zip(codes, outputs):
-        assert code == 0, out[-4000:]
+    # Both tails: when one process fails, the other usually times out waiting for it, and the first error
+    # printed is then the symptom, not the cause.
+    assert codes == [0, 0], "\n".join(f"--- process {i} exited {code}:\n{out[-3000:]}"
+                                       for i, (code, out) in enumerate(zip(codes, outputs)))
     return outputs
 
 
