@@ -301,7 +301,7 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str) ->
         record["data_sha256"] = str(record["data_sha256"])
         order = record.get("layer_order")
         record["layer_order"] = None if order is None else tuple(int(i) for i in order)
-        if order is not None and sorted(record["layer_order"]) != list(range(len(order))):
+        if order is not None and not pipeline_parallel.is_layer_order(record["layer_order"], len(order)):
             raise ValueError(f"layer_order {order} is not an order of layers")
     except Exception as e:
         raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e

@@ -105,6 +105,11 @@ def layer_order(n_layers: int, stages: int, repeats: int = 1) -> tuple[int, ...]
     return tuple((r * S + s) * K + k for s in range(S) for r in range(R) for k in range(K))
 
 
+def is_layer_order(order, n_layers: int) -> bool:
+    """Whether `order` holds each of the `n_layers` layers exactly once."""
+    return sorted(order) == list(range(n_layers))
+
+
 def stacked_path(path) -> bool:
     """Whether a state leaf's key path lies under the stacked layers (the model's `blocks`, in the params and in
     every optimizer moment that mirrors them): their dim 0 is the layer."""
@@ -123,7 +128,7 @@ def reorder_layers(tree, old_order, new_order):
     if n is None:
         return tree
     old, new = (tuple(range(n)) if o is None else tuple(o) for o in (old_order, new_order))
-    if sorted(old) != list(range(n)) or sorted(new) != list(range(n)):
+    if not (is_layer_order(old, n) and is_layer_order(new, n)):
         raise ValueError(f"layer orders {old} -> {new}: not both orders of the {n} stacked layers")
     if old == new:
         return tree

@@ -556,7 +556,7 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
                 parts = [p for p in (("all-reduce", axes, size, shape_bytes(result["shape"]) - rs - rs_part, False),
                                      ("reduce-scatter", axes, size, rs, True),
                                      ("reduce-scatter", split, n, rs_part, True),
-                                     ("all-reduce", rest, size // max(n, 1), rs_part / max(n, 1), True)) if p[3]]
+                                     ("all-reduce", rest, size // n, rs_part / n, True)) if p[3]]
             for k, op_axes, op_size, payload, as_all_reduce in parts:
                 out.append(dict(common, kind=k, axes=op_axes, group_size=op_size, bytes=payload * count,
                                 wire_bytes=_WIRE[k](op_size) * payload * count, as_all_reduce=as_all_reduce))
