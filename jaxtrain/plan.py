@@ -89,8 +89,11 @@ all-to-all (n-1)/n of bytes, collective-permute bytes.
 Analytic, per parameter with shard axes Sp, batch axes Bt (mesh axes > 1 that split the batch),
 m = microbatches (the gradient accumulator is sharded like the params, so every microbatch reduces, except over
 the replica axes, see R):
-  G = Sp & Bt (ZeRO-3 / FSDP): all-gather the params in forward and again in backward,
-    2 * m * n*p/prod(Sp - G); reduce-scatter the grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x);
+  G = Sp & Bt (ZeRO-3 / FSDP): all-gather the params, n*p/prod(Sp - G) each time: in the forward, and again in
+    the backward for the head (its input gradient) and for the layers unless remat is "none" (the forward's copy
+    is kept), never for the lookup table (its gradient is a scatter); m times, or once a step under a pipeline
+    or per-replica accumulation (the weights do not change between ticks or microbatches); reduce-scatter the
+    grads, m * n*p/prod(Sp - G)  (the ZeRO paper's 3x, where everything is gathered twice);
   R = Bt - Sp (data parallel): all-reduce the grad shard over R, m * n*p/shards  (ring: 2(n-1)/n on wire);
     over the replica axes (mesh.replica_axes, `data` in the presets) once a step when m > 1 or the layers are
     pipelined (each replica accumulates on its own copy, mesh.per_replica), unless the model is a mixture of
@@ -123,20 +126,18 @@ the replica axes, see R):
     the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
     (all-reduce over pipeline). The stacked layers are kept in the pipeline's order (pipeline_parallel.layer_order),
     so no weight moves between stages.
-Where XLA departs from this (the ratio column shows it): it may keep the forward's gathered weights for
-backward or hoist the gathers out of the microbatch loop (fewer all-gather bytes), and the fused loss
+Where XLA departs from this (the ratio column shows it): the fused loss
 (model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once;
 with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
 per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts. MoE with
 remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
 CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence with whole-sequence routing
 groups (model.moe_group_tokens = 0): the dispatch contracts over the split sequence, an all-reduce of the token
-buffer over `sequence` that is not predicted (groups that fit a sequence shard avoid it). Pipeline x FSDP:
-the reductions and hand-offs are as predicted, but XLA hoists some weight gathers out of the tick loop
-(configs/bench_cpu.py as data 2 x fsdp 2 x pipeline 2, 4 microbatches: all-gathers 1.12x over; the tiny test
-model's small weights: 2.2x). Within 2% (tests/test_plan.py) on data x sequence, data x expert (remat full),
-data x pipeline (gpipe and circular), data with gradient accumulation, and, but for the gathers (at most 1.35x
-over), data x fsdp and fsdp x expert.
+buffer over `sequence` that is not predicted (groups that fit a sequence shard avoid it). Within 2%
+(tests/test_plan.py) on data x sequence, data x expert (remat full), data x pipeline (gpipe and circular), data
+with gradient accumulation, data x fsdp and fsdp x expert. The FSDP gathers are exact for configs/bench_cpu.py
+as fsdp 8 (remat none and full), data 2 x fsdp 4 (with and without per-replica accumulation), fsdp 2 x sequence
+4, fsdp x tensor, data x fsdp x pipeline and an MoE over fsdp x expert x tensor (2026-11-24).
 """
 
 from __future__ import annotations
@@ -675,10 +676,16 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
         tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
-        add("all-gather", gather, 2 * times * gathered)
+        # Gathered in the forward, and again in the backward where that needs the weight and nothing kept it: the
+        # head's input gradient always, a layer's unless remat "none" keeps the forward's copy; the lookup table
+        # never (its gradient is a scatter). Under a pipeline or per-replica accumulation XLA gathers once a step
+        # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
+        lookup = not tied and (p["names"] or ("",))[0] == "vocab"
+        passes = 1 if lookup or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
+        copies = pipelined or step_lib.accumulates_per_replica(model_cfg, microbatches)
+        add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
         add("reduce-scatter", gather, (2 if tied else 1) * times * gathered)
         # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
-        copies = pipelined or step_lib.accumulates_per_replica(model_cfg, microbatches)
         once = [x for x in reduce if copies and x in replicas]
         add("all-reduce", once, p["bytes"] / shards)
         add("all-reduce", [x for x in reduce if x not in once], (2 if tied else 1) * times * p["bytes"] / shards)

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
-from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param
+from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param, weight
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -141,7 +141,7 @@ class MoE(nnx.Module):
         seq = ("batch", "seq", None) if group < tokens else ("batch", None, "seq")
         x = constrain(x.reshape(batch, tokens // group, group, d), (*seq, "act_embed"))
         logits = checkpoint_name(jnp.einsum("bngd,de->bnge", x.astype(jnp.float32),
-                                            self.w_router[...].astype(jnp.float32)), WEIGHT_MATMUL)
+                                            weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         dispatch, combine, stats = route(logits, cfg.moe_top_k,
                                          capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
@@ -150,10 +150,10 @@ class MoE(nnx.Module):
         # The expert buffer [E, B, N, C, d]: with groups, each sequence shard fills and runs its own groups' slots.
         rows = ("act_experts", "batch", "seq" if group < tokens else None, None)
         expert_in = constrain(jnp.einsum("bngec,bngd->ebncd", dispatch, x), (*rows, "act_embed"))
-        gate = jnp.einsum("ebncd,edf->ebncf", expert_in, self.w_gate[...].astype(dt))
-        up = jnp.einsum("ebncd,edf->ebncf", expert_in, self.w_up[...].astype(dt))
+        gate = jnp.einsum("ebncd,edf->ebncf", expert_in, weight(self.w_gate, dt))
+        up = jnp.einsum("ebncd,edf->ebncf", expert_in, weight(self.w_up, dt))
         hidden = constrain(jax.nn.silu(gate) * up, (*rows, "act_mlp"))
-        expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, self.w_down[...].astype(dt)),
+        expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, weight(self.w_down, dt)),
                                (*rows, "act_embed"))
         # Back to the token layout here, so that the combine's backward keeps this copy for the gates' gradient (left
         # to XLA, a pipeline's tick loop moved the expert outputs once more in the backward).

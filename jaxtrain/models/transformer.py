@@ -16,6 +16,7 @@ RoPE only sees relative distances, so absolute positions past the trained length
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -108,6 +109,34 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
     return checkpoint_name(y, WEIGHT_MATMUL)
 
 
+def weight(param: nnx.Param, dtype):
+    """A layer's weight in `dtype`, gathered whole over the axes FSDP splits it on (its "embed" dimension) and still
+    split over the others (tensor, expert): the FSDP schedule, made explicit. Left to XLA, a projection whose input
+    is split along the sequence could contract over the split d_model instead, regathering the activations along
+    the sequence every layer. The gradient goes straight back to the parameter's own sharding, in its dtype, so
+    the reduction over every batch axis is one reduce-scatter (a plain constraint's transpose would all-reduce
+    the whole gradient over the sequence or expert axis first)."""
+    names = tuple(param.get_metadata()["out_sharding"][-param[...].ndim:])  # scanned: names lead with "layers"
+    value = param[...]
+    return _gathered(value, jnp.dtype(dtype), names, value.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gathered(value, dtype, names, value_dtype):
+    return constrain(value.astype(dtype), tuple(None if n == "embed" else n for n in names))
+
+
+def _gathered_fwd(value, dtype, names, value_dtype):
+    return _gathered(value, dtype, names, value_dtype), None
+
+
+def _gathered_bwd(dtype, names, value_dtype, _, grad):
+    return (constrain(grad.astype(value_dtype), names),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
     dtype = jnp.dtype(cfg.param_dtype)
     value = (jnp.ones(shape, dtype) if ones else
@@ -194,9 +223,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, mask):
         dt = x.dtype
-        q = project(x, self.wq[...].astype(dt))
-        k = project(x, self.wk[...].astype(dt))
-        v = project(x, self.wv[...].astype(dt))
+        q = project(x, weight(self.wq, dt))
+        k = project(x, weight(self.wk, dt))
+        v = project(x, weight(self.wv, dt))
         q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
         # Every query needs every earlier key: under sequence parallelism the queries stay split along the
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
@@ -205,19 +234,19 @@ class Attention(nnx.Module):
         out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), self.cfg.attention_block,
                                self.cfg.attention_impl)
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return project(out, self.wo[...].astype(dt), contract=2)
+        return project(out, weight(self.wo, dt), contract=2)
 
     def decode(self, x, positions, mask, cache_k, cache_v, slots):
         """x: [B, T, d] at `positions` [B, T]; cache_k/v: one layer's [B, L, kv, hd]; the new K/V go to `slots` [T].
         Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
-        q = rope(project(x, self.wq[...].astype(dt)), positions, self.cfg.rope_theta)
-        k = rope(project(x, self.wk[...].astype(dt)), positions, self.cfg.rope_theta)
-        v = project(x, self.wv[...].astype(dt))
+        q = rope(project(x, weight(self.wq, dt)), positions, self.cfg.rope_theta)
+        k = rope(project(x, weight(self.wk, dt)), positions, self.cfg.rope_theta)
+        v = project(x, weight(self.wv, dt))
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
-        return project(out, self.wo[...].astype(dt), contract=2), cache_k, cache_v
+        return project(out, weight(self.wo, dt), contract=2), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -229,10 +258,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = project(x, self.w_gate[...].astype(dt))
-        up = project(x, self.w_up[...].astype(dt))
+        gate = project(x, weight(self.w_gate, dt))
+        up = project(x, weight(self.w_up, dt))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return project(hidden, self.w_down[...].astype(dt))
+        return project(hidden, weight(self.w_down, dt))
 
 
 class Block(nnx.Module):
