@@ -161,25 +161,37 @@ class EvalHook(Hook):
     """Held-out losses every `every` steps (and at the end); 0 = only at the end. `evaluate(params)` returns
     {"eval_loss": the primary loss, "eval_loss/<name>": one per extra eval set (eval.sets)}."""
 
-    def __init__(self, *, every: int, total_steps: int, evaluate, writer, clock: Clock, print_fn=print):
+    def __init__(self, *, every: int, total_steps: int, evaluate, writer, clock: Clock, print_fn=print,
+                 earlier: list[dict] | tuple = ()):
+        """`earlier`: metrics records of the evals before a resume ({"step", "eval_loss", "eval_loss/<set>"})."""
         self.every, self.total, self.evaluate = every, total_steps, evaluate
         self.writer, self.clock, self.print = writer, clock, print_fn
         self.history: list[tuple[int, float]] = []  # (step, eval_loss)
         self.set_history: dict[str, list[tuple[int, float]]] = {}  # eval set name -> [(step, its loss)]
+        for record in earlier:
+            self._record(record["step"], {k: v for k, v in record.items() if k.startswith("eval_loss")})
+
+    def _record(self, step, losses):
+        if "eval_loss" in losses:
+            self.history.append((step, losses["eval_loss"]))
+        for metric, loss in losses.items():
+            if metric != "eval_loss":
+                self.set_history.setdefault(metric.removeprefix("eval_loss/"), []).append((step, loss))
 
     def run(self, step, params):
         with self.clock.paused():
             losses = self.evaluate(params)
-        self.history.append((step, losses["eval_loss"]))
-        for metric, loss in losses.items():
-            if metric != "eval_loss":
-                self.set_history.setdefault(metric.removeprefix("eval_loss/"), []).append((step, loss))
+        self._record(step, losses)
         self.writer.write_scalars(step, losses)
         self.print(f"eval @ step {step}: " + " | ".join(f"{metric} {loss:.4f}" for metric, loss in losses.items()))
 
     def __call__(self, step, state, metrics, batch):
         if (self.every and step % self.every == 0) or step == self.total:
             self.run(step, state["params"])
+
+    def rewind(self, step):  # a rollback: the evals past `step` are of weights now thrown away
+        self.history = [(s, loss) for s, loss in self.history if s <= step]
+        self.set_history = {name: [(s, loss) for s, loss in h if s <= step] for name, h in self.set_history.items()}
 
 
 class CheckpointHook(Hook):

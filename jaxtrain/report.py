@@ -221,14 +221,7 @@ def _harmonic_mean(rates: list[float]) -> float | None:
     return len(rates) / sum(1 / r for r in rates) if rates else None
 
 
-def load_run(workdir, name: str | None = None) -> Run:
-    """Reads one workdir; raises ReportError if it is not a directory or has no metrics.jsonl."""
-    workdir = Path(workdir)
-    if not workdir.is_dir():
-        raise ReportError(f"{workdir}: no such directory")
-    metrics = workdir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise ReportError(f"{metrics}: not found (not a jaxtrain workdir, or the run has not logged yet)")
+def _records(metrics: Path) -> list[dict]:
     records = []
     with open(metrics) as f:
         for line in f:
@@ -238,6 +231,25 @@ def load_run(workdir, name: str | None = None) -> Run:
                 continue
             if isinstance(r, dict) and isinstance(r.get("step"), int):
                 records.append(r)
+    return records
+
+
+def earlier_evals(workdir, up_to: int) -> list[dict]:
+    """The eval records of the final lineage at steps <= `up_to`: what a run resumed at that step evaluated
+    before (for its summary). [] where there is no metrics.jsonl."""
+    metrics = Path(workdir) / "metrics.jsonl"
+    return [r for r in _lineage(_records(metrics))[1] if r["step"] <= up_to] if metrics.is_file() else []
+
+
+def load_run(workdir, name: str | None = None) -> Run:
+    """Reads one workdir; raises ReportError if it is not a directory or has no metrics.jsonl."""
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise ReportError(f"{workdir}: no such directory")
+    metrics = workdir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(f"{metrics}: not found (not a jaxtrain workdir, or the run has not logged yet)")
+    records = _records(metrics)
     train, evals = _lineage(records)
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     summary = _read_json(workdir / "summary.json")

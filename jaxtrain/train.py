@@ -27,7 +27,7 @@ from jaxtrain import distributed, faults, goodput, hf, host_memory
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import optim, pipeline_parallel, step as step_lib, tracking
+from jaxtrain import optim, pipeline_parallel, report, step as step_lib, tracking
 from jaxtrain.data import pipeline, prepare
 from jaxtrain.models import transformer
 
@@ -328,7 +328,9 @@ def run(config, print_fn=print, writers=()) -> dict:
     eval_hook = hooks_lib.EvalHook(every=config.eval.every_steps, total_steps=train_cfg.steps,
                                    evaluate=lambda params: {metric: trainer.evaluate(params, batches)
                                                             for metric, batches in eval_data.items()},
-                                   writer=writer, clock=clock, print_fn=say)
+                                   writer=writer, clock=clock, print_fn=say,
+                                   # A resumed run's summary keeps the evals before it (from process 0's log).
+                                   earlier=report.earlier_evals(workdir, start) if is_main and start else ())
     ckpt_hook = hooks_lib.CheckpointHook(checkpointer=checkpointer, data_iterator=train_iter, clock=clock,
                                          start_step=start, on_write_error=config.checkpoint.on_write_error,
                                          print_fn=say, on_commit=on_checkpoint)

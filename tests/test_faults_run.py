@@ -64,10 +64,15 @@ def test_nan_skip_drops_one_update_and_trains_on(tiny_config, poison_step):
 
 def test_nan_rollback_restores_and_skips_the_bad_window(tiny_config, poison_step):
     lines = []
-    cfg = tiny_config(**RUN, **{"faults.nan_policy": "rollback"})
+    cfg = tiny_config(**RUN, **{"faults.nan_policy": "rollback", "eval.every_steps": 3})
     summary = train.run(cfg, print_fn=lines.append)
     assert summary["finished"] and summary["step"] == 10 and finite_tree(summary["state"])
     assert any("rolled back to step 5" in line for line in lines), "\n".join(lines)
+    # Step 6 was evaluated before the rollback and again after it: the summary keeps the second only, as the
+    # metrics log's final lineage does.
+    evals = [(r["step"], r["eval_loss"]) for r in read_jsonl(Path(cfg.workdir) / "metrics.jsonl") if "eval_loss" in r]
+    assert [s for s, _ in evals] == [0, 3, 6, 6, 9, 10] and evals[2] != evals[3]
+    assert [tuple(e) for e in summary["eval"]] == [*evals[:2], *evals[3:]]
     # The guard reads step 7's flag after step 8 was dispatched (it never stalls the pipeline), so the
     # skipped window is batches 6..8; after the rollback, steps 6..10 train on batches 9..13.
     it = pipeline.train_iterator(cfg.data.dir, seq_len=cfg.train.seq_len, global_batch=cfg.train.batch_size, seed=0)

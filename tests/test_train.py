@@ -86,6 +86,8 @@ def test_resume_is_bit_exact(straight, resumed):
     # Same params -> same held-out loss at step 10 (and at 5, in the first invocation).
     assert dict(a["eval"])[STEPS] == dict(b["eval"])[STEPS]
     assert dict(a["eval"])[5] == dict(first["eval"])[5]
+    # The resumed invocation's summary holds the whole run's evals, the first invocation's included.
+    assert [s for s, _ in first["eval"]][-1] == 5 and b["eval"] == a["eval"]
     for run_dir in (straight[0].workdir, cfg.workdir):
         assert {"5", "10"} <= set(os.listdir(Path(run_dir) / "checkpoints"))
 
