@@ -127,9 +127,8 @@ the replica axes, see R):
     (all-reduce over pipeline). The stacked layers are kept in the pipeline's order (pipeline_parallel.layer_order),
     so no weight moves between stages.
 Where XLA departs from this (the ratio column shows it): the fused loss
-(model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once;
-with tensor parallelism it all-reduces the q, k, v and gate, up input gradients separately (7 all-reduces
-per layer, not 4). It also combines small collectives into tuples: compare bytes, not counts. MoE with
+(model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once.
+It also combines small collectives into tuples: compare bytes, not counts. MoE with
 remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
 CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence with whole-sequence routing
 groups (model.moe_group_tokens = 0): the dispatch contracts over the split sequence, an all-reduce of the token

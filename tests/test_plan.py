@@ -276,6 +276,8 @@ ANALYTIC_CASES = {
     # FSDP: weights gathered and gradients reduce-scattered; gradients reduced over data x fsdp or fsdp x expert
     # and kept as fsdp shards read as a reduce-scatter over fsdp and an all-reduce of the shard over the rest.
     "hsdp": {"mesh.data": 2, "mesh.fsdp": 4},
+    # Tensor: 4 activation all-reduces a layer (q, k, v and gate, up each joined into one matmul).
+    "hsdp_x_tensor": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
     "hsdp_x_pipeline": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.pipeline": 2, "pipeline.stages": 2,
                         "pipeline.microbatches": 2},  # the stage's weights gathered once for every tick
     "fsdp_x_expert": {"mesh.fsdp": 4, "mesh.expert": 2, "model.n_experts": 4},

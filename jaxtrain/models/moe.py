@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.mesh import constrain
+from jaxtrain.mesh import constrain, split_ways
 from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param, weight
 
 
@@ -130,6 +130,19 @@ class MoE(nnx.Module):
         self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
+    def gate_up(self, expert_in, dt):
+        """The gate and up projections of the expert buffer [E, B, N, C, d] as one matmul per expert, joined as
+        transformer.project_fused joins them (one input-gradient all-reduce under tensor parallelism)."""
+        w_gate, w_up = weight(self.w_gate, dt), weight(self.w_up, dt)
+        ways = split_ways("mlp")
+        if w_gate.shape[-1] % ways:
+            return [jnp.einsum("ebncd,edf->ebncf", expert_in, w) for w in (w_gate, w_up)]
+        e, d, f = w_gate.shape
+        joined = jnp.concatenate([w.reshape(e, d, ways, f // ways) for w in (w_gate, w_up)], axis=-1)
+        joined = constrain(joined, ("experts", None, "mlp", None))
+        y = jnp.einsum("ebncd,edtg->ebnctg", expert_in, joined)
+        return [part.reshape(*y.shape[:4], f) for part in jnp.split(y, 2, axis=-1)]
+
     def __call__(self, x):
         """x [B, T, d] -> (y [B, T, d] in x's dtype, routing stats per row: `route`'s summed over each row's groups,
         leading dim B, which `summarize` turns into the load-balancing loss and dropped fraction)."""
@@ -150,8 +163,7 @@ class MoE(nnx.Module):
         # The expert buffer [E, B, N, C, d]: with groups, each sequence shard fills and runs its own groups' slots.
         rows = ("act_experts", "batch", "seq" if group < tokens else None, None)
         expert_in = constrain(jnp.einsum("bngec,bngd->ebncd", dispatch, x), (*rows, "act_embed"))
-        gate = jnp.einsum("ebncd,edf->ebncf", expert_in, weight(self.w_gate, dt))
-        up = jnp.einsum("ebncd,edf->ebncf", expert_in, weight(self.w_up, dt))
+        gate, up = self.gate_up(expert_in, dt)
         hidden = constrain(jax.nn.silu(gate) * up, (*rows, "act_mlp"))
         expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, weight(self.w_down, dt)),
                                (*rows, "act_embed"))

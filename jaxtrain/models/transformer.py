@@ -109,6 +109,22 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
     return checkpoint_name(y, WEIGHT_MATMUL)
 
 
+def project_fused(x, weights, name: str, act_name: str):
+    """[project(x, w) for w in weights] as one matmul. Each w is [d, N_i, ...], its N_i split over the mesh axes the
+    logical `name` maps to. Each is viewed as [d, T, N_i/T * ...] (T = those axes' size: each device's block of N_i
+    stays whole) and the views are joined along the last dimension, which no device has to move. Under tensor
+    parallelism the input's gradient is then one matmul and one all-reduce, not one per weight (Megatron's fused
+    QKV and gate/up projections); without it, one wider matmul instead of several."""
+    ways = split_ways(name)
+    if any(w.shape[1] % ways for w in weights):  # some N_i not split evenly: nothing to join locally
+        return [project(x, w) for w in weights]
+    blocks = [w.reshape(w.shape[0], ways, -1) for w in weights]
+    joined = constrain(jnp.concatenate(blocks, axis=-1), (None, name, None))
+    y = constrain(project(x, joined), ("batch", "seq", act_name, None))
+    parts = jnp.split(y, np.cumsum([b.shape[-1] for b in blocks])[:-1], axis=-1)
+    return [part.reshape(*x.shape[:-1], *w.shape[1:]) for part, w in zip(parts, weights)]
+
+
 def weight(param: nnx.Param, dtype):
     """A layer's weight in `dtype`, gathered whole over the axes FSDP splits it on (its "embed" dimension) and still
     split over the others (tensor, expert): the FSDP schedule, made explicit. Left to XLA, a projection whose input
@@ -221,11 +237,15 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), cfg,
                          std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
+    def qkv(self, x):
+        """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike."""
+        if split_ways("kv_heads") != split_ways("q_heads"):
+            return [project(x, weight(w, x.dtype)) for w in (self.wq, self.wk, self.wv)]
+        return project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads", "act_heads")
+
     def __call__(self, x, positions, mask):
         dt = x.dtype
-        q = project(x, weight(self.wq, dt))
-        k = project(x, weight(self.wk, dt))
-        v = project(x, weight(self.wv, dt))
+        q, k, v = self.qkv(x)
         q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
         # Every query needs every earlier key: under sequence parallelism the queries stay split along the
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
@@ -240,9 +260,8 @@ class Attention(nnx.Module):
         """x: [B, T, d] at `positions` [B, T]; cache_k/v: one layer's [B, L, kv, hd]; the new K/V go to `slots` [T].
         Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
-        q = rope(project(x, weight(self.wq, dt)), positions, self.cfg.rope_theta)
-        k = rope(project(x, weight(self.wk, dt)), positions, self.cfg.rope_theta)
-        v = project(x, weight(self.wv, dt))
+        q, k, v = self.qkv(x)
+        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
@@ -258,8 +277,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = project(x, weight(self.w_gate, dt))
-        up = project(x, weight(self.w_up, dt))
+        gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp")
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
         return project(hidden, weight(self.w_down, dt))
 
