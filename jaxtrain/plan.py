@@ -128,6 +128,8 @@ the replica axes, see R):
     so no weight moves between stages.
 Where XLA departs from this (the ratio column shows it): the fused loss
 (model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once.
+FSDP with gradient accumulation and no replica axis: XLA keeps some gathered weights from one microbatch to the
+next (configs/tiny.py as fsdp 8 with 2 microbatches: all-gathers 1.5x over; configs/plan_1b.py: 1.08x).
 It also combines small collectives into tuples: compare bytes, not counts. MoE with
 remat none: 5 all-to-alls per layer, not 4 (it also moves a routing tensor's gradient). For a bf16 target the
 CPU compiler moves f32 activations (2x the activation collectives). MoE x sequence with whole-sequence routing
@@ -681,7 +683,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
         lookup = not tied and (p["names"] or ("",))[0] == "vocab"
         passes = 1 if lookup or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
-        copies = pipelined or step_lib.accumulates_per_replica(model_cfg, microbatches)
+        copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
         add("reduce-scatter", gather, (2 if tied else 1) * times * gathered)
         # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
