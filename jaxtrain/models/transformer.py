@@ -110,8 +110,8 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
 
 
 def project_fused(x, weights, name: str, act_name: str):
-    """[project(x, w) for w in weights] as one matmul. Each w is [d, N_i, ...], its N_i split over the mesh axes the
-    logical `name` maps to. Each is viewed as [d, T, N_i/T * ...] (T = those axes' size: each device's block of N_i
+    """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
+    mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...] (T = those axes' size: each device's block of N_i
     stays whole) and the views are joined along the last dimension, which no device has to move. Under tensor
     parallelism the input's gradient is then one matmul and one all-reduce, not one per weight (Megatron's fused
     QKV and gate/up projections); without it, one wider matmul instead of several."""
@@ -132,8 +132,8 @@ def weight(param: nnx.Param, dtype):
     the sequence every layer. The gradient goes straight back to the parameter's own sharding, in its dtype, so
     the reduction over every batch axis is one reduce-scatter (a plain constraint's transpose would all-reduce
     the whole gradient over the sequence or expert axis first)."""
-    names = tuple(param.get_metadata()["out_sharding"][-param[...].ndim:])  # scanned: names lead with "layers"
     value = param[...]
+    names = tuple(param.get_metadata()["out_sharding"][-value.ndim:])  # a scanned layer's lead with "layers"
     return _gathered(value, jnp.dtype(dtype), names, value.dtype)
 
 
