@@ -221,7 +221,8 @@ def _harmonic_mean(rates: list[float]) -> float | None:
     return len(rates) / sum(1 / r for r in rates) if rates else None
 
 
-def _records(metrics: Path) -> list[dict]:
+def read_records(metrics: Path) -> list[dict]:
+    """A metrics.jsonl's records with an integer step, in file order (a line a kill cut short is skipped)."""
     records = []
     with open(metrics) as f:
         for line in f:
@@ -238,7 +239,7 @@ def earlier_evals(workdir, up_to: int) -> list[dict]:
     """The eval records of the final lineage at steps <= `up_to`: what a run resumed at that step evaluated
     before (for its summary). [] where there is no metrics.jsonl."""
     metrics = Path(workdir) / "metrics.jsonl"
-    return [r for r in _lineage(_records(metrics))[1] if r["step"] <= up_to] if metrics.is_file() else []
+    return [r for r in _lineage(read_records(metrics))[1] if r["step"] <= up_to] if metrics.is_file() else []
 
 
 def load_run(workdir, name: str | None = None) -> Run:
@@ -249,7 +250,7 @@ def load_run(workdir, name: str | None = None) -> Run:
     metrics = workdir / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"{metrics}: not found (not a jaxtrain workdir, or the run has not logged yet)")
-    records = _records(metrics)
+    records = read_records(metrics)
     train, evals = _lineage(records)
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     summary = _read_json(workdir / "summary.json")

@@ -84,6 +84,7 @@ from optuna.trial import TrialState
 
 from jaxtrain import config as config_lib
 from jaxtrain import metrics as metrics_lib
+from jaxtrain import report
 from jaxtrain import tracking
 
 SAMPLERS = ("grid", "random", "tpe")
@@ -635,16 +636,8 @@ def metric_history(workdir, metric: str) -> dict[int, float]:
     """{step: value} of `metric` in a workdir's metrics.jsonl; for a step logged twice (a run killed after
     its last checkpoint, then resumed) the later record wins."""
     path = Path(workdir) / "metrics.jsonl"
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a kill
-            if record.get(metric) is not None:
-                out[int(record["step"])] = float(record[metric])
-    return out
+    records = report.read_records(path) if path.is_file() else []
+    return {r["step"]: float(r[metric]) for r in records if r.get(metric) is not None}
 
 
 def objective(history: dict[int, float], spec: Sweep) -> float:
