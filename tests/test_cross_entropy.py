@@ -77,6 +77,7 @@ def test_bf16_compute_keeps_f32_gradients_for_f32_params():
     want, (want_dx, want_dw) = jax.value_and_grad(lambda x, w: reference(x, w, targets, weights), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(loss, want, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=0.1, atol=0.05 * np.abs(want_dw).max())
+    np.testing.assert_allclose(np.asarray(dx, np.float32), want_dx, rtol=0.1, atol=0.05 * np.abs(want_dx).max())
 
 
 # --- The whole train step --------------------------------------------------------------------------------------

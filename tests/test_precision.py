@@ -1,4 +1,7 @@
-"""Precision is chosen per platform: f32 on CPU, bf16 compute with f32 params on GPU/TPU, unless set."""
+"""Precision is chosen per platform: f32 on CPU, bf16 compute with f32 params on GPU/TPU, unless set. bf16 on CPU
+runs its weight matmuls in the forms XLA:CPU computes in bf16 (forward and backward), with unchanged results."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config as config_lib, train
+from jaxtrain import config as config_lib, plan, train
 from jaxtrain.data import pipeline
+from jaxtrain.models import cross_entropy, transformer
+from parallel_worker import synthetic_batches, train_steps
+
+
+def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
+    """The operands' element types of every dot in a compiled module, e.g. [("bf16", "bf16"), ...]."""
+    module = plan.parse_hlo(hlo_text)
+    dtype = lambda name: re.match(r"(\w+)\[", module["shapes"][name]).group(1)  # noqa: E731
+    return [tuple(dtype(o) for o in re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0]))
+            for instr in module["by_name"].values() if instr["op"] == "dot"]
 
 
 @pytest.mark.parametrize("backend, compute", [("cpu", "float32"), ("gpu", "bfloat16"), ("tpu", "bfloat16")])
@@ -46,3 +59,64 @@ def test_bf16_compute_keeps_f32_master_weights_and_tracks_f32(tiny_config):
     assert np.isfinite(loss16)
     np.testing.assert_allclose(loss16, loss32, rtol=2e-2)  # bf16 has ~3 significant digits
     assert loss16 != loss32  # the bf16 path really computed in bf16
+
+
+def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
+    """project() in bf16 on CPU: value and both gradients equal autodiff of the same f32-accumulated matmul, and
+    every dot of the compiled forward + backward reads bf16 operands. XLA:CPU converts both operands of any other
+    form (a bf16 result, an operand read transposed) to f32 and runs it at f32 speed."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(0, 1, (4, 24, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.1, (64, 48)), jnp.bfloat16)
+    r = jnp.asarray(rng.normal(0, 1, (4, 24, 48)), jnp.float32)
+
+    def loss(project):
+        return lambda x, w: jnp.sum(project(x, w).astype(jnp.float32) * r)
+
+    plain = lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
+    got_fn = jax.jit(jax.value_and_grad(loss(transformer.project), argnums=(0, 1)))
+    got, (got_dx, got_dw) = got_fn(x, w)
+    want, (want_dx, want_dw) = jax.jit(jax.value_and_grad(loss(plain), argnums=(0, 1)))(x, w)
+    assert got_dx.dtype == got_dw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w_ in ((got_dx, want_dx), (got_dw, want_dw)):  # within one bf16 rounding of the result
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w_, np.float32), rtol=1e-2,
+                                   atol=1e-2 * float(jnp.abs(w_.astype(jnp.float32)).max()))
+    dtypes = dot_operand_dtypes(got_fn.lower(x, w).compile().as_text())
+    assert len(dtypes) == 3 and set(dtypes) == {("bf16", "bf16")}, dtypes
+    # The plain form's backward (autodiff) is what XLA:CPU ran in f32 before.
+    assert ("f32", "f32") in dot_operand_dtypes(jax.jit(jax.grad(loss(plain), argnums=(0, 1))).lower(x, w)
+                                                .compile().as_text())
+
+
+def test_cpu_bf16_fused_loss_runs_bf16_dots():
+    """The fused head + cross-entropy in bf16: its three matmuls per chunk (logits, dx, dW) read bf16 operands."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(0, 1, (4, 24, 16)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.5, (16, 96)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 96, (4, 24)), jnp.int32)
+    weights = jnp.ones((4, 24), jnp.float32)
+    fused = lambda x, w: cross_entropy.linear_cross_entropy(x, w, targets, weights, 32, jnp.bfloat16)  # noqa: E731
+    dtypes = dot_operand_dtypes(jax.jit(jax.grad(fused, argnums=(0, 1))).lower(x, w).compile().as_text())
+    assert len(dtypes) == 3 and set(dtypes) == {("bf16", "bf16")}, dtypes
+
+
+def test_cpu_bf16_train_step_weight_matmuls_are_bf16_and_shard_alike(tiny_config):
+    """The bf16 train step on CPU: every dot outside attention reads bf16 operands (attention's own einsums are
+    batched 4-D dots), and fsdp x tensor over 8 devices trains like one device (same bf16 math, summed in another
+    order)."""
+    cfg = lambda mesh: tiny_config(**{"model.dtype": "bfloat16", "model.vocab_size": 512,  # noqa: E731
+                                      "optim.warmup_steps": 0, **{f"mesh.{a}": n for a, n in mesh.items()}})
+    one = cfg({"data": 1})
+    facts = config_lib.validate(one, 1)
+    trainer = train.build_trainer(one, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    batches = synthetic_batches(1, 8, 32, 512) * 3
+    batch = train.global_batch(batches[0], trainer.batch_sharding)
+    module = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+    rank2 = [d for d, line in zip(dot_operand_dtypes(module), [l for l in module.splitlines() if " dot(" in l])
+             if "lhs_batch_dims" not in line]
+    assert rank2 and set(rank2) == {("bf16", "bf16")}, rank2
+    want = train_steps(one, batches, devices=jax.devices()[:1])
+    got = train_steps(cfg({"data": 1, "fsdp": 4, "tensor": 2}), batches, devices=jax.devices())
+    assert want["loss"][-1] < want["loss"][0]
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-2)

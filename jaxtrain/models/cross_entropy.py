@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.mesh import constrain, split_ways
-from jaxtrain.models.transformer import project
+from jaxtrain.models.transformer import cpu_bf16, project, transposed_in_memory
 
 
 def _chunks(a, n: int):
@@ -97,6 +97,8 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     # after the last chunk: a plain [d, V] sum would make XLA reduce it across devices after every chunk (n times
     # the gradient traffic).
     ways = split_ways("batch"), split_ways("seq")
+    # dx's matmul reads w transposed, which XLA:CPU computes in f32 for bf16 operands: transpose it once instead.
+    w_t = transposed_in_memory(w_dt) if cpu_bf16(w_dt) else w_dt.T
 
     def body(carry, xs):
         total, dw = carry
@@ -107,7 +109,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
         is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
         dlogits = wt_c[..., None] * (jnp.exp(logits - lse[..., None]) - is_target)
         dlogits = constrain(dlogits.astype(dtype), ("batch", "seq", "act_vocab"))
-        dx_c = project(dlogits, w_dt.T, preferred_element_type=jnp.float32)
+        dx_c = project(dlogits, w_t, preferred_element_type=jnp.float32)
         per_shard = _by_shard(dlogits, *ways, f_name="act_vocab")
         dw = dw + jax.lax.dot_general(x_t, per_shard, (((3,), (2,)), ((0, 1), (0, 1))),
                                       preferred_element_type=jnp.float32)

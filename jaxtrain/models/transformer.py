@@ -104,9 +104,54 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
         y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
     else:
         k = math.prod(w.shape[:contract])
-        y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+        if preferred_element_type is None and cpu_bf16(x, w):
+            y = _cpu_bf16_matmul(x.reshape(-1, k), w.reshape(k, -1))
+        else:
+            y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
         y = y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
     return checkpoint_name(y, WEIGHT_MATMUL)
+
+
+# XLA:CPU runs a bf16 matmul at its bf16 speed (~2x f32 with AVX512-BF16) only as a row-major lhs contracting its
+# last dim into an f32 result; any other form (a bf16 result, an lhs read transposed) is computed in f32 after
+# converting both operands (BUILD.md, performance notes). Autodiff's backward of x @ w has both: its dw reads x
+# transposed. So on CPU the bf16 projections take this VJP: f32 accumulation cast back to bf16 in the forward,
+# dx as g contracted with w's last dim (a supported form), and dw from x transposed into memory first.
+def cpu_bf16(*arrays) -> bool:
+    """Whether these are bf16 operands of a matmul compiled by XLA:CPU (which needs the forms above)."""
+    return all(a.dtype == jnp.bfloat16 for a in arrays) and jax.default_backend() == "cpu"
+
+
+def _dot_f32(a, b, a_dim: int, b_dim: int):
+    return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def transposed_in_memory(a):
+    """a.T [k, m] laid out row-major. A bare transpose would be folded into the next dot as a transposed read; the
+    size-1 axis keeps it a copy."""
+    m, k = a.shape
+    return a.reshape(m, 1, k).transpose(2, 0, 1).reshape(k, m)
+
+
+@jax.custom_vjp
+def _cpu_bf16_matmul(x, w):
+    """x [m, k] @ w [k, n] in bf16 with f32 accumulation, its backward in XLA:CPU's bf16 forms."""
+    return _dot_f32(x, w, 1, 0).astype(x.dtype)
+
+
+def _cpu_bf16_matmul_fwd(x, w):
+    return _cpu_bf16_matmul(x, w), (x, w)
+
+
+def _cpu_bf16_matmul_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = _dot_f32(g, w, 1, 1)
+    dw = _dot_f32(transposed_in_memory(x), g, 1, 0)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_cpu_bf16_matmul.defvjp(_cpu_bf16_matmul_fwd, _cpu_bf16_matmul_bwd)
 
 
 def project_fused(x, weights, name: str, act_name: str):
