@@ -820,13 +820,14 @@ def device_memory(backend: str, device_kind: str | None) -> float | None:
     return None
 
 
-def peak_per_device(backend: str, device_kind: str | None, num_devices: int) -> tuple[float, str]:
-    """Peak FLOP/s of one target device and where it comes from. On cpu: this machine's measured f32
-    matmul peak (metrics.peak_flops, cached), shared by the fake devices, so divided by their count."""
+def peak_per_device(backend: str, device_kind: str | None, num_devices: int,
+                    dtype: str = "float32") -> tuple[float, str]:
+    """Peak FLOP/s of one target device and where it comes from. On cpu: this machine's measured matmul peak in
+    the compute `dtype` (metrics.peak_flops, cached), shared by the fake devices, so divided by their count."""
     from jaxtrain import metrics  # noqa: PLC0415
     if backend == "cpu" and not device_kind:
-        flops, source = metrics.peak_flops()
-        return flops / num_devices, f"this machine's f32 matmul peak, {source}, shared by the fake devices"
+        flops, source = metrics.peak_flops(dtype=dtype)
+        return flops / num_devices, f"this machine's peak, {source}, shared by the fake devices"
     kind = (device_kind or DEFAULT_DEVICE_KIND[backend]).lower()
     for name, flops in sorted(metrics.PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
         if name in kind:
@@ -863,7 +864,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     facts = config_lib.validate(config, num_devices)
     config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
     if peak_flops is None:  # an unknown device kind fails before the compile
-        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices)
+        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices,
+                                                config_lib.model_config(config, backend).dtype)
     else:
         peak_dev, peak_source = float(peak_flops), "--peak_tflops"
     mesh_shape, rules = facts["mesh_shape"], facts["rules"]

@@ -310,7 +310,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     # ===== Hooks =======================================================================================
     watchdog = faults.Watchdog(config.faults.step_timeout_s)
     clock = hooks_lib.Clock(on_pause=watchdog.paused)
-    peak, peak_source = metrics_lib.peak_flops()
+    peak, peak_source = metrics_lib.peak_flops(dtype=trainer.model_cfg.dtype)
     flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, train_cfg.seq_len)
     say(f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP per token")
     recorder = goodput.GoodputRecorder(workdir / "goodput.jsonl") if is_main else None

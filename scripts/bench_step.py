@@ -3,7 +3,7 @@
     python scripts/bench_step.py [--config configs/bench_cpu.py] [--steps 20] [--config.model.remat=full]
     python scripts/bench_step.py --config configs/bench_gpu.py --steps 10      # one H100/H200, ~1B params, bf16
 
-MFU is model FLOP/s over a peak: on CPU the f32 matmul peak measured in the same run (no vendor figure
+MFU is model FLOP/s over a peak: on CPU the matmul peak in the compute dtype measured in the same run (no vendor figure
 applies); on GPU/TPU the vendor's dense peak (`metrics.PEAK_FLOPS`, e.g. H100 989 TFLOP/s bf16, as MaxText and
 torchtitan quote MFU), with `mfu_vs_measured` against an 8192^2 matmul in the model's compute dtype measured in
 the same run beside it. The batch is synthetic (uniform random tokens, one document per row) so only the step is
@@ -69,9 +69,10 @@ def main(argv):
 
     # Peaks measured after the steps, on the same (now warm) machine.
     on_cpu = jax.devices()[0].platform == "cpu"  # CPU devices (fake ones too) share the cores one matmul uses
-    measured = (metrics.measure_matmul_flops() if on_cpu else
-                jax.device_count() * metrics.measure_matmul_flops(8192, dtype=trainer.model_cfg.dtype))
-    peak, peak_source = (measured, "measured f32 matmul") if on_cpu else metrics.peak_flops()
+    dtype = trainer.model_cfg.dtype
+    measured = (metrics.measure_matmul_flops(dtype=dtype) if on_cpu else
+                jax.device_count() * metrics.measure_matmul_flops(8192, dtype=dtype))
+    peak, peak_source = (measured, f"measured {dtype} matmul") if on_cpu else metrics.peak_flops()
     flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, s)
     tok_s = b * s / step_s
     model_flops = tok_s * flops_per_token

@@ -1,6 +1,6 @@
 """scripts/bench_step.py end to end on the tiny config, run through scripts/gpu_bench.sh (the GPU session's
 driver): its JSON line is self-consistent (tokens/s from the step time, model FLOP/s from the model's FLOPs per
-token, MFU against the peak it names) and, on CPU, quotes the f32 matmul peak it measured in the same run."""
+token, MFU against the peak it names) and, on CPU, quotes the float32 matmul peak it measured in the same run."""
 
 import importlib.util
 import json
@@ -32,7 +32,7 @@ def test_bench_step_reports_consistent_figures_on_cpu(tmp_path):
     (line,) = (tmp_path / "gpu_bench.jsonl").read_text().splitlines()
     result = json.loads(line)
     log = (tmp_path / "base.log").read_text()
-    assert "MFU" in log and "measured f32 matmul" in log
+    assert "MFU" in log and "measured float32 matmul" in log
     assert result["variant"] == "base" and result["xla_flags"] == "" and result["args"] == ""
     assert result["peak_bytes_in_use"] is None  # the CPU allocator keeps no high-water mark
 
@@ -45,7 +45,7 @@ def test_bench_step_reports_consistent_figures_on_cpu(tmp_path):
     assert result["devices"] == 1 and result["device_kind"] == "cpu" and result["dtype"] == "float32"
     assert result["tokens_per_sec"] == pytest.approx(t.batch_size * t.seq_len / (result["step_ms"] / 1e3))
     assert result["model_gflops_per_sec"] == pytest.approx(result["tokens_per_sec"] * flops_per_token / 1e9)
-    assert result["peak_source"] == "measured f32 matmul"
+    assert result["peak_source"] == "measured float32 matmul"
     assert result["peak_gflops"] == result["measured_matmul_gflops"] > 1  # any CPU does a GFLOP/s
     assert result["mfu"] == pytest.approx(result["model_gflops_per_sec"] / result["peak_gflops"])
     assert result["mfu_vs_measured"] == result["mfu"]

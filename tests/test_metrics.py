@@ -63,3 +63,23 @@ def test_bad_profile_steps_name_the_field(tiny_config, spec):
     with pytest.raises(config_lib.ConfigError, match="^log.profile_steps: "):
         config_lib.validate(tiny_config(**{"log.profile_steps": spec}), 8)
     assert config_lib.profile_steps("5") == (5, 5) and config_lib.profile_steps("") is None
+
+
+def test_cpu_peak_is_measured_once_per_dtype_and_cached(tmp_path, monkeypatch):
+    """The CPU peak is a matmul in the run's compute dtype (bf16 runs near 2x f32 on AVX512-BF16 CPUs), measured
+    once per machine and dtype; a corrupt cache file is measured over, not an error."""
+    measured = []
+
+    def fake_measure(n=4096, reps=5, dtype="float32"):
+        measured.append(str(dtype))
+        return {"float32": 1e11, "bfloat16": 2e11}[str(dtype)]
+
+    monkeypatch.setattr(metrics, "measure_matmul_flops", fake_measure)
+    assert metrics.peak_flops(tmp_path) == (1e11, "measured float32 matmul")
+    assert metrics.peak_flops(tmp_path, dtype="bfloat16") == (2e11, "measured bfloat16 matmul")
+    assert metrics.peak_flops(tmp_path, dtype="bfloat16") == (2e11, "measured bfloat16 matmul (cached)")
+    assert metrics.peak_flops(tmp_path) == (1e11, "measured float32 matmul (cached)")
+    assert measured == ["float32", "bfloat16"]
+    (tmp_path / "cpu_peak.json").write_text('{"flops_by_key": [1, 2]')  # cut short
+    assert metrics.peak_flops(tmp_path) == (1e11, "measured float32 matmul")
+    assert measured == ["float32", "bfloat16", "float32"]
