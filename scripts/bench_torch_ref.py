@@ -1,6 +1,7 @@
 """jaxtrain's train step against a PyTorch reference of the identical model and optimizer, in one run.
 
     python scripts/bench_torch_ref.py [--config configs/bench_cpu.py] [--steps 10] [--config.model.remat=full]
+    python scripts/bench_torch_ref.py --config.model.dtype=bfloat16   # both in bf16: torch under torch.autocast
 
 Times, on the same synthetic batch (scripts/bench_step.py's: uniform random tokens, one document per row),
 jaxtrain's jitted train step, the PyTorch twin (scripts/torch_llama.py) in eager mode, and under torch.compile

@@ -1,6 +1,7 @@
 """A plain-PyTorch twin of jaxtrain's model and optimizer, for scripts/bench_torch_ref.py and tests/test_torch_ref.py.
 
-Same math as `jaxtrain.models.transformer.Transformer` (f32 only): token embedding, per layer RMSNorm (f32, same
+Same math as `jaxtrain.models.transformer.Transformer` (f32; or bf16 compute with f32 params as
+`torch.autocast("cpu", torch.bfloat16)`, torch's own mixed precision, when model.dtype is bfloat16): token embedding, per layer RMSNorm (f32, same
 eps) -> GQA attention with rotate-half RoPE (same theta, positions from the batch) -> residual, RMSNorm -> SwiGLU
 MLP -> residual; final RMSNorm; tied or untied head. Attention is `F.scaled_dot_product_attention`: `is_causal`
 when every row is one document (the benchmark's batch), else an explicit causal & same-document & non-padding mask
@@ -112,9 +113,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.dtype != "float32" or cfg.param_dtype != "float32":
-            raise ValueError(f"the torch reference is float32 only; got dtype={cfg.dtype}, "
-                             f"param_dtype={cfg.param_dtype}")
+        if cfg.dtype not in ("float32", "bfloat16") or cfg.param_dtype != "float32":
+            raise ValueError(f"the torch reference computes in float32 or bfloat16 (autocast) with float32 params; "
+                             f"got dtype={cfg.dtype}, param_dtype={cfg.param_dtype}")
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -291,6 +292,7 @@ class TorchTrainer:
         self.applied = 0  # optax's count: updates applied so far (a skipped non-finite step does not count)
         self.loss_model = LossModel(self.model)
         self.loss_fn = torch.compile(self.loss_model) if compile else self.loss_model
+        self.autocast = model_cfg.dtype == "bfloat16"
 
     def lr(self, count: int) -> float:
         return self._lrs[count] if count < len(self._lrs) else float(self._schedule(count))
@@ -300,7 +302,8 @@ class TorchTrainer:
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(b["tokens"], b["positions"], b["targets"], b["weights"], b["total"], b["mask"])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.loss_fn(b["tokens"], b["positions"], b["targets"], b["weights"], b["total"], b["mask"])
         loss.backward()
         grads = [p.grad for p in self.params]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))

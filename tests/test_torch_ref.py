@@ -1,6 +1,7 @@
 """The PyTorch reference (scripts/torch_llama.py, timed by scripts/bench_torch_ref.py) trains exactly like jaxtrain:
 from the same init, 3 optimizer steps on the same batches give the same losses and the same params."""
 
+import dataclasses
 import os
 import sys
 
@@ -86,3 +87,27 @@ def test_torch_reference_trains_like_jaxtrain(tie):
         np.testing.assert_allclose(theirs[path], np.asarray(ours[path]), rtol=0, atol=1e-4, err_msg=".".join(path))
         moved = max(moved, float(np.abs(np.asarray(ours[path]) - torch_llama._flat(init)[path]).max()))
     assert moved > 1e-3  # the steps really changed the weights (lr 3e-3), so the check above means something
+
+
+def test_torch_reference_in_bf16_is_autocast_and_tracks_jaxtrain_bf16():
+    """model.dtype=bfloat16: torch runs under torch.autocast (bf16 matmuls, f32 params), jaxtrain in its bf16
+    compute; the two track each other to bf16 precision and both differ from the f32 run (both really ran bf16)."""
+    cfg = tiny(True)
+    cfg.model.dtype = "bfloat16"
+    devices = jax.devices()[:1]
+    facts = config_lib.validate(cfg, len(devices))
+    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    state = trainer.init()
+    init = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))
+    ref = torch_llama.TorchTrainer(cfg, trainer.model_cfg, init)
+    f32_cfg = tiny(True)
+    f32 = torch_llama.TorchTrainer(f32_cfg, config_lib.model_config(f32_cfg, "cpu"), init)
+    assert ref.autocast and not f32.autocast
+    for i, batch in enumerate(batches()):
+        state, m = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
+        t = ref.train_step(torch_llama.prepare_batch(batch))
+        t32 = f32.train_step(torch_llama.prepare_batch(batch))
+        np.testing.assert_allclose(float(t["loss"]), float(m["loss"]), rtol=1e-2, err_msg=f"loss, step {i + 1}")
+        assert float(t["loss"]) != float(t32["loss"]) and float(m["loss"]) != float(t32["loss"])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        torch_llama.Llama(dataclasses.replace(config_lib.model_config(tiny(True), "cpu"), dtype="float16"))
