@@ -1,12 +1,12 @@
 """A plain-PyTorch twin of jaxtrain's model and optimizer, for scripts/bench_torch_ref.py and tests/test_torch_ref.py.
 
-Same math as `jaxtrain.models.transformer.Transformer` (f32; or bf16 compute with f32 params as
-`torch.autocast("cpu", torch.bfloat16)`, torch's own mixed precision, when model.dtype is bfloat16): token embedding, per layer RMSNorm (f32, same
-eps) -> GQA attention with rotate-half RoPE (same theta, positions from the batch) -> residual, RMSNorm -> SwiGLU
-MLP -> residual; final RMSNorm; tied or untied head. Attention is `F.scaled_dot_product_attention`: `is_causal`
-when every row is one document (the benchmark's batch), else an explicit causal & same-document & non-padding mask
-(jaxtrain's `attention_mask`; padding queries also see themselves so no softmax row is empty: their outputs never
-reach the loss).
+Same math as `jaxtrain.models.transformer.Transformer` (f32; when model.dtype is bfloat16, bf16 compute with f32
+params as `torch.autocast("cpu", torch.bfloat16)`, torch's own mixed precision): token embedding, per layer RMSNorm
+(f32, same eps) -> GQA attention with rotate-half RoPE (same theta, positions from the batch) -> residual,
+RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; tied or untied head. Attention is
+`F.scaled_dot_product_attention`: `is_causal` when every row is one document (the benchmark's batch), else an
+explicit causal & same-document & non-padding mask (jaxtrain's `attention_mask`; padding queries also see themselves
+so no softmax row is empty: their outputs never reach the loss).
 
 Weights keep jaxtrain's layout, heads flattened ([d, H, hd] -> [d, H*hd], one tensor per layer instead of the
 stacked `blocks` axis), so the copy in `load_jax_params` is a reshape, never a transpose; activations are x @ W.
