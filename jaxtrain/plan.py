@@ -863,9 +863,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                                      f"{num_devices} before jax is imported (the CLI does)")
     facts = config_lib.validate(config, num_devices)
     config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
+    model_cfg = config_lib.model_config(config, backend)
     if peak_flops is None:  # an unknown device kind fails before the compile
-        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices,
-                                                config_lib.model_config(config, backend).dtype)
+        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)
     else:
         peak_dev, peak_source = float(peak_flops), "--peak_tflops"
     mesh_shape, rules = facts["mesh_shape"], facts["rules"]
@@ -873,7 +873,6 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
     # backend it runs on) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the analytic
     # counts the target's kernel).
-    model_cfg = config_lib.model_config(config, backend)
     config = copy.deepcopy(config)
     config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
     config.model.attention_impl = "xla"

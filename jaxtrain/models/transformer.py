@@ -156,8 +156,8 @@ _cpu_bf16_matmul.defvjp(_cpu_bf16_matmul_fwd, _cpu_bf16_matmul_bwd)
 
 def project_fused(x, weights, name: str, act_name: str):
     """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
-    mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...] (T = those axes' size: each device's block of N_i
-    stays whole) and the views are joined along the last dimension, which no device has to move. Under tensor
+    mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...]
+    (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last dimension, which no device has to move. Under tensor
     parallelism the input's gradient is then one matmul and one all-reduce, not one per weight (Megatron's fused
     QKV and gate/up projections); without it, one wider matmul instead of several."""
     ways = split_ways(name)
