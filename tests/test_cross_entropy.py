@@ -88,15 +88,19 @@ def step_config(tiny_config, mesh=None, **overrides):
     return tiny_config(**{**{f"mesh.{a}": n for a, n in mesh.items()}, "optim.warmup_steps": 0, **overrides})
 
 
-@pytest.mark.parametrize("mesh", [None, {"data": 2, "tensor": 4}, {"data": 2, "sequence": 2, "tensor": 2}],
-                         ids=["one_device", "data2_tensor4", "data2_sequence2_tensor2"])
-def test_fast_paths_train_like_the_plain_step(tiny_config, mesh):
-    """3 steps with the loss in chunks (16 tokens per device: 16, 8 and 4 chunks on these meshes), attention in 4
-    query blocks and the layer loop unrolled (vocab split over tensor, the sequence over sequence, where attention
-    falls back to one block) against the plain step on one device: loss and gradient norm of every step."""
+@pytest.mark.parametrize("mesh,extra", [
+    (None, {}), ({"data": 2, "tensor": 4}, {}), ({"data": 2, "sequence": 2, "tensor": 2}, {}),
+    ({"data": 2, "pipeline": 2, "tensor": 2},
+     {"pipeline.stages": 2, "pipeline.microbatches": 2, "model.remat": "full"}),
+], ids=["one_device", "data2_tensor4", "data2_sequence2_tensor2", "data2_pipeline2_tensor2_remat"])
+def test_fast_paths_train_like_the_plain_step(tiny_config, mesh, extra):
+    """3 steps with the loss in chunks (16 tokens per device: 16, 8 and 4 chunks on the first three meshes),
+    attention in 4 query blocks (its own backward, also under remat and in pipeline stages) and the layer loop
+    unrolled (vocab split over tensor, the sequence over sequence, where attention falls back to one block) against
+    the plain step on one device: loss and gradient norm of every step."""
     batches = synthetic_batches(1, 8, 32, 512) * 3  # one batch thrice: the loss must fall
     fast = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 16,
-                                             "model.attention_block": 8, "model.scan_unroll": 2})
+                                             "model.attention_block": 8, "model.scan_unroll": 2, **extra})
     plain = step_config(tiny_config, None, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 0})
     got = train_steps(fast, batches, devices=jax.devices() if mesh else jax.devices()[:1])
     want = train_steps(plain, batches, devices=jax.devices()[:1])

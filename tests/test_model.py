@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.models import transformer
+from jaxtrain.models import attention, transformer
 
 # Small enough to run eagerly in milliseconds; H != KV so that grouped-query attention is exercised.
 SMALL = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 24}
@@ -218,12 +218,12 @@ def test_written_out_attention_matches_library_call(block, kv_heads):
     q = jax.numpy.asarray(rng.standard_normal((2, 9, 4, 8)), jax.numpy.float32)
     k, v = (jax.numpy.asarray(rng.standard_normal((2, 9, kv_heads, 8)), jax.numpy.float32) for _ in range(2))
     seg = jax.numpy.asarray([[1, 1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 0, 0]])
-    mask = transformer.attention_mask(seg)
+    mask = attention.attention_mask(seg)
     real = np.asarray(seg != 0)[:, :, None, None]  # a padded query attends to nothing: its output is unspecified
     probe = jax.numpy.asarray(rng.standard_normal(q.shape), jax.numpy.float32) * real
 
     def loss_and_out(block, q, k, v):
-        out = transformer.causal_attention(q, k, v, mask, block)
+        out = attention.causal_attention(q, k, v, mask, block)
         return jax.numpy.sum(out * probe), out
 
     (_, want), want_grads = jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True)(0, q, k, v)
@@ -280,12 +280,12 @@ def test_cudnn_attention_matches_xla_on_gpu():
     seg = np.ones((b, t), np.int32)
     seg[0, 100:] = 2
     seg[1, 200:] = 0  # padding
-    mask = transformer.attention_mask(jax.numpy.asarray(seg))
+    mask = attention.attention_mask(jax.numpy.asarray(seg))
     real = np.asarray(seg != 0)[:, :, None, None]
     probe = jax.numpy.asarray(rng.standard_normal(q.shape) * real, bf16)
 
     def loss_and_out(impl, q, k, v):
-        out = transformer.causal_attention(q, k, v, mask, 0, impl)
+        out = attention.causal_attention(q, k, v, mask, 0, impl)
         return jax.numpy.sum((out * probe).astype(jax.numpy.float32)), out
 
     grad = lambda impl: jax.jit(jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True),  # noqa: E731

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxtrain import config as config_lib, plan, train
 from jaxtrain.data import pipeline
-from jaxtrain.models import cross_entropy, transformer
+from jaxtrain.models import attention, cross_entropy, transformer
 from parallel_worker import synthetic_batches, train_steps
 
 
@@ -101,21 +101,55 @@ def test_cpu_bf16_fused_loss_runs_bf16_dots():
     assert len(dtypes) == 3 and set(dtypes) == {("bf16", "bf16")}, dtypes
 
 
-def test_cpu_bf16_train_step_weight_matmuls_are_bf16_and_shard_alike(tiny_config):
-    """The bf16 train step on CPU: every dot outside attention reads bf16 operands (attention's own einsums are
-    batched 4-D dots), and fsdp x tensor over 8 devices trains like one device (same bf16 math, summed in another
-    order)."""
+def test_cpu_bf16_blocked_attention_tracks_f32_and_runs_bf16_dots():
+    """Attention in query blocks (model.attention_block > 0) in bf16 on CPU, with grouped queries, documents and
+    padding: output and the gradients of q, k and v track the f32 computation of the same inputs, and every dot of
+    the compiled forward + backward reads bf16 operands. Autodiff of the same math does not (its backward reads the
+    probabilities and the queries transposed, which XLA:CPU runs in f32)."""
+    rng = np.random.default_rng(0)
+    b, t, h, kv, d = 2, 32, 4, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), jnp.bfloat16) for _ in range(2))
+    seg = np.ones((b, t), np.int32)
+    seg[0, 13:] = 2
+    seg[1, 27:] = 0  # padding
+    mask = attention.attention_mask(jnp.asarray(seg))
+    real = (seg != 0)[:, :, None, None]
+    probe = jnp.asarray(rng.standard_normal(q.shape) * real, jnp.float32)
+
+    def loss(block):
+        return lambda q, k, v: jnp.sum(attention.causal_attention(q, k, v, mask, block).astype(jnp.float32) * probe)
+
+    got_fn = jax.jit(jax.value_and_grad(loss(8), argnums=(0, 1, 2)))
+    got, got_grads = got_fn(q, k, v)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    want, want_grads = jax.value_and_grad(loss(0), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(f32(g), f32(w), atol=2e-2 * np.abs(f32(w)).max())
+    dtypes = dot_operand_dtypes(got_fn.lower(q, k, v).compile().as_text())
+    assert len(dtypes) == 4 * 2 + 4 * 4 and set(dtypes) == {("bf16", "bf16")}, dtypes  # 2 per block fwd, 4 bwd
+    autodiff = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask).astype(jnp.float32)),
+                                argnums=(0, 1, 2)))
+    k2, v2 = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
+    assert ("f32", "f32") in dot_operand_dtypes(autodiff.lower(q, k2, v2).compile().as_text())
+
+
+def test_cpu_bf16_train_step_matmuls_are_bf16_and_shard_alike(tiny_config):
+    """The bf16 train step on CPU with attention in query blocks: every dot reads bf16 operands, and fsdp x tensor
+    over 8 devices trains like one device (same bf16 math, summed in another order)."""
     cfg = lambda mesh: tiny_config(**{"model.dtype": "bfloat16", "model.vocab_size": 512,  # noqa: E731
-                                      "optim.warmup_steps": 0, **{f"mesh.{a}": n for a, n in mesh.items()}})
+                                      "model.attention_block": 8, "optim.warmup_steps": 0,
+                                      **{f"mesh.{a}": n for a, n in mesh.items()}})
     one = cfg({"data": 1})
     facts = config_lib.validate(one, 1)
     trainer = train.build_trainer(one, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
     batches = synthetic_batches(1, 8, 32, 512) * 3
     batch = train.global_batch(batches[0], trainer.batch_sharding)
     module = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
-    rank2 = [d for d, line in zip(dot_operand_dtypes(module), [l for l in module.splitlines() if " dot(" in l])
-             if "lhs_batch_dims" not in line]
-    assert rank2 and set(rank2) == {("bf16", "bf16")}, rank2
+    dtypes = dot_operand_dtypes(module)
+    assert dtypes and set(dtypes) == {("bf16", "bf16")}, dtypes
     want = train_steps(one, batches, devices=jax.devices()[:1])
     got = train_steps(cfg({"data": 1, "fsdp": 4, "tensor": 2}), batches, devices=jax.devices())
     assert want["loss"][-1] < want["loss"][0]

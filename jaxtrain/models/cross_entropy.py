@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.mesh import constrain, split_ways
-from jaxtrain.models.transformer import cpu_bf16, project, transposed_in_memory
+from jaxtrain.models import cpu_bf16
+from jaxtrain.models.transformer import project
 
 
 def _chunks(a, n: int):
@@ -98,7 +99,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     # the gradient traffic).
     ways = split_ways("batch"), split_ways("seq")
     # dx's matmul reads w transposed, which XLA:CPU computes in f32 for bf16 operands: transpose it once instead.
-    w_t = transposed_in_memory(w_dt) if cpu_bf16(w_dt) else w_dt.T
+    w_t = cpu_bf16.transposed_in_memory(w_dt) if cpu_bf16.applies(w_dt) else w_dt.T
 
     def body(carry, xs):
         total, dw = carry

@@ -26,6 +26,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain, split_ways
+from jaxtrain.models import cpu_bf16
+from jaxtrain.models.attention import attention_mask, causal_attention
 
 # Every matmul against a weight (`project`, the MoE router) names its output WEIGHT_MATMUL, and
 # "dots_with_no_batch_dims_saveable" saves by that name. Those are the dots jax's policy of that name saves in our
@@ -104,62 +106,21 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
         y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
     else:
         k = math.prod(w.shape[:contract])
-        if preferred_element_type is None and cpu_bf16(x, w):
-            y = _cpu_bf16_matmul(x.reshape(-1, k), w.reshape(k, -1))
+        if preferred_element_type is None and cpu_bf16.applies(x, w):
+            y = cpu_bf16.matmul(x.reshape(-1, k), w.reshape(k, -1))
         else:
             y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
         y = y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
     return checkpoint_name(y, WEIGHT_MATMUL)
 
 
-# XLA:CPU runs a bf16 matmul at its bf16 speed (~2x f32 with AVX512-BF16) only as a row-major lhs contracting its
-# last dim into an f32 result; any other form (a bf16 result, an lhs read transposed) is computed in f32 after
-# converting both operands (BUILD.md, performance notes). Autodiff's backward of x @ w has both: its dw reads x
-# transposed. So on CPU the bf16 projections take this VJP: f32 accumulation cast back to bf16 in the forward,
-# dx as g contracted with w's last dim (a supported form), and dw from x transposed into memory first.
-def cpu_bf16(*arrays) -> bool:
-    """Whether these are bf16 operands of a matmul compiled by XLA:CPU (which needs the forms above)."""
-    return all(a.dtype == jnp.bfloat16 for a in arrays) and jax.default_backend() == "cpu"
-
-
-def _dot_f32(a, b, a_dim: int, b_dim: int):
-    return jax.lax.dot_general(a, b, (((a_dim,), (b_dim,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def transposed_in_memory(a):
-    """a.T [k, m] laid out row-major. A bare transpose would be folded into the next dot as a transposed read; the
-    size-1 axis keeps it a copy."""
-    m, k = a.shape
-    return a.reshape(m, 1, k).transpose(2, 0, 1).reshape(k, m)
-
-
-@jax.custom_vjp
-def _cpu_bf16_matmul(x, w):
-    """x [m, k] @ w [k, n] in bf16 with f32 accumulation, its backward in XLA:CPU's bf16 forms."""
-    return _dot_f32(x, w, 1, 0).astype(x.dtype)
-
-
-def _cpu_bf16_matmul_fwd(x, w):
-    return _cpu_bf16_matmul(x, w), (x, w)
-
-
-def _cpu_bf16_matmul_bwd(res, g):
-    x, w = res
-    g = g.astype(x.dtype)
-    dx = _dot_f32(g, w, 1, 1)
-    dw = _dot_f32(transposed_in_memory(x), g, 1, 0)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_cpu_bf16_matmul.defvjp(_cpu_bf16_matmul_fwd, _cpu_bf16_matmul_bwd)
-
-
 def project_fused(x, weights, name: str, act_name: str):
     """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
     mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...]
-    (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last dimension, which no device has to move. Under tensor
-    parallelism the input's gradient is then one matmul and one all-reduce, not one per weight (Megatron's fused
-    QKV and gate/up projections); without it, one wider matmul instead of several."""
+    (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last
+    dimension, which no device has to move. Under tensor parallelism the input's gradient is then one matmul and one
+    all-reduce, not one per weight (Megatron's fused QKV and gate/up projections); without it, one wider matmul
+    instead of several."""
     ways = split_ways(name)
     if any(w.shape[1] % ways for w in weights):  # some N_i not split evenly: nothing to join locally
         return [project(x, w) for w in weights]
@@ -224,51 +185,6 @@ def rope(x, positions, theta: float):
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def attention_mask(segment_ids):
-    """[B, 1, T, T] boolean: causal, same document, and never attending to padding."""
-    t = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids != 0)[:, None, :]
-    return (causal[None] & same_doc & real)[:, None]
-
-
-def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
-    """Attention of q [B, T, N, D] over k, v [B, S, KV, D] under a causal `mask` [B, 1, T, S].
-
-    block 0: one `jax.nn.dot_product_attention` call with `implementation=impl` ("xla" or "cudnn"; jax's own
-    default, None, is XLA's kernel on every backend, GPUs included). block > 0: written out as
-    two einsums and a softmax (`attend`) in query blocks of `block` positions; block i attends to keys [0, end of
-    block i) only, so the blocks above the diagonal, which the mask zeroes, are never computed (4 blocks: 10/16 of
-    the work). On XLA:CPU that is ~1.3x faster than the library call on the same blocks, whose grouped-query
-    reshapes and vmap add copies (BUILD.md, performance). Equal up to float rounding; queries that see no key
-    (padding) get a different, unused output. One block when `block` does not divide T or the sequence is split
-    over devices (slicing it would move the slices between them)."""
-    t = q.shape[1]
-    if block <= 0:
-        if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents.
-            # Not on a sequence shard: its queries start mid-sequence, and the mask alone holds the causal offsets.
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=split_ways("seq") == 1,
-                                                implementation="cudnn")
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    if block >= t or t % block or split_ways("seq") > 1:
-        return attend(q, k, v, mask)
-    return jnp.concatenate([attend(q[:, s:s + block], k[:, :s + block], v[:, :s + block],
-                                   mask[:, :, s:s + block, :s + block]) for s in range(0, t, block)], axis=1)
-
-
-def attend(q, k, v, mask):
-    """Softmax attention, the math of `jax.nn.dot_product_attention`'s XLA path: logits and softmax in f32, masked
-    logits set to -0.7 * float32 max, query head n reads kv head n // (N / KV)."""
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:  # repeat each kv head for its query heads; the backward sums the copies' gradients
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    logits = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask, logits * jnp.float32(q.shape[-1] ** -0.5), jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnts,bsnd->btnd", probs, v)
 
 
 class Attention(nnx.Module):

@@ -1,0 +1,135 @@
+"""Causal self-attention over packed documents: the mask, and the two ways the model computes it.
+
+`model.attention_block` = 0: one `jax.nn.dot_product_attention` call (XLA's kernel, or cuDNN's on GPU).
+`model.attention_block` > 0: written out in query blocks that skip the keys above the diagonal, with a backward of
+its own (`blocked_attention`): autodiff of the blocks summed every block's K/V gradient into the whole [B, S, ...]
+array through pads and adds, and read its operands transposed, which XLA:CPU runs in f32 even for bf16 inputs
+(jaxtrain.models.cpu_bf16). Every matmul of the forward and backward here has f32 accumulation and an lhs that
+contracts its last dim, in a layout laid out for it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.mesh import split_ways
+from jaxtrain.models.cpu_bf16 import transposed_in_memory
+
+# A masked logit, as jax.nn.dot_product_attention's XLA path sets it.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(segment_ids):
+    """[B, 1, T, T] boolean: causal, same document, and never attending to padding."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids != 0)[:, None, :]
+    return (causal[None] & same_doc & real)[:, None]
+
+
+def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
+    """Attention of q [B, T, N, D] over k, v [B, S, KV, D] under a causal `mask` [B, 1, T, S].
+
+    block 0: one `jax.nn.dot_product_attention` call with `implementation=impl` ("xla" or "cudnn"; jax's own
+    default, None, is XLA's kernel on every backend, GPUs included). block > 0: `blocked_attention`, query blocks of
+    `block` positions; block i attends to keys [0, end of block i) only, so the blocks above the diagonal, which the
+    mask zeroes, are never computed (4 blocks: 10/16 of the work). On XLA:CPU that is faster than the library call
+    on the same blocks, whose grouped-query reshapes and vmap add copies (BUILD.md, performance). Equal up to float
+    rounding; queries that see no key (padding) get a different, unused output. One block of plain autodiff
+    (`attend`) when `block` does not divide T or the sequence is split over devices (slicing it would move the
+    slices between them)."""
+    t = q.shape[1]
+    if block <= 0:
+        if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents.
+            # Not on a sequence shard: its queries start mid-sequence, and the mask alone holds the causal offsets.
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=split_ways("seq") == 1,
+                                                implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    k, v = _repeat_kv(k, v, q.shape[2])
+    if block >= t or t % block or split_ways("seq") > 1:
+        return attend(q, k, v, mask)
+    return blocked_attention(q, k, v, mask, block)
+
+
+def _repeat_kv(k, v, n_heads: int):
+    """Grouped-query attention: each kv head repeated for its query heads (query head n reads kv head n // groups);
+    the backward sums the copies' gradients. A grouped 5-D einsum instead was slower on CPU."""
+    groups = n_heads // k.shape[2]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+
+
+def _f32(spec: str, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def attend(q, k, v, mask):
+    """Softmax attention over all of k, v (as many heads as q), the math of `jax.nn.dot_product_attention`'s XLA
+    path: logits and softmax in f32, masked logits set to -0.7 * float32 max."""
+    scale = jnp.float32(q.shape[-1] ** -0.5)
+    logits = _f32("btnd,bsnd->bnts", q, k)
+    probs = jax.nn.softmax(jnp.where(mask, logits * scale, jnp.float32(_MASKED)), axis=-1)
+    return _f32("bnts,bsnd->btnd", probs.astype(v.dtype), v).astype(q.dtype)
+
+
+def _heads_major(x):
+    """[B, T, N, D] <-> [B, N, T, D], laid out in memory."""
+    return transposed_in_memory(x, (0, 2, 1, 3))
+
+
+def _spans(t: int, block: int) -> list[tuple[int, int]]:
+    return [(s, s + block) for s in range(0, t, block)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blocked_attention(q, k, v, mask, block: int):
+    """`attend` in query blocks of `block` (dividing T) over as many kv heads as query heads, the blocks above the
+    diagonal skipped. The backward keeps each block's softmax probabilities (f32) from the forward."""
+    return _blocked_fwd(q, k, v, mask, block)[0]
+
+
+def _blocked_fwd(q, k, v, mask, block):
+    qh, kh, vh = _heads_major(q), _heads_major(k), _heads_major(v)
+    scale = jnp.float32(q.shape[-1] ** -0.5)
+    outs, probs = [], []
+    for s, e in _spans(q.shape[1], block):
+        logits = _f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e])
+        p = jax.nn.softmax(jnp.where(mask[:, :, s:e, :e], logits * scale, jnp.float32(_MASKED)), axis=-1)
+        outs.append(_f32("bnts,bnsd->bntd", p.astype(v.dtype), vh[:, :, :e]))
+        probs.append(p)
+    out = _heads_major(jnp.concatenate(outs, axis=2).astype(q.dtype))
+    return out, (qh, kh, vh, mask, probs)
+
+
+def _blocked_bwd(block, res, g):
+    qh, kh, vh, mask, probs = res
+    gh = _heads_major(g.astype(vh.dtype))
+    scale = jnp.float32(qh.shape[-1] ** -0.5)
+    spans = _spans(qh.shape[2], block)
+    dq, dlogits = [], []
+    for (s, e), p in zip(spans, probs):
+        dp = _f32("bntd,bnsd->bnts", gh[:, :, s:e], vh[:, :, :e])
+        # Softmax's backward; masked logits get none (rows that see no key have p > 0 there).
+        dl = jnp.where(mask[:, :, s:e, :e], p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale, 0)
+        dl = dl.astype(kh.dtype)
+        dq.append(_f32("bnts,bnsd->bntd", dl, kh[:, :, :e]))
+        dlogits.append(dl)
+    # Keys [s, e) are read by the query blocks from s on: one matmul over those queries each, with that key block's
+    # probabilities and logit gradients transposed into memory (the lhs contracts its last dim), and no sums.
+    dk, dv = [], []
+    for j, (s, e) in enumerate(spans):
+        p_t = transposed_in_memory(jnp.concatenate([p[..., s:e].astype(vh.dtype) for p in probs[j:]], axis=2),
+                                   (0, 1, 3, 2))
+        dl_t = transposed_in_memory(jnp.concatenate([dl[..., s:e] for dl in dlogits[j:]], axis=2), (0, 1, 3, 2))
+        dv.append(_f32("bnst,bntd->bnsd", p_t, gh[:, :, s:]))
+        dk.append(_f32("bnst,bntd->bnsd", dl_t, qh[:, :, s:]))
+    joined = lambda parts, like: _heads_major(jnp.concatenate(parts, axis=2).astype(like.dtype))  # noqa: E731
+    return joined(dq, qh), joined(dk, kh), joined(dv, vh), None
+
+
+blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
