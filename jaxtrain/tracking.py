@@ -80,7 +80,8 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    """`data` as JSON at `path`, written to a temporary file and renamed into place."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)  # a reader never sees half a file
@@ -128,7 +129,7 @@ class RunRecord:
                      "devices": self.devices, "processes": self.processes, "seed": self.seed,
                      "start_time": _iso(first), "start_unix": first, "end_time": None, "end_unix": None,
                      "status": "running", "attempts": attempts}
-        _write_json(self.path, self.data)
+        write_json(self.path, self.data)
 
     def end(self, status: str, step: int | None, error: BaseException | None = None) -> None:
         now = time.time()
@@ -137,4 +138,4 @@ class RunRecord:
         if error is not None:
             attempt["error"] = redact(f"{type(error).__name__}: {error}".splitlines()[0])
         self.data.update(end_time=_iso(now), end_unix=round(now, 3), status=status)
-        _write_json(self.path, self.data)
+        write_json(self.path, self.data)

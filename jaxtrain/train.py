@@ -235,8 +235,8 @@ def run(config, print_fn=print, writers=()) -> dict:
     saved_config = workdir / "config.json"  # what the checkpoints were made with; written once
     if saved_config.exists():
         config_lib.check_resumable(json.loads(saved_config.read_text()), config, str(workdir))
-    elif is_main:
-        saved_config.write_text(json.dumps(tracking.redact(config.to_dict()), indent=1))
+    elif is_main:  # atomically: the other processes may be reading it already (a fresh multi-host run)
+        tracking.write_json(saved_config, tracking.redact(config.to_dict()))
     checkpointer = make_checkpointer(config, workdir, print_fn=say)
     latest = checkpointer.latest_step() or 0
     if latest >= train_cfg.steps:

@@ -154,3 +154,32 @@ def test_an_invocation_killed_without_an_end_is_marked_killed(tmp_path):
     data = json.loads((tmp_path / "run.json").read_text())
     assert [(a["status"], a["start_step"]) for a in data["attempts"]] == [("killed", 0), ("finished", 4)]
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_json_files_are_replaced_whole_while_others_read_them(tmp_path):
+    """run.json and a run's config.json are rewritten while other processes read them (a multi-host run's peers
+    check config.json as process 0 writes it): a reader sees the old or the new file, never an empty or half one."""
+    import threading
+
+    path = tmp_path / "config.json"
+    tracking.write_json(path, {"n": 0, "pad": "x" * 200_000})
+    seen, bad, done = [], [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            text = path.read_text()
+            try:
+                seen.append(json.loads(text)["n"])
+            except ValueError:
+                bad.append(len(text))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for n in range(1, 200):
+        tracking.write_json(path, {"n": n, "pad": "x" * 200_000})
+    done.set()
+    reader.join()
+    assert not bad, f"{len(bad)} partial reads, e.g. {bad[:3]} bytes"
+    assert len(set(seen)) > 1  # the reader did overlap the writes
+    assert json.loads(path.read_text())["n"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary files left
