@@ -4,8 +4,8 @@
 `model.attention_block` > 0: written out in query blocks that skip the keys above the diagonal, with a backward of
 its own (`blocked_attention`): autodiff of the blocks summed every block's K/V gradient into the whole [B, S, ...]
 array through pads and adds, and read its operands transposed, which XLA:CPU runs in f32 even for bf16 inputs
-(jaxtrain.models.cpu_bf16). Every matmul of the forward and backward here has f32 accumulation and an lhs that
-contracts its last dim, in a layout laid out for it.
+(jaxtrain.models.cpu_bf16). Here every matmul of the forward and backward accumulates in f32, and its lhs
+contracts its last dim, copied into that layout where needed.
 """
 
 from __future__ import annotations
