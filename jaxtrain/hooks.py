@@ -7,10 +7,12 @@ import contextlib
 import json
 import math
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxtrain import profiling
 from jaxtrain.checkpoint import CheckpointError
 
 
@@ -301,17 +303,20 @@ class WatchdogHook(Hook):
 
 class ProfileHook(Hook):
     """A jax.profiler trace of steps first..last (log.profile_steps) into `logdir`, for TensorBoard's profile
-    plugin or Perfetto (trace.json.gz). Steps run ahead of the host, so the trace starts once the step before
-    `first` has finished and stops once `last` has. A run resumed past `first` traces nothing."""
+    plugin or Perfetto (perfetto_trace.json.gz). Steps run ahead of the host, so the trace starts once the step
+    before `first` has finished and stops once `last` has. A run resumed past `first` traces nothing. Then, with
+    `hlo_text` (a callable returning the compiled step's HLO), jaxtrain.profiling's table of where the time went:
+    summary.txt, and its per-kind lines printed."""
 
-    def __init__(self, first: int, last: int, logdir, *, start_step: int, print_fn=print):
+    def __init__(self, first: int, last: int, logdir, *, start_step: int, hlo_text=None, print_fn=print):
         self.first, self.last, self.logdir, self.print_fn = first, last, str(logdir), print_fn
+        self.hlo_text = hlo_text
         self.active = False
         if first == start_step + 1:
             self._start()
 
     def _start(self):
-        jax.profiler.start_trace(self.logdir)
+        jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
         self.active = True
 
     def _stop(self, state):
@@ -319,6 +324,15 @@ class ProfileHook(Hook):
         jax.profiler.stop_trace()
         self.active = False
         self.print_fn(f"profile of steps {self.first}..{self.last} written to {self.logdir}")
+        if self.hlo_text is None:
+            return
+        try:  # a table that cannot be made costs the table, not the run
+            summary = profiling.write_summary(self.logdir, self.hlo_text(), self.last - self.first + 1)
+        except (OSError, ValueError, KeyError) as e:
+            self.print_fn(f"profile summary skipped: {type(e).__name__}: {e}")
+            return
+        lines = profiling.format_summary(summary, top=0).splitlines()[:2 + 6]
+        self.print_fn("\n".join(lines + [f"(all ops: {Path(self.logdir) / profiling.SUMMARY_FILE})"]))
 
     def __call__(self, step, state, metrics, batch):
         if step == self.first - 1 and not self.active:

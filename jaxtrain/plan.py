@@ -217,7 +217,7 @@ def _split_instruction(line: str):
     return m.group(1), shape, op.group(1), rest[op.end():]
 
 
-def _operands(instr) -> list[str]:
+def operands(instr) -> list[str]:
     """Operand names: the %names before the op's closing parenthesis."""
     return re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0])
 
@@ -253,7 +253,7 @@ def parse_hlo(text: str) -> dict:
     fusion_of = {}  # fused computation -> the fusion instruction that calls it
     for instrs in comps.values():
         for instr in instrs:
-            for i, operand in enumerate(_operands(instr)):
+            for i, operand in enumerate(operands(instr)):
                 users.setdefault(operand, []).append((instr, i))
             called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"]) if instr["op"] == "fusion" else None
             if called:
@@ -521,8 +521,8 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
     done_of = {}  # start name -> its -done instruction
     for instrs in module["computations"].values():
         for instr in instrs:
-            if instr["op"].endswith("-done") and _operands(instr):
-                done_of[_operands(instr)[0]] = instr
+            if instr["op"].endswith("-done") and operands(instr):
+                done_of[operands(instr)[0]] = instr
     out = []
     for comp, instrs in module["computations"].items():
         for instr in instrs:
@@ -581,28 +581,30 @@ def summarize_collectives(ops: list[dict]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"]))
 
 
+def instruction_flops(module, instr) -> float:
+    """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module (0 otherwise)."""
+    if instr["op"] not in ("dot", "convolution"):
+        return 0.0
+    out = math.prod(_dims(instr["shape"]))
+    names = operands(instr)
+    lhs = _dims(module["shapes"].get(names[0], "")) if names else []
+    if instr["op"] == "dot":
+        contract = _ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr["rest"]).group(1)) \
+            if "lhs_contracting_dims" in instr["rest"] else []
+        k = math.prod(lhs[i] for i in contract if i < len(lhs))
+    else:  # convolution: contracted = kernel elements / output features
+        rhs = _dims(module["shapes"].get(names[1], "")) if len(names) > 1 else []
+        k = math.prod(rhs) / max(_dims(instr["shape"])[-1:] or [1])
+    return 2.0 * out * k
+
+
 def dot_flops(hlo) -> float:
-    """2 * output elements * contracted elements of every dot / convolution in compiled HLO (text or
-    `parse_hlo`'s result), weighted by how often its computation runs (per device)."""
+    """`instruction_flops` of every dot / convolution in compiled HLO (text or `parse_hlo`'s result), weighted by
+    how often its computation runs (per device)."""
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
     mult, _ = multiplicities(module)
-    total = 0.0
-    for comp, instrs in module["computations"].items():
-        for instr in instrs:
-            if instr["op"] not in ("dot", "convolution"):
-                continue
-            out = math.prod(_dims(instr["shape"]))
-            operands = _operands(instr)
-            lhs = _dims(module["shapes"].get(operands[0], "")) if operands else []
-            if instr["op"] == "dot":
-                contract = _ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr["rest"]).group(1)) \
-                    if "lhs_contracting_dims" in instr["rest"] else []
-                k = math.prod(lhs[i] for i in contract if i < len(lhs))
-            else:  # convolution: contracted = kernel elements / output features
-                rhs = _dims(module["shapes"].get(operands[1], "")) if len(operands) > 1 else []
-                k = math.prod(rhs) / max(_dims(instr["shape"])[-1:] or [1])
-            total += 2.0 * out * k * mult.get(comp, 0)
-    return total
+    return sum(instruction_flops(module, instr) * mult.get(comp, 0)
+               for comp, instrs in module["computations"].items() for instr in instrs)
 
 
 # ===== Analytic model ==================================================================================

@@ -340,7 +340,8 @@ def run(config, print_fn=print, writers=()) -> dict:
     if is_main:
         hooks.append(hooks_lib.GoodputHook(recorder, every=config.log.every_steps, clock=clock, start_step=start))
     if profiled := config_lib.profile_steps(config.log.profile_steps):
-        hooks.append(hooks_lib.ProfileHook(*profiled, workdir / "profile", start_step=start, print_fn=say))
+        hooks.append(hooks_lib.ProfileHook(*profiled, workdir / "profile", start_step=start, print_fn=say,
+                                           hlo_text=train_step.as_text if is_main else None))
     if config.log.fingerprints:
         hooks.append(hooks_lib.FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
                                                pipeline.tokens_per_batch_fingerprint))

@@ -43,19 +43,6 @@ def test_tensorboard_writes_finite_scalars_only(tmp_path):
     assert _scalar_events(tmp_path) == [("loss", 1, 2.0)]
 
 
-def test_profile_steps_writes_a_trace_of_those_steps(tiny_config):
-    from pathlib import Path
-
-    from jaxtrain import train
-
-    cfg = tiny_config(**{"train.steps": 4, "log.profile_steps": "2,3"})
-    printed = []
-    train.run(cfg, print_fn=printed.append)
-    traces = list((Path(cfg.workdir) / "profile").rglob("*.xplane.pb"))
-    assert len(traces) == 1 and traces[0].stat().st_size > 0
-    assert f"profile of steps 2..3 written to {Path(cfg.workdir) / 'profile'}" in printed
-
-
 @pytest.mark.parametrize("spec", ["3,2", "0", "a,b", "1,2,3", "-1"])
 def test_bad_profile_steps_name_the_field(tiny_config, spec):
     from jaxtrain import config as config_lib

@@ -1,0 +1,60 @@
+"""log.profile_steps: the trace, and the table of where the traced steps' time went (jaxtrain.profiling)."""
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxtrain import plan, profiling
+
+
+def test_overlapping_ops_split_the_wall_time_between_them():
+    """A runs 0-10 us, B 5-15 and C 20-30 (twice 2 us inside C's span on its own thread): the overlap is shared."""
+    events = [{"name": "A", "ts": 0, "dur": 10}, {"name": "B", "ts": 5, "dur": 10},
+              {"name": "C", "ts": 20, "dur": 10}, {"name": "D", "ts": 22, "dur": 2}, {"name": "D", "ts": 26, "dur": 2}]
+    times, counts = profiling.split_wall_time(events)
+    assert times == {"A": 7.5, "B": 7.5, "C": 8.0, "D": 2.0}
+    assert counts == {"A": 1, "B": 1, "C": 1, "D": 2}
+    assert sum(times.values()) == 25  # 0-15 and 20-30: the busy wall time, each instant counted once
+
+
+def test_profile_steps_writes_a_trace_and_the_table_of_its_ops(tiny_config, capsys):
+    from jaxtrain import train
+
+    cfg = tiny_config(**{"train.steps": 4, "log.profile_steps": "2,3"})
+    printed = []
+    train.run(cfg, print_fn=printed.append)
+    logdir = Path(cfg.workdir) / "profile"
+    traces = list(logdir.rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0  # TensorBoard's profile plugin
+    assert f"profile of steps 2..3 written to {logdir}" in printed
+    table = next(p for p in printed if "ms per step from the first op to the last" in p)
+    assert table.startswith("2 step(s): ") and f"(all ops: {logdir / 'summary.txt'})" in table
+
+    hlo = (logdir / profiling.HLO_FILE).read_text()
+    module = plan.parse_hlo(hlo)
+    s = profiling.summarize(profiling.latest_trace(logdir), hlo, steps=2)
+    assert 0 < s["busy_ms"] <= s["span_ms"] * 1.001
+    assert abs(sum(op["ms"] for op in s["ops"]) - s["busy_ms"]) < 1e-6
+    assert abs(sum(k["ms"] for k in s["kinds"]) - s["busy_ms"]) < 1e-6
+    assert all(op["op"] in module["by_name"] for op in s["ops"])  # ops of the compiled step, no Python frames
+    assert all(module["by_name"][op["op"]]["op"] != "while" for op in s["ops"])  # loops are not ops of their own
+    matmuls = [op for op in s["ops"] if op["kind"] == "matmul"]
+    assert matmuls and all(op["gflops_per_s"] > 0 for op in matmuls)
+    # Each step runs every matmul of the compiled step once per layer (the tiny model's are scanned) on each of the
+    # 8 devices, whose ops this one process traces.
+    assert sum(op["runs"] * sum(plan.instruction_flops(module, d) for d in _dots(module, op["op"]))
+               for op in matmuls) == pytest.approx(plan.dot_flops(module) * jax.device_count())
+
+    profiling.main([str(logdir), "--top", "5"])  # steps from summary.txt
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (logdir / "summary.txt").read_text().splitlines()[0]
+    assert len([line for line in out.splitlines()[out.splitlines().index(""):] if "%" in line]) == 5
+
+
+def _dots(module, name):
+    instr = module["by_name"][name]
+    if instr["op"] != "fusion":
+        return [instr]
+    called = instr["rest"].split("calls=%", 1)[1].split(",", 1)[0].split(" ", 1)[0]
+    return [d for d in module["computations"][called] if d["op"] in ("dot", "convolution")]
