@@ -331,8 +331,8 @@ class ProfileHook(Hook):
         except (OSError, ValueError, KeyError) as e:
             self.print_fn(f"profile summary skipped: {type(e).__name__}: {e}")
             return
-        lines = profiling.format_summary(summary, top=0).splitlines()[:2 + 6]
-        self.print_fn("\n".join(lines + [f"(all ops: {Path(self.logdir) / profiling.SUMMARY_FILE})"]))
+        self.print_fn(profiling.format_summary(summary, top=0, kinds=6)
+                      + f"\n(all ops: {Path(self.logdir) / profiling.SUMMARY_FILE})")
 
     def __call__(self, step, state, metrics, batch):
         if step == self.first - 1 and not self.active:

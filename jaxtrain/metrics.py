@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain import tracking
+
 # Dense bf16 peak FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
     "h100": 989e12, "h200": 989e12, "b200": 2250e12, "a100": 312e12, "l4": 121e12,
@@ -143,7 +145,7 @@ class _TrackerIds:
         except (OSError, ValueError):
             data = {}
         data[name] = value
-        self.path.write_text(json.dumps(data, indent=1))
+        tracking.write_json(self.path, data)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -287,9 +289,7 @@ def peak_flops(cache_dir: str | os.PathLike | None = None, dtype="float32") -> t
     flops = measure_matmul_flops(dtype=dtype)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"flops_by_key": {**cached, key: flops}}))
-        os.replace(tmp, cache)
+        tracking.write_json(cache, {"flops_by_key": {**cached, key: flops}})
     except OSError:
         pass  # a read-only home only costs a re-measure next time
     return flops, f"measured {dtype} matmul"

@@ -61,11 +61,10 @@ def split_wall_time(events: list[dict]) -> tuple[collections.Counter, collection
     return times, counts
 
 
-def _describe(module, instr) -> tuple[str, float, str]:
+def _describe(module, instr, fused: dict) -> tuple[str, float, str]:
     """(kind, FLOPs per run, what) of an executed instruction: kind "matmul", "collective" or the op (a fusion's
-    root op)."""
-    body = module["computations"].get(re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"]).group(1), []) \
-        if instr["op"] == "fusion" and "calls=" in instr["rest"] else [instr]
+    root op). `fused`: {fusion name: its computation's instructions}."""
+    body = fused.get(instr["name"], [instr])
     dots = [d for d in body if d["op"] in ("dot", "convolution")]
     if dots:
         shapes = module["shapes"]
@@ -83,9 +82,10 @@ def _describe(module, instr) -> tuple[str, float, str]:
 
 
 def summarize(trace_path, hlo_text: str, steps: int) -> dict:
-    """{"steps", "span_ms", "busy_ms", "kinds": [...], "ops": [...]}, times per step: every event of the trace that
-    names an instruction of the compiled module `hlo_text` (containers such as while loops excluded). Events are
-    matched by name only: another computation run inside the traced steps (an eval) adds its ops of the same names."""
+    """{"steps", "span_ms", "busy_ms", "kinds": [...], "ops": [...]}, times per step (an op's "flops": per run):
+    every event of the trace that names an instruction of the compiled module `hlo_text` (containers such as while
+    loops excluded). Events are matched by name only: another computation run inside the traced steps (an eval)
+    adds its ops of the same names."""
     module = plan.parse_hlo(hlo_text)
     events = json.load(gzip.open(trace_path))["traceEvents"]
     events = [e for e in events if e.get("ph") == "X" and e.get("dur") is not None
@@ -93,11 +93,12 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
     if not events:
         raise ValueError(f"{trace_path}: no event names an instruction of the compiled step")
     times, counts = split_wall_time(events)
+    fused = {f["name"]: module["computations"][comp] for comp, f in module["fusion_of"].items()}
     ops, kinds = [], collections.defaultdict(lambda: {"ms": 0.0, "flops": 0.0})
     for name, us in times.items():
-        kind, flops, what = _describe(module, module["by_name"][name])
+        kind, flops, what = _describe(module, module["by_name"][name], fused)
         runs = counts[name] / steps
-        ops.append({"op": name, "ms": us / 1e3 / steps, "runs": runs, "kind": kind, "what": what,
+        ops.append({"op": name, "ms": us / 1e3 / steps, "runs": runs, "kind": kind, "what": what, "flops": flops,
                     "gflops_per_s": flops * runs / (us / 1e3 / steps) / 1e6 if flops and us else None})
         kinds[kind]["ms"] += us / 1e3 / steps
         kinds[kind]["flops"] += flops * runs
@@ -109,12 +110,15 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
             "ops": sorted(ops, key=lambda r: -r["ms"])}
 
 
-def format_summary(s: dict, top: int = 30) -> str:
+def format_summary(s: dict, top: int = 30, kinds: int | None = None) -> str:
+    """The summary as text: the kinds (the first `kinds` of them; all by default), then the `top` ops (none if 0)."""
     rate = lambda r: f"{r['gflops_per_s']:8.0f}" if r["gflops_per_s"] else " " * 8  # noqa: E731
     lines = [f"{s['steps']} step(s): {s['span_ms']:.1f} ms per step from the first op to the last, ops busy "
              f"{s['busy_ms']:.1f} ms (wall time split between ops running at once)",
              f"{'kind':<24} {'ms/step':>9} {'share':>6} {'GFLOP/s':>8}"]
-    lines += [f"{r['kind']:<24} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {rate(r)}" for r in s["kinds"]]
+    lines += [f"{r['kind']:<24} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {rate(r)}" for r in s["kinds"][:kinds]]
+    if not top:
+        return "\n".join(lines)
     lines += ["", f"{'op':<32} {'ms/step':>9} {'share':>6} {'runs':>5} {'GFLOP/s':>8}  what"]
     lines += [f"{r['op']:<32} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {r['runs']:5.0f} {rate(r)}  "
               f"{r['kind']}: {r['what']}" for r in s["ops"][:top]]

@@ -80,8 +80,9 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: str | os.PathLike, data: dict) -> None:
     """`data` as JSON at `path`, written to a temporary file and renamed into place."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)  # a reader never sees half a file

@@ -41,6 +41,7 @@ import time
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from jaxtrain import tracking
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
 
@@ -336,18 +337,12 @@ def _build_shard(job: dict) -> dict:
     if heldout:
         record["heldout"] = _write_shard(os.path.join(work, f"heldout-{plan.index:05d}-of-{n:05d}.array_record"),
                                          _tokenize(tok, heldout, dtype))
-    _write_json_atomically(os.path.join(work, _done_name(plan.index)), record)
+    tracking.write_json(os.path.join(work, _done_name(plan.index)), record)
     return record
 
 
 def _done_name(index: int) -> str:
     return f"shard-{index:05d}.done.json"
-
-
-def _write_json_atomically(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
@@ -419,7 +414,7 @@ def _work_dir(data_dir: str, settings: dict, input_mtimes: list, print_fn) -> st
                      file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)  # our own scratch, never a finished data dir
         os.makedirs(work)
-        _write_json_atomically(state_file, {**settings, "input_mtimes": input_mtimes})
+        tracking.write_json(state_file, {**settings, "input_mtimes": input_mtimes})
     return work
 
 
@@ -519,7 +514,7 @@ def prepare_sources(
         for r in range(len(plans)):
             os.remove(os.path.join(work, _done_name(r)))
         os.remove(os.path.join(work, "settings.json"))
-        _write_json_atomically(os.path.join(work, MANIFEST), manifest)
+        tracking.write_json(os.path.join(work, MANIFEST), manifest)
         if os.path.isdir(data_dir):
             os.rmdir(data_dir)  # an empty dir (checked above) is replaced
         os.rename(work, data_dir)

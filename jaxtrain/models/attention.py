@@ -68,12 +68,16 @@ def _f32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+def _probs(logits, mask, head_dim: int):
+    """Softmax of the scaled f32 logits over the keys, masked logits set to -0.7 * float32 max."""
+    scaled = logits * jnp.float32(head_dim ** -0.5)
+    return jax.nn.softmax(jnp.where(mask, scaled, jnp.float32(_MASKED)), axis=-1)
+
+
 def attend(q, k, v, mask):
     """Softmax attention over all of k, v (as many heads as q), the math of `jax.nn.dot_product_attention`'s XLA
-    path: logits and softmax in f32, masked logits set to -0.7 * float32 max."""
-    scale = jnp.float32(q.shape[-1] ** -0.5)
-    logits = _f32("btnd,bsnd->bnts", q, k)
-    probs = jax.nn.softmax(jnp.where(mask, logits * scale, jnp.float32(_MASKED)), axis=-1)
+    path: logits and softmax in f32 (`_probs`)."""
+    probs = _probs(_f32("btnd,bsnd->bnts", q, k), mask, q.shape[-1])
     return _f32("bnts,bsnd->btnd", probs.astype(v.dtype), v).astype(q.dtype)
 
 
@@ -95,11 +99,9 @@ def blocked_attention(q, k, v, mask, block: int):
 
 def _blocked_fwd(q, k, v, mask, block):
     qh, kh, vh = _heads_major(q), _heads_major(k), _heads_major(v)
-    scale = jnp.float32(q.shape[-1] ** -0.5)
     outs, probs = [], []
     for s, e in _spans(q.shape[1], block):
-        logits = _f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e])
-        p = jax.nn.softmax(jnp.where(mask[:, :, s:e, :e], logits * scale, jnp.float32(_MASKED)), axis=-1)
+        p = _probs(_f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e]), mask[:, :, s:e, :e], q.shape[-1])
         outs.append(_f32("bnts,bnsd->bntd", p.astype(v.dtype), vh[:, :, :e]))
         probs.append(p)
     out = _heads_major(jnp.concatenate(outs, axis=2).astype(q.dtype))
