@@ -58,7 +58,8 @@ def make_reference_forward(graphdef, window):
         mask = (key <= query) & (query - key < window) & (key < length)
         block_def, block_state = nnx.split(model.blocks)
         x = jnp.take(model.embed[...], tokens[None], axis=0)
-        x, _ = jax.lax.scan(lambda x, s: nnx.merge(block_def, s)(x, positions[None], mask[None, None]),  # (x, aux)
+        tables = transformer.rotary(positions[None], model.cfg.head_dim, model.cfg.rope_theta)
+        x, _ = jax.lax.scan(lambda x, s: nnx.merge(block_def, s)(x, tables, mask[None, None]),  # (x, aux)
                             x, block_state)
         return (model.final_norm(x[0, length - 1]) @ model.embed[...].T)
 

@@ -209,6 +209,38 @@ def test_forward_matches_numpy_reference(tie, execution):
     np.testing.assert_allclose(got[real], want[real], rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+def test_rotary_lookup_matches_the_formula_and_reads_nan_outside_the_row():
+    """The training forward looks RoPE's angles up by position; decoding computes them. Both agree to f32
+    rounding for every position of the row; a position outside the row reads NaN, not a clamped or wrapped row."""
+    head_dim, theta, T = 8, 10000.0, 12
+    positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
+    for got, want in zip(transformer.rotary_lookup(positions, head_dim, theta),
+                         transformer.rotary(positions, head_dim, theta)):
+        assert got.shape == want.shape == (2, T, 1, head_dim // 2)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    outside = np.array([[0, 5, 6, 11, -1, -6]], np.int32)  # a row of 6
+    cos, sin = transformer.rotary_lookup(outside, head_dim, theta)
+    assert not np.isnan(cos[0, :2]).any() and np.isnan(cos[0, 2:]).all() and np.isnan(sin[0, 2:]).all()
+
+
+def test_compiled_forward_computes_no_sine(monkeypatch):
+    """XLA recomputes a sine inside every fusion that reads it, so the layers read RoPE's angles from a table:
+    the compiled forward and backward hold no sine. With the formula instead they do (the check can fail)."""
+    _, model = build()
+    graphdef, state = nnx.split(model)
+    positions = np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6))
+
+    def loss(s):
+        return nnx.merge(graphdef, s)(np.zeros((2, 6), np.int32), positions, np.ones((2, 6), np.int32)).sum()
+
+    def compiled_text():
+        return jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+
+    assert " sine(" not in compiled_text()
+    monkeypatch.setattr(transformer, "rotary_lookup", transformer.rotary)
+    assert " sine(" in compiled_text()
+
+
 @pytest.mark.parametrize("block", [3, 4, 9], ids=["3_blocks", "not_dividing", "one_block"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_written_out_attention_matches_library_call(block, kv_heads):

@@ -177,12 +177,29 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding, rotate-half form. x: [B, T, N, D], positions: [B, T]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, :, None, None] * freq  # [B, T, 1, half]
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
+def rotary(positions, head_dim: int, theta: float):
+    """RoPE's (cos, sin) at `positions` [B, T]: f32 [B, T, 1, head_dim // 2] each."""
+    half = head_dim // 2
+    angle = positions.astype(jnp.float32)[:, :, None, None] * theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def rotary_lookup(positions, head_dim: int, theta: float):
+    """`rotary` for positions that index their row, 0 <= p < T (the data pipeline restarts them at each document),
+    read from a table of positions 0..T-1 built at trace time; a position outside it reads NaN. XLA fuses a sine
+    into every op that reads it, so even computed once per step the sines were recomputed in each of the ~20
+    fusions that apply or differentiate RoPE (~15 ms of the bf16 bench_cpu step); a lookup fuses as a load."""
+    t, half = positions.shape[1], head_dim // 2
+    angle = np.arange(t, dtype=np.float32)[:, None] * np.float32(theta) ** (-np.arange(half, dtype=np.float32) / half)
+    index = jnp.where(positions < 0, t, positions)  # take would wrap a negative index around
+    return tuple(jnp.take(table, index, axis=0, mode="fill", fill_value=np.nan)[:, :, None, :]
+                 for table in (np.cos(angle), np.sin(angle)))
+
+
+def rope(x, rotary_tables):
+    """Rotary embedding, rotate-half form. x: [B, T, N, D]; rotary_tables: (cos, sin) from `rotary` or
+    `rotary_lookup`."""
+    cos, sin = rotary_tables
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -204,13 +221,13 @@ class Attention(nnx.Module):
             return [project(x, weight(w, x.dtype)) for w in (self.wq, self.wk, self.wv)]
         return project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads", "act_heads")
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, rotary_tables, mask):
         dt = x.dtype
         q, k, v = self.qkv(x)
-        q = constrain(rope(q, positions, self.cfg.rope_theta), ("batch", "seq", "act_heads", None))
+        q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
         # Every query needs every earlier key: under sequence parallelism the queries stay split along the
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
-        k = constrain(rope(k, positions, self.cfg.rope_theta), ("batch", None, "act_kv_heads", None))
+        k = constrain(rope(k, rotary_tables), ("batch", None, "act_kv_heads", None))
         v = constrain(v, ("batch", None, "act_kv_heads", None))
         out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), self.cfg.attention_block,
                                self.cfg.attention_impl)
@@ -222,7 +239,8 @@ class Attention(nnx.Module):
         Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
         q, k, v = self.qkv(x)
-        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
+        tables = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)  # decode positions pass T
+        q, k = rope(q, tables), rope(k, tables)
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
@@ -259,9 +277,9 @@ class Block(nnx.Module):
         out = self.mlp(self.mlp_norm(x))
         return out if isinstance(out, tuple) else (out, {})
 
-    def __call__(self, x, positions, mask):
-        """-> (x, this layer's MoE routing stats per row)."""
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def __call__(self, x, rotary_tables, mask):
+        """rotary_tables: RoPE's (cos, sin) (`rotary_lookup`). -> (x, this layer's MoE routing stats per row)."""
+        x = x + self.attn(self.attn_norm(x), rotary_tables, mask)
         out, stats = self.feed_forward(x)
         return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
@@ -320,10 +338,10 @@ class Transformer(nnx.Module):
             lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False))
 
         if cfg.pipeline_stages == 1:
-            mask = attention_mask(segment_ids)
+            mask, tables = attention_mask(segment_ids), rotary_lookup(positions, cfg.head_dim, cfg.rope_theta)
 
             def layer(x, state):
-                return nnx.merge(block_def, state)(x, positions, mask)
+                return nnx.merge(block_def, state)(x, tables, mask)
 
             x, stats = jax.lax.scan(remat(layer), x, block_state, unroll=cfg.scan_unroll)  # stats [L, B, ...]
         else:
@@ -331,8 +349,9 @@ class Transformer(nnx.Module):
 
             def pipelined_layer(state, carry):
                 # The mask is rebuilt per microbatch from its segment ids: [T, T] per row, cheap next to attention.
-                x, stats = nnx.merge(block_def, state)(carry["x"], carry["positions"],
-                                                       attention_mask(carry["segment_ids"]))
+                x, stats = nnx.merge(block_def, state)(
+                    carry["x"], rotary_lookup(carry["positions"], cfg.head_dim, cfg.rope_theta),
+                    attention_mask(carry["segment_ids"]))
                 # Each row's MoE stats ride along as a shift register [rows, L, ...]: after the L layers, which a
                 # microbatch always runs in order, slot l holds layer l's.
                 routing = jax.tree.map(lambda buf, s: jnp.concatenate([buf[:, 1:], s[:, None]], axis=1),
