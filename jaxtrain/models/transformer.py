@@ -239,7 +239,7 @@ class Attention(nnx.Module):
         Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
         q, k, v = self.qkv(x)
-        tables = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)  # decode positions pass T
+        tables = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)  # positions past T: no table
         q, k = rope(q, tables), rope(k, tables)
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
@@ -305,7 +305,8 @@ class Transformer(nnx.Module):
             self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
 
     def __call__(self, tokens, positions, segment_ids):
-        """tokens, positions, segment_ids: int [B, T] -> logits [B, T, vocab] in the compute dtype."""
+        """tokens, positions, segment_ids: int [B, T] -> logits [B, T, vocab] in the compute dtype. Positions index
+        their row, 0 <= p < T (`rotary_lookup`); one outside gives NaN logits."""
         return self.forward(tokens, positions, segment_ids)[0]
 
     def forward(self, tokens, positions, segment_ids):
