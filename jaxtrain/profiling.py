@@ -10,9 +10,11 @@ directory:
 XLA:CPU records one trace event per HLO instruction it runs. Ops that run at the same time share the cores, so
 each instant's wall time is split evenly between the ops running then: the per-op times add up to the time the
 steps kept the device busy, instead of counting overlapped time twice. Matmuls (dots, and fusions holding dots)
-also get their FLOP rate, from the HLO's shapes. The trace holds every device of the process, so with several (8
-fake CPU devices, a GPU host's 8) the times and rates are all of them together. GPU traces name their kernels
-differently; this reading is tested on CPU only.
+also get their FLOP rate, from the HLO's shapes, and every op the rate at which it moved its operands and result
+(GB/s; an upper bound for an op that reads part of an operand): a pass far below the memory bandwidth is
+compute-bound (an exponential) or badly laid out (a transpose). The trace holds every device of the process,
+so with several (8 fake CPU devices, a GPU host's 8) the times and rates are all of them together. GPU traces
+name their kernels differently; this reading is tested on CPU only.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def _describe(module, instr, fused: dict) -> tuple[str, float, str]:
 
 
 def summarize(trace_path, hlo_text: str, steps: int) -> dict:
-    """{"steps", "span_ms", "busy_ms", "kinds": [...], "ops": [...]}, times per step (an op's "flops": per run):
+    """{"steps", "span_ms", "busy_ms", "kinds": [...], "ops": [...]}, times per step (an op's "flops" and "bytes",
+    its operands' and result's: per run):
     every event of the trace that names an instruction of the compiled module `hlo_text` (containers such as while
     loops excluded). Events are matched by name only: another computation run inside the traced steps (an eval)
     adds its ops of the same names."""
@@ -98,8 +101,12 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
     for name, us in times.items():
         kind, flops, what = _describe(module, module["by_name"][name], fused)
         runs = counts[name] / steps
+        instr = module["by_name"][name]
+        moved = plan.shape_bytes(instr["shape"]) + sum(plan.shape_bytes(module["shapes"].get(o, ""))
+                                                       for o in plan.operands(instr))
         ops.append({"op": name, "ms": us / 1e3 / steps, "runs": runs, "kind": kind, "what": what, "flops": flops,
-                    "gflops_per_s": flops * runs / (us / 1e3 / steps) / 1e6 if flops and us else None})
+                    "bytes": moved, "gflops_per_s": flops * runs / (us / 1e3 / steps) / 1e6 if flops and us else None,
+                    "gbytes_per_s": moved * runs / (us / 1e3 / steps) / 1e6 if us else None})
         kinds[kind]["ms"] += us / 1e3 / steps
         kinds[kind]["flops"] += flops * runs
     busy = sum(op["ms"] for op in ops)
@@ -119,8 +126,9 @@ def format_summary(s: dict, top: int = 30, kinds: int | None = None) -> str:
     lines += [f"{r['kind']:<24} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {rate(r)}" for r in s["kinds"][:kinds]]
     if not top:
         return "\n".join(lines)
-    lines += ["", f"{'op':<32} {'ms/step':>9} {'share':>6} {'runs':>5} {'GFLOP/s':>8}  what"]
-    lines += [f"{r['op']:<32} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {r['runs']:5.0f} {rate(r)}  "
+    moved = lambda r: f"{r['gbytes_per_s']:6.1f}" if r.get("gbytes_per_s") else " " * 6  # noqa: E731
+    lines += ["", f"{'op':<32} {'ms/step':>9} {'share':>6} {'runs':>5} {'GFLOP/s':>8} {'GB/s':>6}  what"]
+    lines += [f"{r['op']:<32} {r['ms']:9.2f} {r['ms'] / s['busy_ms']:6.1%} {r['runs']:5.0f} {rate(r)} {moved(r)}  "
               f"{r['kind']}: {r['what']}" for r in s["ops"][:top]]
     return "\n".join(lines)
 
