@@ -89,6 +89,33 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
                                                 .compile().as_text())
 
 
+def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
+    """project_fused (QKV, gate/up) in bf16 with a SwiGLU-like f32 use of its parts: the gradients equal those of a
+    plain jnp.split bit for bit, and the compiled backward joins the parts' gradients as 16-bit data. With the
+    plain split, XLA joined them in f32 (the check can fail)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(0, 1, (2, 16, 32)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.normal(0, 0.2, (32, n)), jnp.bfloat16) for n in (24, 24)]
+
+    def loss(x, ws):
+        gate, up = transformer.project_fused(x, ws, "mlp", "act_mlp")
+        return jnp.sum((jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(jnp.bfloat16)
+                       .astype(jnp.float32) ** 2)
+
+    def concatenations(hlo: str) -> set[str]:
+        return {i["shape"].split("[")[0] for i in plan.parse_hlo(hlo)["by_name"].values()
+                if i["op"] == "concatenate" and i["shape"].split("[")[1].startswith("2,16,1,48")}
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    got, joins = grad(x, ws), concatenations(grad.lower(x, ws).compile().as_text())
+    monkeypatch.setattr(transformer, "split_last", lambda y, cuts: jnp.split(y, cuts, axis=-1))
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    want, plain_joins = plain(x, ws), concatenations(plain.lower(x, ws).compile().as_text())
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.bfloat16 and np.array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
+    assert joins and joins <= {"bf16", "u16"} and plain_joins == {"f32"}, (joins, plain_joins)
+
+
 def test_cpu_bf16_fused_loss_runs_bf16_dots():
     """The fused head + cross-entropy in bf16: its three matmuls per chunk (logits, dx, dW) read bf16 operands."""
     rng = np.random.default_rng(0)
