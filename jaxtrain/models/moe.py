@@ -37,7 +37,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain, split_ways
-from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param, weight
+from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param, split_last, weight
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -141,7 +141,7 @@ class MoE(nnx.Module):
         joined = jnp.concatenate([w.reshape(e, d, ways, f // ways) for w in (w_gate, w_up)], axis=-1)
         joined = constrain(joined, ("experts", None, "mlp", None))
         y = jnp.einsum("ebncd,edtg->ebnctg", expert_in, joined)
-        return [part.reshape(*y.shape[:4], f) for part in jnp.split(y, 2, axis=-1)]
+        return [part.reshape(*y.shape[:4], f) for part in split_last(y, (y.shape[-1] // 2,))]
 
     def __call__(self, x):
         """x [B, T, d] -> (y [B, T, d] in x's dtype, routing stats per row: `route`'s summed over each row's groups,
