@@ -200,10 +200,15 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def _frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """RoPE's angle per unit of position for each of the head_dim // 2 rotated pairs, f32."""
+    half = head_dim // 2
+    return np.float32(theta) ** (-np.arange(half, dtype=np.float32) / half)
+
+
 def rotary(positions, head_dim: int, theta: float):
     """RoPE's (cos, sin) at `positions` [B, T]: f32 [B, T, 1, head_dim // 2] each."""
-    half = head_dim // 2
-    angle = positions.astype(jnp.float32)[:, :, None, None] * theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * _frequencies(head_dim, theta)
     return jnp.cos(angle), jnp.sin(angle)
 
 
@@ -212,8 +217,8 @@ def rotary_lookup(positions, head_dim: int, theta: float):
     read from a table of positions 0..T-1 built at trace time; a position outside it reads NaN. XLA fuses a sine
     into every op that reads it, so even computed once per step the sines were recomputed in each of the ~20
     fusions that apply or differentiate RoPE (~15 ms of the bf16 bench_cpu step); a lookup fuses as a load."""
-    t, half = positions.shape[1], head_dim // 2
-    angle = np.arange(t, dtype=np.float32)[:, None] * np.float32(theta) ** (-np.arange(half, dtype=np.float32) / half)
+    t = positions.shape[1]
+    angle = np.arange(t, dtype=np.float32)[:, None] * _frequencies(head_dim, theta)
     index = jnp.where(positions < 0, t, positions)  # take would wrap a negative index around
     return tuple(jnp.take(table, index, axis=0, mode="fill", fill_value=np.nan)[:, :, None, :]
                  for table in (np.cos(angle), np.sin(angle)))
