@@ -99,9 +99,9 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
     fused = {f["name"]: module["computations"][comp] for comp, f in module["fusion_of"].items()}
     ops, kinds = [], collections.defaultdict(lambda: {"ms": 0.0, "flops": 0.0})
     for name, us in times.items():
-        kind, flops, what = _describe(module, module["by_name"][name], fused)
-        runs = counts[name] / steps
         instr = module["by_name"][name]
+        kind, flops, what = _describe(module, instr, fused)
+        runs = counts[name] / steps
         moved = plan.shape_bytes(instr["shape"]) + sum(plan.shape_bytes(module["shapes"].get(o, ""))
                                                        for o in plan.operands(instr))
         ops.append({"op": name, "ms": us / 1e3 / steps, "runs": runs, "kind": kind, "what": what, "flops": flops,
