@@ -8,7 +8,9 @@
    figure is the ratio of the deepest to the shallowest (target <= 1.5). Nothing is allocated (shapes only).
 2. `python -m jaxtrain.main --config <default> --config.train.steps=1` is started as a fresh process and
    timed from launch to the `step 1/1` line: imports, backend start, config, data (already prepared: this
-   script prepares it first and excludes that), mesh, compile and the first step (target <= 10 s).
+   script prepares it first and excludes that), mesh, compile and the first step (target <= 10 s). On CPU a
+   run's first start on a machine also measures the matmul peak for MFU (cached afterwards); the line says
+   whether this one did.
 Ends with one JSON line.
 """
 
@@ -47,7 +49,7 @@ def compile_seconds(cfg) -> tuple[float, float]:
 
 def startup_seconds(config_path: str) -> tuple[float, str]:
     """Seconds from launching a 1-step run of `config_path` to its `step 1/1` line, and that run's own
-    'compiled ... (startup ...)' line."""
+    'compiled ... (startup ...)' and 'peak ...' lines."""
     from jaxtrain import train
     from jaxtrain.data import prepare
 
@@ -61,8 +63,8 @@ def startup_seconds(config_path: str) -> tuple[float, str]:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_step_s, compiled_line = None, ""
     for line in proc.stdout:
-        if line.startswith("compiled train step"):
-            compiled_line = line.strip()
+        if line.startswith(("compiled train step", "peak ")):
+            compiled_line = " | ".join(filter(None, [compiled_line, line.strip()]))
         if line.startswith("step 1/1") and first_step_s is None:
             first_step_s = time.perf_counter() - t
     if proc.wait() != 0 or first_step_s is None:
