@@ -109,7 +109,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
         # d(loss)/d(logits) = weights * (softmax - one_hot), one fused pass over the chunk's logits.
         is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t_c[..., None]
         dlogits = wt_c[..., None] * (jnp.exp(logits - lse[..., None]) - is_target)
-        dlogits = constrain(dlogits.astype(dtype), ("batch", "seq", "act_vocab"))
+        dlogits = constrain(cpu_bf16.cast(dlogits, dtype), ("batch", "seq", "act_vocab"))
         dx_c = project(dlogits, w_t, preferred_element_type=jnp.float32)
         per_shard = _by_shard(dlogits, *ways, f_name="act_vocab")
         dw = dw + jax.lax.dot_general(x_t, per_shard, (((3,), (2,)), ((0, 1), (0, 1))),
