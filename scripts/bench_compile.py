@@ -61,15 +61,15 @@ def startup_seconds(config_path: str) -> tuple[float, str]:
            "--config.eval.at_start=False", "--config.sample.max_new_tokens=0"]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first_step_s, compiled_line = None, ""
+    first_step_s, run_lines = None, ""
     for line in proc.stdout:
         if line.startswith(("compiled train step", "peak ")):
-            compiled_line = " | ".join(filter(None, [compiled_line, line.strip()]))
+            run_lines = " | ".join(filter(None, [run_lines, line.strip()]))
         if line.startswith("step 1/1") and first_step_s is None:
             first_step_s = time.perf_counter() - t
     if proc.wait() != 0 or first_step_s is None:
         raise SystemExit(f"the 1-step run failed (exit {proc.returncode}): {' '.join(cmd)}")
-    return first_step_s, compiled_line
+    return first_step_s, run_lines
 
 
 def main(argv):
@@ -88,9 +88,9 @@ def main(argv):
         print(f"{n:3d} layers: lower {lower_s:5.2f} s, compile {compile_s:5.2f} s", file=sys.stderr)
     ratio = (rows[-1]["lower_s"] + rows[-1]["compile_s"]) / (rows[0]["lower_s"] + rows[0]["compile_s"])
     print(f"lower+compile {depths[-1]} / {depths[0]} layers: {ratio:.2f}x (target <= 1.5x)", file=sys.stderr)
-    startup_s, compiled_line = startup_seconds(_DEFAULT.value)
+    startup_s, run_lines = startup_seconds(_DEFAULT.value)
     print(f"startup to the first step of {_DEFAULT.value}: {startup_s:.1f} s (target <= 10 s; data prepared "
-          f"beforehand) | {compiled_line}", file=sys.stderr)
+          f"beforehand) | {run_lines}", file=sys.stderr)
     print(json.dumps({"devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
                       "compile": rows, "deep_over_shallow": ratio, "startup_to_first_step_s": startup_s}))
 

@@ -9,6 +9,8 @@ Autodiff's backward of x @ w has both bad forms: its dw reads x transposed. So o
 `matmul`'s VJP: f32 accumulation cast back to bf16 in the forward, dx as g contracted with w's last dim (a supported
 form), and dw from x transposed into memory first. Blocked attention (`jaxtrain.models.attention`) and the fused loss
 (`jaxtrain.models.cross_entropy`) lay out their operands the same way.
+
+`cast` is astype for a f32 -> bf16 cast that follows an exp in one fusion, where XLA:CPU's convert is slow.
 """
 
 from __future__ import annotations
