@@ -222,6 +222,14 @@ def active_sharding() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
     return _ACTIVE.get()
 
 
+def compile_platform() -> str:
+    """The platform the computation being traced compiles for: the active mesh's devices' ("cpu", "gpu", "tpu"),
+    else this process's default backend. An ahead-of-time compile for GPUs on a CPU host (`jaxtrain.plan
+    --compiler gpu`) then traces the GPU's forms, not the CPU's (`jaxtrain.models.cpu_bf16`)."""
+    active = _ACTIVE.get()
+    return active[0].devices.flat[0].platform if active is not None else jax.default_backend()
+
+
 def split_ways(name: str) -> int:
     """Into how many pieces the active rules split the logical axis `name` (1 outside `activation_sharding`)."""
     active = _ACTIVE.get()

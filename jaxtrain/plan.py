@@ -1,4 +1,5 @@
-"""`python -m jaxtrain.plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--config.a.b=v ...]`
+"""`python -m jaxtrain.plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--compiler auto|cpu|gpu]
+[--config.a.b=v ...]`
 
 Does this fit, and how fast could it go? Answered before anyone books a cluster: the train step is
 compiled ahead of time (shapes only, no parameter is ever allocated) for N devices, and the compiled
@@ -15,6 +16,9 @@ compiler runs bf16 matmuls in f32 and keeps f32 activations, so for a bf16 targe
 are about the f32 figure (the report prints the analytic temporaries both ways), and it has no
 reduce-scatter: it all-reduces and slices, which the GPU/TPU pipelines turn into a reduce-scatter, so the
 report counts an all-reduce whose every result is only sliced to 1/n afterwards as a reduce-scatter.
+`--compiler gpu` (the default for `--backend gpu` where the CUDA PJRT plugin is installed) compiles with XLA:GPU
+instead, for N described GPUs of `--device_kind` (`jaxtrain.gpu_topology`, no GPU needed): then fusion, buffer
+reuse, collectives and scheduling are the GPU compiler's, without its autotuning.
 
 From Python: `plan(config, num_devices, backend) -> dict` (the process must already see N CPU devices),
 `format_report(result)` for the table, `parse_replica_groups` / `collectives` for HLO text.
@@ -152,6 +156,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+from jaxtrain import gpu_topology
 
 BACKENDS = ("cpu", "gpu", "tpu")
 DEFAULT_DEVICE_KIND = {"gpu": "H100", "tpu": "TPU v5p"}
@@ -838,11 +844,14 @@ def peak_per_device(backend: str, device_kind: str | None, num_devices: int,
 
 
 def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | None = None, mfu: float = 0.5,
-         peak_flops: float | None = None, hlo_path: str | None = None) -> dict:
+         peak_flops: float | None = None, hlo_path: str | None = None, compiler: str = "cpu") -> dict:
     """Compiles `config`'s train step for `num_devices` fake CPU devices with `backend`'s dtypes, and returns
     every figure of the report (bytes are per device). Raises config.ConfigError on bad input.
 
     The calling process must see at least `num_devices` CPU devices (XLA_FLAGS, before jax is imported).
+    `compiler="gpu"` (with backend "gpu") compiles with XLA:GPU instead, for `num_devices` described GPUs of
+    `device_kind` (`jaxtrain.gpu_topology`: needs the CUDA PJRT plugin, not a GPU): the memory, fusions and
+    collectives are then the GPU compiler's own.
     `peak_flops`: peak FLOP/s per device, overriding the `backend` / `device_kind` lookup. `hlo_path`: also
     write the compiled HLO text there (to read the collectives' op names and shapes)."""
     import jax  # noqa: PLC0415
@@ -858,11 +867,23 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         raise config_lib.ConfigError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
     if not 0 < mfu <= 1:
         raise config_lib.ConfigError("mfu", f"must be in (0, 1], got {mfu!r}")
-    cpu_devices = jax.devices("cpu")
-    if len(cpu_devices) < num_devices:
-        raise config_lib.ConfigError("devices", f"{num_devices} requested but this process has {len(cpu_devices)} "
-                                     f"CPU device(s); set XLA_FLAGS=--xla_force_host_platform_device_count="
-                                     f"{num_devices} before jax is imported (the CLI does)")
+    if compiler == "gpu":
+        if backend != "gpu":
+            raise config_lib.ConfigError("compiler", f"gpu compiles for a gpu target; --backend is {backend!r}")
+        try:
+            devices = gpu_topology.devices(device_kind, num_devices)
+        except (ModuleNotFoundError, ValueError) as e:
+            raise config_lib.ConfigError("compiler", str(e)) from None
+        compiled_on = f"{num_devices} described {gpu_topology.spec_for(device_kind)[0].upper()} GPU(s), by XLA:GPU"
+    elif compiler == "cpu":
+        devices = jax.devices("cpu")[:num_devices]
+        if len(devices) < num_devices:
+            raise config_lib.ConfigError("devices", f"{num_devices} requested but this process has {len(devices)} "
+                                         f"CPU device(s); set XLA_FLAGS=--xla_force_host_platform_device_count="
+                                         f"{num_devices} before jax is imported (the CLI does)")
+        compiled_on = f"{num_devices} fake CPU devices"
+    else:
+        raise config_lib.ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
     facts = config_lib.validate(config, num_devices)
     config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
     model_cfg = config_lib.model_config(config, backend)
@@ -873,13 +894,15 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     mesh_shape, rules = facts["mesh_shape"], facts["rules"]
 
     # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
-    # backend it runs on) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the analytic
-    # counts the target's kernel).
+    # platform it compiles for) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the
+    # analytic counts the target's kernel).
     config = copy.deepcopy(config)
     config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
-    config.model.attention_impl = "xla"
-    trainer = train.build_trainer(config, mesh_shape, rules, devices=cpu_devices[:num_devices])
-    assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl="xla"), (trainer.model_cfg, model_cfg)
+    if compiler == "cpu":
+        config.model.attention_impl = "xla"
+    trainer = train.build_trainer(config, mesh_shape, rules, devices=devices)
+    assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl=config.model.attention_impl), \
+        (trainer.model_cfg, model_cfg)
 
     t = config.train
     abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
@@ -910,6 +933,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""
     if hlo_path:
+        Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         Path(hlo_path).write_text(text)
     module = parse_hlo(text)
     ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if text else []
@@ -942,9 +966,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         "config": {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size,
                    "seq_len": t.seq_len, "microbatches": t.microbatches, "remat": model_cfg.remat,
                    "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype,
-                   "attention_impl": model_cfg.attention_impl},
+                   "attention_impl": model_cfg.attention_impl, "compiled_attention": config.model.attention_impl},
         "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
-                   "num_devices": num_devices, "compiled_on": f"{num_devices} fake CPU devices",
+                   "num_devices": num_devices, "compiler": compiler, "compiled_on": compiled_on,
                    "peak_flops_per_device": peak_dev, "peak_source": peak_source,
                    "memory_bytes": device_memory(backend, device_kind)},
         "model": {"params": n_params, "tokens_per_step": tokens, "layers": model_cfg.n_layers},
@@ -1003,8 +1027,9 @@ def format_report(r: dict) -> str:
         f"plan: {m['params'] / 1e6:,.2f}M params, {m['layers']} layers | target {tg['backend']} "
         f"({tg['device_kind']}), {c['dtype']} compute, {c['param_dtype']} params | {tg['num_devices']} devices, "
         f"mesh {mesh}, rules {c['rules']!r}",
-        f"compiled in {r['compile_s']:.1f}s on {tg['compiled_on']} (shapes only, nothing allocated; the CPU "
-        f"compiler's fusion and buffer reuse) | batch {c['batch_size']} x {c['seq_len']} = "
+        f"compiled in {r['compile_s']:.1f}s for {tg['compiled_on']} (shapes only, nothing allocated; "
+        + ("XLA:GPU's fusion, scheduling and buffer reuse, without autotuning" if tg["compiler"] == "gpu" else
+           "the CPU compiler's fusion and buffer reuse") + f") | batch {c['batch_size']} x {c['seq_len']} = "
         f"{m['tokens_per_step']:,} tokens/step, {c['microbatches']} microbatch(es), remat {c['remat']}",
         "",
         f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}",
@@ -1035,13 +1060,13 @@ def format_report(r: dict) -> str:
     lines.append(f"  analytic temporaries = gradients {_b(a['gradients'])} + activations {_b(a['activations'])} "
                  f"({_b(a['activations_per_layer'])} per layer, {a['tokens_per_device_microbatch']:,} tokens "
                  f"per device per microbatch)")
-    if c["dtype"] != "float32":
+    if c["dtype"] != "float32" and tg["compiler"] == "cpu":
         temp = (compiled or {}).get("temp")
         lines.append(f"  note: the CPU compiler computes {c['dtype']} matmuls in f32 and keeps f32 activations; with "
                      f"f32 activations the analytic temporaries are {_b(a['temporaries_f32_activations'])}"
                      + (f" (analytic/compiled {_r(a['temporaries_f32_activations'] / temp)})" if temp else "")
                      + f"; on the {tg['backend']} expect about the {c['dtype']} figure")
-    if c["attention_impl"] != "xla":
+    if c["attention_impl"] != c["compiled_attention"]:
         lines.append(f"  note: compiled with XLA's attention (the CPU has no {c['attention_impl']} kernel), which "
                      f"keeps [batch, heads, seq, seq] scores that the target's fused kernel does not; the analytic "
                      f"counts the fused kernel's (its softmax statistics only)")
@@ -1116,6 +1141,8 @@ def main(argv=None) -> None:
     if devices is not None:
         _force_host_devices(devices)  # before jax is imported (the config file imports it)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
+    # A CPU host with the CUDA plugin (for --compiler gpu) has no driver: skip jax's check of its CUDA libraries.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
     from absl import app, flags, logging  # noqa: PLC0415
 
@@ -1127,6 +1154,9 @@ def main(argv=None) -> None:
                         "(default: this machine's).")
     flags.DEFINE_string("device_kind", None, "Target device for the peak FLOP/s and memory, e.g. H100, "
                         "'TPU v5p' (default: H100 on gpu, TPU v5p on tpu, the measured machine on cpu).")
+    flags.DEFINE_enum("compiler", "auto", ["auto", "cpu", "gpu"], "Which XLA compiles the step: cpu (fake CPU "
+                      "devices), gpu (XLA:GPU for described GPUs of --device_kind, no GPU needed: the CUDA PJRT plugin "
+                      "must be installed, BUILD.md), auto (gpu for --backend gpu when the plugin is installed).")
     flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device, overriding --device_kind's.")
     flags.DEFINE_float("mfu", 0.5, "Model FLOPs utilisation for the ideal step time.")
     flags.DEFINE_string("json", None, "Also write the figures as JSON to this path.")
@@ -1152,8 +1182,12 @@ def main(argv=None) -> None:
             import jax  # noqa: PLC0415
             backend = FLAGS.backend or {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
                                                                           jax.default_backend())
+            compiler = FLAGS.compiler
+            if compiler == "auto":
+                compiler = "gpu" if backend == "gpu" and gpu_topology.available() else "cpu"
             result = plan(config, n, backend, device_kind=FLAGS.device_kind, mfu=FLAGS.mfu,
-                          peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo)
+                          peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo,
+                          compiler=compiler)
         except config_lib.ConfigError as e:
             print(f"error: {e}".splitlines()[0], file=sys.stderr)
             sys.exit(2)

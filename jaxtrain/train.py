@@ -113,9 +113,10 @@ def compiled_to_run_once(jitted, mesh):
 def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None) -> Trainer:
     """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them, `dcn` (validate's
     facts["dcn"]) lays the mesh out across slices or nodes."""
-    config_lib.check_backend(config, (devices or jax.devices())[0].platform)
+    platform = (devices or jax.devices())[0].platform  # a deviceless GPU topology's too (jaxtrain.plan)
+    config_lib.check_backend(config, platform)
     mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
-    model_cfg = config_lib.model_config(config, jax.default_backend())
+    model_cfg = config_lib.model_config(config, platform)
     optimizer = optim.make_optimizer(config.optim, config.train.steps)
     graphdef, abstract_state, shardings, init = abstract_train_state(model_cfg, optimizer, mesh, rules,
                                                                      config.train.seed)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import mesh as mesh_lib
+
 
 def applies(*arrays) -> bool:
     """Whether these are bf16 operands of a matmul compiled by XLA:CPU (which needs the forms above)."""
-    return all(a.dtype == jnp.bfloat16 for a in arrays) and jax.default_backend() == "cpu"
+    return all(a.dtype == jnp.bfloat16 for a in arrays) and mesh_lib.compile_platform() == "cpu"
 
 
 def cast(a, dtype):
@@ -29,7 +31,7 @@ def cast(a, dtype):
     fused loss's softmax gradient), XLA:CPU's own convert ran the pass at ~60% of the speed: exp then cast of 16M
     floats 5.3-6.0 ms against 3.5 this way; the bf16 bench_cpu step's four loss-gradient passes 24 -> 17 ms
     (2026-11-25). No gain measured where no exp precedes the cast (RMSNorm, RoPE, matmul outputs, attention)."""
-    if a.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if a.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16 and mesh_lib.compile_platform() == "cpu":
         return _round_to_bf16(a)
     return a.astype(dtype)
 

@@ -1,0 +1,88 @@
+"""`jaxtrain.plan --compiler gpu`: the train step compiled by XLA:GPU for described H100s, on this CPU-only
+machine (`jaxtrain.gpu_topology`; `make test` installs the CUDA PJRT plugin into .venv/cuda-plugin)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN_DIR = Path(sys.prefix) / "cuda-plugin"
+
+
+def _plan(tmp_path, *args):
+    """The planner's JSON and compiled HLO text, run in a process that can import the CUDA plugin."""
+    if not (PLUGIN_DIR / "jax_plugins").is_dir():
+        pytest.fail(f"{PLUGIN_DIR} holds no CUDA PJRT plugin: run `make test` (or the Makefile's pip line for it)")
+    out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]))
+    env.pop("XLA_FLAGS", None)  # the CLI sets the fake-device count itself
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", *args, "--json", str(out), "--hlo", str(hlo)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), hlo.read_text(), proc.stdout
+
+
+def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f32(tmp_path):
+    """configs/bench_gpu.py on one H100: the CPU compiler's temporaries are about the f32 activations' figure,
+    XLA:GPU's about the bf16 one; the program is XLA:GPU's (Triton or cuBLAS GEMMs, no YNNPACK fusions)."""
+    base = ["--config", "configs/bench_gpu.py", "--devices", "1", "--backend", "gpu"]
+    gpu, gpu_hlo, stdout = _plan(tmp_path / "gpu", *base, "--compiler", "gpu")
+    cpu, cpu_hlo, _ = _plan(tmp_path / "cpu", *base, "--compiler", "cpu")
+
+    assert gpu["target"]["compiler"] == "gpu" and "H100" in gpu["target"]["compiled_on"]
+    assert "by XLA:GPU" in stdout and "without autotuning" in stdout
+    assert ("__triton_nested_gemm_fusion" in gpu_hlo or "__cublas" in gpu_hlo) and "ynn_fusion" not in gpu_hlo
+    assert "ynn_fusion" in cpu_hlo
+
+    def temporaries(r):
+        return r["memory"]["compiled"]["temp"]
+
+    analytic = gpu["memory"]["analytic"]
+    assert gpu["memory"]["analytic"] == cpu["memory"]["analytic"]  # the same target, so the same estimate
+    assert 0.8 < analytic["temporaries"] / temporaries(gpu) < 1.25
+    assert 0.8 < analytic["temporaries_f32_activations"] / temporaries(cpu) < 1.25
+    assert temporaries(gpu) < 0.75 * temporaries(cpu)
+    # The same parameters and optimizer state either way: the arguments are the sharded state.
+    assert gpu["memory"]["compiled"]["argument"] == pytest.approx(cpu["memory"]["compiled"]["argument"], rel=1e-3)
+
+
+def test_gpu_compiler_errors_name_the_field(tmp_path):
+    """--compiler gpu needs a gpu target and a described GPU kind; each is a one-line error, exit 2."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]))
+    env.pop("XLA_FLAGS", None)
+    for args, needle in ((["--backend", "cpu"], "error: compiler: gpu compiles for a gpu target"),
+                         (["--backend", "gpu", "--device_kind", "A100"], "error: compiler: no GPU description for")):
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", "--config", "configs/tiny.py", "--devices", "1",
+                               "--compiler", "gpu", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(needle), proc.stderr[-2000:]
+
+
+_TRACE_PROJECT = """
+import sys
+import jax, jax.numpy as jnp
+from jaxtrain import gpu_topology, mesh as mesh_lib
+from jaxtrain.models import transformer
+devices = gpu_topology.devices("H100", 1) if sys.argv[1] == "gpu" else jax.devices("cpu")[:1]
+mesh = mesh_lib.make_mesh({"data": 1}, devices)
+x, w = jnp.zeros((4, 8, 16), jnp.bfloat16), jnp.zeros((16, 32), jnp.bfloat16)
+with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("dp")):
+    print(mesh_lib.compile_platform(), jax.make_jaxpr(jax.grad(lambda x, w: transformer.project(x, w).sum()))(x, w))
+"""
+
+
+@pytest.mark.parametrize("target", ["gpu", "cpu"])
+def test_the_model_traces_the_forms_of_the_platform_it_compiles_for(target):
+    """The bf16 projection takes cpu_bf16's custom VJP only when the mesh it is traced for is the CPU's, not in a
+    CPU process compiling for described GPUs."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TRACE_PROJECT, target], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(target)
+    assert ("custom_vjp_call" in proc.stdout) == (target == "cpu"), proc.stdout
