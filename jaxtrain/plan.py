@@ -130,8 +130,9 @@ the replica axes, see R):
     the last stage's output is broadcast from stage 0 and its gradient comes back, 2 * rows * S/Q * d * a
     (all-reduce over pipeline). The stacked layers are kept in the pipeline's order (pipeline_parallel.layer_order),
     so no weight moves between stages.
-Where XLA departs from this (the ratio column shows it): the fused loss
-(model.loss_chunk_tokens) computes the head's gradient in the forward, where the head is gathered once.
+The fused loss (model.loss_chunk_tokens) computes the head's gradient in the forward: an untied head is
+gathered once per microbatch, not twice.
+Where XLA departs from this (the ratio column shows it):
 FSDP with gradient accumulation and no replica axis: XLA keeps some gathered weights from one microbatch to the
 next (configs/tiny.py as fsdp 8 with 2 microbatches: all-gathers 1.5x over; configs/plan_1b.py: 1.08x).
 It also combines small collectives into tuples: compare bytes, not counts. MoE with
@@ -690,7 +691,10 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # never (its gradient is a scatter). Under a pipeline or per-replica accumulation XLA gathers once a step
         # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
         lookup = not tied and (p["names"] or ("",))[0] == "vocab"
-        passes = 1 if lookup or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
+        # The fused loss (model.loss_chunk_tokens) uses the head once, for the logits and dx alike, gathered before
+        # its chunk loop (cross_entropy._gathered_once).
+        fused_head = not tied and not lookup and "vocab" in (p["names"] or ()) and model_cfg.loss_chunk_tokens > 0
+        passes = 1 if lookup or fused_head or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
         copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
         add("reduce-scatter", gather, (2 if tied else 1) * times * gathered)

@@ -55,6 +55,13 @@ def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False, f_na
                      ("batch", "seq", None, f_name))
 
 
+def _gathered_once(w, dtype):
+    """w [d, V] cast to `dtype` and gathered over the axes FSDP splits d_model on, once, before the chunk loop. Left
+    to XLA, XLA:GPU put the gather inside the loop: every chunk gathered the head again for its logits and for its dx
+    (`jaxtrain.plan --compiler gpu`, configs/plan_1b.py on 8 H100s: 2 x 128 gathers of 125 MiB a step)."""
+    return constrain(w.astype(dtype), (None, "vocab"))
+
+
 def _chunk_loss(logits, targets, weights):
     """Summed weighted CE of one chunk, and the logsumexp [B, C]."""
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -80,7 +87,7 @@ def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
     Returns the f32 sum over positions of weights * cross-entropy of softmax(x @ w) against targets, computing
     about `chunk_tokens` tokens per device at a time (0 = all at once). The matmuls run in `dtype`, f32 results."""
     n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
-    w_dt = w.astype(dtype)  # cast once, not per chunk
+    w_dt = _gathered_once(w, dtype)
 
     def body(total, xs):
         x_c, t_c, w_c = xs
@@ -92,7 +99,7 @@ def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
 
 def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
-    w_dt = w.astype(dtype)  # cast once, not per chunk
+    w_dt = _gathered_once(w, dtype)
     # dW is summed over every token, and the tokens are split over devices along the batch and the sequence. Each
     # device sums its own tokens' share into its slice of a [batch ways, seq ways, d, V] accumulator, reduced once
     # after the last chunk: a plain [d, V] sum would make XLA reduce it across devices after every chunk (n times
