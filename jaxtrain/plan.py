@@ -6,7 +6,7 @@ compiled ahead of time (shapes only, no parameter is ever allocated) for N devic
 program is read back next to an analytic estimate.
 
 What is compiled is exactly what `train.run` compiles: `train.build_trainer` and its abstract state, lowered
-with an abstract batch, then `.compile()`. It is always compiled on N *fake CPU devices*
+with an abstract batch, then `.compile()`. By default it is compiled on N *fake CPU devices*
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax is imported). `--backend` names the
 *target*: it decides how `auto` dtypes resolve (`config.model_config`: bf16 compute on gpu/tpu) and
 which peak FLOP/s is quoted (`metrics.PEAK_FLOPS` by `--device_kind`; on cpu the measured matmul peak of
