@@ -614,6 +614,88 @@ def dot_flops(hlo) -> float:
                for comp, instrs in module["computations"].items() for instr in instrs)
 
 
+# ===== Roofline of a compiled program ==================================================================
+
+# Kernels: the ops that launch work in a non-fused computation. Collectives are left out (async on GPUs, they
+# overlap the compute; their bytes are in the collectives table). Scalar ops of loop bodies and conditions cost
+# nothing measurable and are left out too.
+_KERNEL_OPS = {"fusion", "custom-call", "copy", "transpose", "reduce", "dot", "convolution", "scatter", "gather",
+               "dynamic-update-slice", "dynamic-slice", "broadcast", "concatenate", "slice", "pad", "sort",
+               "select-and-scatter", "reduce-window"}
+
+
+def _flops_within(module, comp: str, seen=()) -> float:
+    """Dot / convolution FLOPs of a fused computation and what it calls."""
+    total = 0.0
+    for instr in module["computations"].get(comp, []):
+        total += instruction_flops(module, instr)
+        for target, _ in _called(instr):
+            if target not in seen:
+                total += _flops_within(module, target, seen + (comp,))
+    return total
+
+
+def _fusion_bytes(module, fusion, comp: str) -> float:
+    """Bytes a fusion reads and writes: a parameter only sliced inside (a layer of a stacked weight) counts its
+    slices, and a buffer updated in place (dynamic-update-slice into a scan's stacked outputs) counts the update."""
+    body = module["computations"][comp]
+    users: dict[str, list] = {}
+    for instr in body:
+        for i, name in enumerate(operands(instr)):
+            users.setdefault(name, []).append((instr, i))
+    args = operands(fusion)
+    shapes = {instr["name"]: instr["shape"] for instr in body}
+    total, written = 0.0, shape_bytes(fusion["shape"])
+    for instr in body:
+        if instr["op"] != "parameter":
+            continue
+        index = int(re.match(r"(\d+)", instr["rest"]).group(1))
+        uses = users.get(instr["name"], [])
+        if uses and all(u["op"] in ("dynamic-slice", "slice") and i == 0 for u, i in uses):
+            total += sum(shape_bytes(u["shape"]) for u, _ in uses)
+        elif uses and all(u["op"] == "dynamic-update-slice" and i == 0 for u, i in uses):
+            written = sum(shape_bytes(shapes.get(operands(u)[1], "")) for u, _ in uses)
+        elif index < len(args):
+            total += shape_bytes(module["shapes"].get(args[index], ""))
+    return total + written
+
+
+def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
+    """A roofline estimate of one device's step from compiled HLO: every kernel takes max(FLOPs / peak_flops,
+    bytes / bandwidth) and they run one after another (one stream), times how often its computation runs.
+    Matmul FLOPs inside custom calls (cuDNN attention) are not seen, so those count by their bytes only.
+    Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
+    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, _ = multiplicities(module)
+    kernels = []
+    for comp, instrs in module["computations"].items():
+        if comp in module["fusion_of"] or not mult.get(comp):
+            continue
+        for instr in instrs:
+            if instr["op"] not in _KERNEL_OPS:
+                continue
+            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"])
+            if instr["op"] == "fusion" and called and called.group(1) in module["computations"]:
+                nbytes = _fusion_bytes(module, instr, called.group(1))
+                flops = _flops_within(module, called.group(1))
+            else:
+                nbytes = shape_bytes(instr["shape"]) + sum(shape_bytes(module["shapes"].get(o, ""))
+                                                           for o in operands(instr))
+                flops = instruction_flops(module, instr) + (_flops_within(module, called.group(1)) if called else 0)
+            times = mult[comp]
+            op_name = re.search(r'op_name="([^"]*)"', instr["rest"])
+            kernels.append({"name": instr["name"], "kind": "matmul" if flops else instr["op"], "runs": times,
+                            "flops": flops * times, "bytes": nbytes * times,
+                            "seconds": max(flops / peak_flops, nbytes / bandwidth) * times,
+                            "op_name": op_name.group(1) if op_name else ""})
+    matmul = [k for k in kernels if k["kind"] == "matmul"]
+    other = sorted((k for k in kernels if k["kind"] != "matmul"), key=lambda k: -k["seconds"])
+    return {"seconds": sum(k["seconds"] for k in kernels), "kernels": len(kernels),
+            "matmul_seconds": sum(k["seconds"] for k in matmul), "matmul_flops": sum(k["flops"] for k in matmul),
+            "other_seconds": sum(k["seconds"] for k in other), "other_bytes": sum(k["bytes"] for k in other),
+            "peak_flops": peak_flops, "bandwidth": bandwidth, "top": other[:top]}
+
+
 # ===== Analytic model ==================================================================================
 
 def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tuple[str, ...]]:
@@ -955,6 +1037,10 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     cost = _cost_flops(compiled)
     dots = dot_flops(module) if text else None
     step_s = model_flops / (peak_dev * num_devices * mfu)
+    roof = None
+    if compiler == "gpu" and text:
+        roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
+        roof["mfu"] = model_flops / num_devices / (peak_dev * roof["seconds"])
 
     def ratio(x, y):
         return x / y if x is not None and y else None
@@ -984,7 +1070,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                   "hlo_dots_total": dots * num_devices if dots is not None else None,
                   "cost_analysis_vs_model": ratio(cost * num_devices if cost is not None else None, model_flops),
                   "hlo_dots_vs_model": ratio(dots * num_devices if dots is not None else None, model_flops)},
-        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s},
+        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
         "pipeline": {"stages": config.pipeline.stages, "microbatches": config.pipeline.microbatches,
                      "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats,
                      "bubble": pipeline_parallel.bubble_fraction(config.pipeline.stages, config.pipeline.microbatches,
@@ -1087,6 +1173,15 @@ def format_report(r: dict) -> str:
         f"  peak {_f(tg['peak_flops_per_device'])}/s per device x {tg['num_devices']} ({tg['peak_source']})",
         f"  at {s['mfu']:.0%} MFU: ideal step {_t(s['ideal_step_s'])}, {s['tokens_per_s']:,.0f} tokens/s",
     ]
+    roof = s.get("roofline")
+    if roof:
+        lines.append(f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each of its "
+                     f"{roof['kernels']} kernels ran at max(FLOPs / peak, bytes / {roof['bandwidth'] / 1e12:.2f} TB/s), "
+                     f"one after another (collectives overlapped)")
+        lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}); other kernels "
+                     f"{_t(roof['other_seconds'])} moving {_b(roof['other_bytes'])}, the largest:")
+        for k in roof["top"]:
+            lines.append(f"      {_t(k['seconds']):>10}  {k['name']} x{k['runs']:g}  {k['op_name'][-70:]}")
     p = r["pipeline"]
     if p["stages"] > 1:
         lines.append(f"  pipeline {p['stages']} stages x {p['microbatches']} microbatches ({p['schedule']}"

@@ -120,10 +120,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"], global_norm=grad_norm)
                 return optax.apply_updates(state["params"], updates), opt_state
 
-            # A non-finite loss or gradient never reaches the weights: keep the old ones for this step. A cond, not
-            # a select per array: the select re-read and re-wrote every weight and moment (50% more optimizer time).
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            params, opt_state = jax.lax.cond(finite, update, lambda _: (state["params"], state["opt_state"]), None)
+            params, opt_state = unless_non_finite(finite, update, (state["params"], state["opt_state"]),
+                                                  mesh_lib.compile_platform())
             new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
             # "loss" is the cross-entropy alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
@@ -131,6 +130,18 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             return new_state, metrics
 
     return train_step
+
+
+def unless_non_finite(finite, update: Callable, old, platform: str):
+    """update(None) where `finite`, else `old`, for a step compiled for `platform`: a non-finite loss or gradient
+    never reaches the weights. On CPU a cond: a select per array re-read and re-wrote every weight and moment
+    there (50% more optimizer time). Elsewhere a select, which fuses into the optimizer's own pass over the
+    state: XLA:GPU copied the whole state (params and both moments) into and out of the cond's branches, 44 GiB
+    a step for configs/bench_gpu.py (`jaxtrain.plan --compiler gpu`; ~14 ms on an H100), and it reads a cond's
+    predicate on the host."""
+    if platform == "cpu":
+        return jax.lax.cond(finite, update, lambda _: old, None)
+    return jax.tree.map(lambda new, kept: jnp.where(finite, new, kept), update(None), old)
 
 
 def make_eval_step(graphdef, mesh, rules) -> Callable:

@@ -4,7 +4,7 @@
 # Here, once (the device machine reaches no index; its image already has jax, flax, optax, orbax, tensorstore):
 #   bash scripts/gpu_bench.sh --download          # wheels of what the image lacks, into .whl/ (.gitignore'd)
 # On the device machine (`run` with carry [".whl"]; one call runs at most 10 minutes, so split the variants):
-#   bash scripts/gpu_bench.sh base cudnn lhs batch16
+#   bash scripts/gpu_bench.sh cudnn base lhs batch16
 #   bash scripts/gpu_bench.sh remat_none remat_full chunk0 chunk16k
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
 # $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log). A variant that would start after BUDGET_S seconds

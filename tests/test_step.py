@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -273,3 +274,23 @@ def test_wsd_holds_peak_until_the_decay_window():
     assert s(83) < 0.01
     assert s(91) == pytest.approx(0.01 - 0.009 * 9 / 18, rel=1e-5)
     assert s(100) == pytest.approx(0.001, rel=1e-5)
+
+
+@pytest.mark.parametrize("platform, primitive", [("cpu", "cond"), ("gpu", "select_n"), ("tpu", "select_n")])
+def test_a_non_finite_step_keeps_the_old_state_as_a_cond_on_cpu_and_a_select_elsewhere(platform, primitive):
+    """The guard's two forms (step.unless_non_finite): the same values, a cond only where it is cheaper (CPU)."""
+    from jaxtrain.step import unless_non_finite
+
+    old = {"w": jnp.arange(4.0), "m": (jnp.ones(3), jnp.zeros((), jnp.int32))}
+
+    def guarded(finite, scale):
+        def update(_):
+            return jax.tree.map(lambda x: (x * scale + 1).astype(x.dtype), old)
+        return unless_non_finite(finite, update, old, platform)
+
+    assert primitive in str(jax.make_jaxpr(guarded)(True, 2.0))
+    assert ("cond" in str(jax.make_jaxpr(guarded)(True, 2.0))) == (platform == "cpu")
+    kept = jax.jit(guarded)(False, jnp.nan)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), kept, old)
+    applied = jax.jit(guarded)(True, 2.0)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, (b * 2 + 1).astype(b.dtype)), applied, old)
