@@ -1040,7 +1040,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     roof = None
     if compiler == "gpu" and text:
         roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
-        roof["mfu"] = model_flops / num_devices / (peak_dev * roof["seconds"])
+        roof["mfu"] = model_flops / num_devices / (peak_dev * roof["seconds"]) if roof["seconds"] else None
 
     def ratio(x, y):
         return x / y if x is not None and y else None
@@ -1174,10 +1174,10 @@ def format_report(r: dict) -> str:
         f"  at {s['mfu']:.0%} MFU: ideal step {_t(s['ideal_step_s'])}, {s['tokens_per_s']:,.0f} tokens/s",
     ]
     roof = s.get("roofline")
-    if roof:
-        lines.append(f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each of its "
-                     f"{roof['kernels']} kernels ran at max(FLOPs / peak, bytes / {roof['bandwidth'] / 1e12:.2f} TB/s), "
-                     f"one after another (collectives overlapped)")
+    if roof and roof["mfu"]:
+        lines.append(f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each "
+                     f"of its {roof['kernels']} kernels ran at max(FLOPs / peak, bytes / "
+                     f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped)")
         lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}); other kernels "
                      f"{_t(roof['other_seconds'])} moving {_b(roof['other_bytes'])}, the largest:")
         for k in roof["top"]:
