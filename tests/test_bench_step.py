@@ -56,3 +56,21 @@ def test_gpu_bench_rejects_an_unknown_variant_before_running_any(tmp_path):
     proc = gpu_bench(tmp_path, "base", "remat_nonee")
     assert proc.returncode == 2 and "gpu_bench: unknown variant 'remat_nonee'" in proc.stderr
     assert not (tmp_path / "gpu_bench.jsonl").exists()
+
+
+def test_gpu_bench_runs_variants_joined_by_plus_as_one(tmp_path):
+    """`lhs+remat_full` is one run with both variants' XLA flags and arguments; its log's name has no +."""
+    proc = gpu_bench(tmp_path, "lhs+remat_full", budget_s=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = (tmp_path / "gpu_bench.jsonl").read_text().splitlines()
+    result = json.loads(line)
+    assert result["variant"] == "lhs+remat_full" and result["remat"] == "full"
+    assert result["xla_flags"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+    assert result["args"] == "--config.model.remat=full"
+    assert (tmp_path / "lhs-remat_full.log").is_file()
+
+
+def test_gpu_bench_rejects_an_unknown_part_of_a_joined_variant(tmp_path):
+    proc = gpu_bench(tmp_path, "cudnn+batch61")
+    assert proc.returncode == 2 and "gpu_bench: unknown variant 'batch61'" in proc.stderr
+    assert not (tmp_path / "gpu_bench.jsonl").exists()
