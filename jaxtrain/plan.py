@@ -644,7 +644,6 @@ def _fusion_bytes(module, fusion, comp: str) -> float:
         for i, name in enumerate(operands(instr)):
             users.setdefault(name, []).append((instr, i))
     args = operands(fusion)
-    shapes = {instr["name"]: instr["shape"] for instr in body}
     total, written = 0.0, shape_bytes(fusion["shape"])
     for instr in body:
         if instr["op"] != "parameter":
@@ -654,7 +653,7 @@ def _fusion_bytes(module, fusion, comp: str) -> float:
         if uses and all(u["op"] in ("dynamic-slice", "slice") and i == 0 for u, i in uses):
             total += sum(shape_bytes(u["shape"]) for u, _ in uses)
         elif uses and all(u["op"] == "dynamic-update-slice" and i == 0 for u, i in uses):
-            written = sum(shape_bytes(shapes.get(operands(u)[1], "")) for u, _ in uses)
+            written = sum(shape_bytes(module["shapes"].get(operands(u)[1], "")) for u, _ in uses)
         elif index < len(args):
             total += shape_bytes(module["shapes"].get(args[index], ""))
     return total + written

@@ -13,15 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = Path(sys.prefix) / "cuda-plugin"
 
 
-def _plan(tmp_path, *args):
-    """The planner's JSON and compiled HLO text, run in a process that can import the CUDA plugin."""
+def _plugin_env() -> dict:
+    """The environment of a process that can import the CUDA plugin (and sets its own CPU device count)."""
     if not (PLUGIN_DIR / "jax_plugins").is_dir():
         pytest.fail(f"{PLUGIN_DIR} holds no CUDA PJRT plugin: run `make test` (or the Makefile's pip line for it)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _plan(tmp_path, *args):
+    """The planner's JSON and compiled HLO text."""
     out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]))
-    env.pop("XLA_FLAGS", None)  # the CLI sets the fake-device count itself
     proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", *args, "--json", str(out), "--hlo", str(hlo)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=_plugin_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), hlo.read_text(), proc.stdout
 
@@ -81,8 +86,7 @@ def test_fsdp_on_8_gpus_gathers_the_head_once_per_microbatch(tmp_path):
 
 def test_gpu_compiler_errors_name_the_field(tmp_path):
     """--compiler gpu needs a gpu target and a described GPU kind; each is a one-line error, exit 2."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]))
-    env.pop("XLA_FLAGS", None)
+    env = _plugin_env()
     for args, needle in ((["--backend", "cpu"], "error: compiler: gpu compiles for a gpu target"),
                          (["--backend", "gpu", "--device_kind", "A100"], "error: compiler: no GPU description for")):
         proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", "--config", "configs/tiny.py", "--devices", "1",
@@ -109,9 +113,8 @@ with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("dp")):
 def test_the_model_traces_the_forms_of_the_platform_it_compiles_for(target):
     """The bf16 projection takes cpu_bf16's custom VJP only when the mesh it is traced for is the CPU's, not in a
     CPU process compiling for described GPUs."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _TRACE_PROJECT, target], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _TRACE_PROJECT, target], cwd=ROOT, env=_plugin_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(target)
     assert ("custom_vjp_call" in proc.stdout) == (target == "cpu"), proc.stdout
