@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# The CUDA PJRT plugin, for compiling for described GPUs on this CPU-only machine (`jaxtrain.plan --compiler gpu`,
+# The CUDA PJRT plugin, for compiling for described GPUs on this CPU-only machine (`jaxtrain plan --compiler gpu`,
 # tests/test_plan_gpu.py): its own folder, matched to the installed jaxlib, so that no other jax process here
 # loads it; no CUDA wheels (it compiles without them).
 $(VENV)/.installed-dev: pyproject.toml | $(PY)

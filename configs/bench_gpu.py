@@ -4,7 +4,7 @@ vocab 32000 untied; 0.98B parameters), bf16 compute (`auto` on GPU) with f32 mas
 8 x 2048 tokens a step. Attention is the library call with XLA's kernel (jax's default on GPUs too; cuDNN's flash
 kernel is `--config.model.attention_impl=cudnn`, scripts/gpu_bench.sh's `cudnn` variant); the fused loss runs 4096
 tokens per chunk; remat keeps the matmul outputs. Planned with
-`python -m jaxtrain.plan --config configs/bench_gpu.py --devices 1 --backend gpu`.
+`jaxtrain plan --config configs/bench_gpu.py --devices 1 --backend gpu`.
 """
 
 from jaxtrain.config import base_config

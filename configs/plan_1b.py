@@ -1,8 +1,8 @@
-"""A ~1B-parameter Llama-style model for planning GPU/TPU runs (`python -m jaxtrain.plan`), not for CPU training:
+"""A ~1B-parameter Llama-style model for planning GPU/TPU runs (`jaxtrain plan`), not for CPU training:
 d_model 2048, 18 layers, 16 heads (8 KV heads) of 128, d_ff 5632, vocab 32000 untied (0.98B parameters);
 FSDP over all devices, 256 x 2048 tokens per step in 4 microbatches, remat keeps matmul outputs.
 
-    python -m jaxtrain.plan --config configs/plan_1b.py --devices 8 --backend gpu --device_kind H100
+    jaxtrain plan --config configs/plan_1b.py --devices 8 --backend gpu --device_kind H100
 """
 
 from jaxtrain.config import base_config

@@ -17,7 +17,7 @@ Restoring with an abstract target that carries the *current* shardings reshards 
 resume on a different mesh or device count. The checksums do not depend on the sharding.
 
 The stacked layers are saved in the order the run keeps them (a circular pipeline keeps them stage-major:
-`jaxtrain.pipeline_parallel.layer_order`), which integrity/ records as `layer_order` (absent: the model's order).
+`jaxtrain.parallel.pipeline.layer_order`), which integrity/ records as `layer_order` (absent: the model's order).
 Restore verifies the checksums on that order, then moves the layers into the restoring run's order, so a run
 can also resume under another pipeline schedule, and tools that read weights get the model's order. Saving
 them converted instead would hold a second copy of the layers on the devices while the save starts.
@@ -40,18 +40,36 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jaxtrain import pipeline_parallel
+from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
+from jaxtrain.fields import Group
+from jaxtrain.parallel import pipeline as pipeline_parallel
 
 _FORMAT = 1
+WRITE_ERROR_POLICIES = ("stop", "continue")
+# The config's `checkpoint` group. Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest
+# `keep` plus every `keep_period`-th step (0 = none). `local_dir` (optional) is a faster disk saved every
+# `local_every_steps`; restore takes the newest verified copy in either. `on_write_error`: "stop" (exit 4) or
+# "continue" (warn; the next save tries again). A good checkpoint is never deleted.
+CONFIG = dict(every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
+              local_keep=2, on_write_error="stop")
+
+
+def check_config(c) -> None:
+    """ConfigError naming the first bad field of the `checkpoint` group."""
+    g = Group(c, "checkpoint")
+    g.positive_int("every_steps")
+    g.number("every_minutes", lo=0)
+    g.positive_int("keep")
+    g.positive_int("keep_period", allow_zero=True)
+    g.positive_int("local_every_steps", allow_zero=True)
+    g.positive_int("local_keep")
+    if not isinstance(c.local_dir, str):
+        raise ConfigError("checkpoint.local_dir", f"must be a path or empty, got {c.local_dir!r}")
+    if bool(c.local_dir) != bool(c.local_every_steps):
+        raise ConfigError("checkpoint.local_every_steps", "set both checkpoint.local_dir and "
+                          "checkpoint.local_every_steps, or neither")
+    g.choice("on_write_error", WRITE_ERROR_POLICIES)
 _COMMIT_MARKER = "commit_success.txt"  # Orbax >= 0.12.8 writes it on every backend, then renames on POSIX
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, read or verified."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """The checkpoint holds another model (array names, shapes or dtypes): bad input, not damage."""
 
 
 class _Corrupt(Exception):

@@ -1,6 +1,6 @@
 """Exit codes, the step watchdog and coordinated preemption (SIGTERM -> every process saves the same step).
 
-Exit codes are the contract with `jaxtrain.supervise` and with any scheduler: 75 (sysexits EX_TEMPFAIL)
+Exit codes are the contract with `jaxtrain.tools.supervise` and with any scheduler: 75 (sysexits EX_TEMPFAIL)
 means "preempted, state saved, run the same command again"; 124 (as coreutils `timeout`) means a step hung.
 
 Preemption across processes uses JAX's own preemption sync point
@@ -24,12 +24,22 @@ import threading
 import time
 import traceback
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2  # bad config or input: rerunning the same command cannot help
-EXIT_NONFINITE = 3  # halted on a non-finite loss (faults.nan_policy=halt)
-EXIT_CHECKPOINT = 4  # a checkpoint write failed
-EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: state saved, retry later
-EXIT_HUNG = 124  # the step watchdog fired, as coreutils `timeout`
+from jaxtrain.errors import EXIT_HUNG
+from jaxtrain.fields import Group
+
+NAN_POLICIES = ("halt", "skip", "rollback")
+# The config's `faults` group. `nan_policy` for a non-finite loss or gradient (the update is never applied): "halt"
+# (exit 3), "skip" (drop that step's update and go on) or "rollback" (restore the last checkpoint and skip the data
+# since). `step_timeout_s`: a step (or a peer) stuck this long dumps all stacks and exits 124 (0 = off).
+# `preempt_grace_s`: the time SIGTERM leaves us to save; we warn if a save took longer.
+CONFIG = dict(nan_policy="halt", step_timeout_s=600.0, preempt_grace_s=30.0)
+
+
+def check_config(faults) -> None:
+    g = Group(faults, "faults")
+    g.choice("nan_policy", NAN_POLICIES)
+    g.number("step_timeout_s", lo=0)
+    g.number("preempt_grace_s", lo=0)
 
 
 class Watchdog:

@@ -12,8 +12,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtrain import profiling
-from jaxtrain.checkpoint import CheckpointError
+from jaxtrain.data import pipeline as data_pipeline
+from jaxtrain.errors import CheckpointError, NonFiniteLoss, Preempted
+from jaxtrain.fields import Group
+from jaxtrain.observe import profiling
+
+# The config's `eval` group (EvalHook): held-out loss every `every_steps` (0 = only at the end), `batches` batches
+# each, and at step 0 when `at_start`. `sets` (optional): more validation sets, "name=DIR,name2=DIR2", each the
+# held-out split of a prepared dir tokenized with `data.dir`'s tokenizer, reported as eval_loss/<name>; eval_loss
+# stays data.dir's.
+EVAL_CONFIG = dict(every_steps=50, batches=4, at_start=True, sets="")
+
+
+def check_eval_config(e) -> None:
+    g = Group(e, "eval")
+    g.positive_int("every_steps", allow_zero=True)
+    g.positive_int("batches")
+    data_pipeline.check_eval_sets(e.sets)
 
 
 class Clock:
@@ -49,23 +64,11 @@ class Hook:
     def rewind(self, step: int) -> None: ...
 
 
-class NonFiniteLoss(RuntimeError):
-    """faults.nan_policy=halt met a non-finite loss or gradient (exit 3)."""
-
-
 class Rollback(Exception):
     """faults.nan_policy=rollback: the loop restores the last checkpoint and skips the data up to `step`."""
 
     def __init__(self, step: int):
         super().__init__(f"non-finite loss or gradient at step {step}")
-        self.step = step
-
-
-class Preempted(Exception):
-    """SIGTERM reached some process: every process saved `step` and exits EXIT_PREEMPTED."""
-
-    def __init__(self, step: int):
-        super().__init__(f"preempted: saved step {step}; rerun the same command to resume")
         self.step = step
 
 
@@ -263,7 +266,7 @@ class PreemptionHook(Hook):
 
 
 class GoodputHook(Hook):
-    """Feeds jaxtrain.goodput's record (process 0): productive step time every `every` steps."""
+    """Feeds jaxtrain.observe.goodput's record (process 0): productive step time every `every` steps."""
 
     def __init__(self, recorder, *, every: int, clock: Clock, start_step: int):
         self.recorder, self.every, self.clock = recorder, every, clock
@@ -305,7 +308,7 @@ class ProfileHook(Hook):
     """A jax.profiler trace of steps first..last (log.profile_steps) into `logdir`, for TensorBoard's profile
     plugin or Perfetto (perfetto_trace.json.gz). Steps run ahead of the host, so the trace starts once the step
     before `first` has finished and stops once `last` has. A run resumed past `first` traces nothing. Then, with
-    `hlo_text` (a callable returning the compiled step's HLO), jaxtrain.profiling's table of where the time went:
+    `hlo_text` (a callable returning the compiled step's HLO), jaxtrain.observe.profiling's table of where the time went:
     summary.txt, and its per-kind lines printed."""
 
     def __init__(self, first: int, last: int, logdir, *, start_step: int, hlo_text=None, print_fn=print):

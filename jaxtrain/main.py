@@ -1,6 +1,6 @@
-"""`python -m jaxtrain.main --config configs/default.py [--config.train.steps=50 ...]`
+"""`python -m jaxtrain.main --config configs/default.py [--config.train.steps=50 ...]` (or `jaxtrain train ...`).
 
-Exit codes (jaxtrain.faults): 0 done (or already finished); 2 bad config or input (one line on stderr
+Exit codes (jaxtrain.errors): 0 done (or already finished); 2 bad config or input (one line on stderr
 naming the field or path); 3 non-finite loss with faults.nan_policy=halt; 4 a checkpoint write failed;
 75 preempted (SIGTERM: the step was saved, rerun to resume); 124 a step or peer hung (stacks dumped).
 """
@@ -11,10 +11,14 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+from jaxtrain import errors
+
+CONFIG_FLAG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
+                                              lock_config=True)
 
 
-def _parse(argv):
+def parse_flags(argv):
+    """absl's flag parsing (a config file and its --config.* overrides) with one-line errors and exit 2."""
     try:
         return flags.FLAGS(argv)
     except (KeyError, AttributeError) as e:
@@ -41,19 +45,13 @@ def _unknown_override(argv, e) -> str:
 
 def run(config) -> int:
     """train.run with the documented exit codes for known failures (one line on stderr); bugs propagate."""
-    from jaxtrain import checkpoint, config as config_lib, faults, hooks, train  # after flags: fast --help
-    from jaxtrain.data.prepare import DataError
+    from jaxtrain import train  # after the flags: --help and bad flags answer without importing jax
 
-    exits = [(config_lib.ConfigError, faults.EXIT_BAD_INPUT), (DataError, faults.EXIT_BAD_INPUT),
-             (checkpoint.CheckpointMismatch, faults.EXIT_BAD_INPUT),
-             (hooks.NonFiniteLoss, faults.EXIT_NONFINITE),
-             (checkpoint.CheckpointError, faults.EXIT_CHECKPOINT),
-             (hooks.Preempted, faults.EXIT_PREEMPTED)]
     try:
         train.run(config)
-    except tuple(kind for kind, _ in exits) as e:
-        print(f"{'' if isinstance(e, hooks.Preempted) else 'error: '}{e}", file=sys.stderr)
-        return next(code for kind, code in exits if isinstance(e, kind))
+    except errors.KNOWN as e:
+        print(errors.message(e), file=sys.stderr)
+        return errors.exit_code(e)
     return 0
 
 
@@ -61,11 +59,16 @@ def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every file operation at INFO
         logging.set_verbosity(logging.WARNING)
-    if _CONFIG.value is None:
+    if CONFIG_FLAG.value is None:
         print("error: --config: required (e.g. --config configs/default.py)", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run(_CONFIG.value))
+    sys.exit(run(CONFIG_FLAG.value))
+
+
+def cli(argv=None, prog: str = "jaxtrain train") -> None:
+    """The command line: `argv` without the program name (default: sys.argv[1:]); exits."""
+    app.run(main, argv=[prog, *(sys.argv[1:] if argv is None else argv)], flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse)
+    app.run(main, flags_parser=parse_flags)

@@ -6,6 +6,32 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtrain.errors import ConfigError
+from jaxtrain.fields import Group
+
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+# The config's `optim` group: AdamW with linear warmup, then `schedule` down to lr * min_lr_ratio (wsd decays over
+# the last `decay_fraction`); no weight decay on norm scales; global-norm clipping at `clip_norm` (0 = off).
+CONFIG = dict(lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+              weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
+
+
+def check_config(o, *, total_steps: int) -> None:
+    """ConfigError naming the first bad field of the `optim` group."""
+    g = Group(o, "optim")
+    g.number("lr", lo=0, lo_open=True)
+    g.positive_int("warmup_steps", allow_zero=True)
+    if o.warmup_steps > total_steps:
+        raise ConfigError("optim.warmup_steps", f"{o.warmup_steps} exceeds train.steps={total_steps}")
+    g.choice("schedule", SCHEDULES, what="schedule")
+    g.number("min_lr_ratio", lo=0, hi=1)
+    g.number("decay_fraction", lo=0, hi=1)
+    g.number("weight_decay", lo=0)
+    g.number("clip_norm", lo=0)  # 0 disables clipping
+    g.number("b1", lo=0, hi=1)
+    g.number("b2", lo=0, hi=1)
+    g.number("eps", lo=0, lo_open=True)
+
 
 def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr`, then the named decay down to `lr * min_lr_ratio` at `total_steps`.

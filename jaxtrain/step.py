@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.models.cross_entropy import linear_cross_entropy
 
 
@@ -42,11 +42,6 @@ def loss_terms(graphdef, params, batch):
 def loss_sum(graphdef, params, batch):
     """Summed token cross-entropy (f32) and the number of scored tokens."""
     return loss_terms(graphdef, params, batch)[:2]
-
-
-def split_microbatches(x, n: int):
-    """[B, ...] -> [n, B/n, ...] taking every n-th row, so each microbatch spans every data shard."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
 def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
@@ -106,7 +101,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                     (_, (loss, aux)), grads = grad_fn(params, mb)
                     return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
-                micro = jax.tree.map(lambda x: split_microbatches(x, microbatches), batch)
+                micro = jax.tree.map(lambda x: mesh_lib.split_microbatches(x, microbatches), batch)
                 first = jax.tree.map(lambda x: x[0], micro)
                 (_, (loss, aux)), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
                 (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
@@ -137,7 +132,7 @@ def unless_non_finite(finite, update: Callable, old, platform: str):
     never reaches the weights. On CPU a cond: a select per array re-read and re-wrote every weight and moment
     there (50% more optimizer time). Elsewhere a select, which fuses into the optimizer's own pass over the
     state: XLA:GPU copied the whole state (params and both moments) into and out of the cond's branches, 44 GiB
-    a step for configs/bench_gpu.py (`jaxtrain.plan --compiler gpu`; ~14 ms on an H100), and it reads a cond's
+    a step for configs/bench_gpu.py (`jaxtrain plan --compiler gpu`; ~14 ms on an H100), and it reads a cond's
     predicate on the host."""
     if platform == "cpu":
         return jax.lax.cond(finite, update, lambda _: old, None)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.data import layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,10 +35,10 @@ def compile_seconds(cfg) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain import config as config_lib, train
+    from jaxtrain import config as config_lib
 
     facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), jnp.int32,
                                      sharding=trainer.batch_sharding) for k in ("tokens", "segment_ids", "positions")}
     t = time.perf_counter()
@@ -50,11 +52,10 @@ def compile_seconds(cfg) -> tuple[float, float]:
 def startup_seconds(config_path: str) -> tuple[float, str]:
     """Seconds from launching a 1-step run of `config_path` to its `step 1/1` line, and that run's own
     'compiled ... (startup ...)' and 'peak ...' lines."""
-    from jaxtrain import train
     from jaxtrain.data import prepare
 
     cfg = runpy.run_path(str(REPO / config_path))["get_config"]()
-    prepare.prepare_default_corpus(train.data_dir(cfg), cfg.data.vocab_size, cfg.data.heldout_docs)  # excluded
+    prepare.prepare_default_corpus(layout.default_dir(cfg.data), cfg.data.vocab_size, cfg.data.heldout_docs)  # excluded
     workdir = tempfile.mkdtemp(prefix="bench_startup_")
     cmd = [sys.executable, "-m", "jaxtrain.main", "--config", config_path, f"--config.workdir={workdir}/run",
            "--config.train.steps=1", "--config.optim.warmup_steps=0", "--config.log.every_steps=1",

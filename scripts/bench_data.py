@@ -25,6 +25,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bench_step import time_train_step  # scripts/ is on sys.path when this file runs
+from jaxtrain.data import layout
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Model/batch config.", lock_config=True)
 _BATCHES = flags.DEFINE_integer("batches", 200, "Timed pipeline batches (after 10 warm-up batches).")
@@ -106,7 +107,7 @@ def measure_pipeline(cfg) -> dict:
     from jaxtrain.data import pipeline, prepare
 
     b, s = cfg.train.batch_size, cfg.train.seq_len
-    ddir = train.data_dir(cfg)
+    ddir = layout.default_dir(cfg.data)
     prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
 
     it = pipeline.train_iterator(ddir, seq_len=s, global_batch=b, seed=cfg.train.seed)

@@ -2,7 +2,7 @@
 
     python scripts/bench_remat.py [--config configs/bench_cpu.py] [--steps 10] [--config.a.b=v ...]
 
-For every policy in jaxtrain.models.transformer.REMAT_POLICIES: the compiled step's temporary bytes
+For every policy in jaxtrain.models.config.REMAT_POLICIES: the compiled step's temporary bytes
 (`compiled.memory_analysis().temp_size_in_bytes`: the activations kept for the backward pass plus the
 step's scratch) and the median step time on a synthetic batch (scripts/bench_step.py's timing), each also
 as a ratio to `none` measured in the same run. Ends with one JSON line.
@@ -29,7 +29,7 @@ def temp_bytes(trainer, cfg) -> int | None:
 
 def main(argv):
     del argv
-    from jaxtrain.models.transformer import REMAT_POLICIES
+    from jaxtrain.models.config import REMAT_POLICIES
 
     policies = ["none"] + sorted(p for p in REMAT_POLICIES if p != "none")
     rows = []

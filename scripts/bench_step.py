@@ -18,6 +18,7 @@ import time
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
+from jaxtrain import trainer as trainer_lib
 
 def synthetic_batch(cfg) -> dict:
     """Uniform random tokens (seed 0), one document per row: only the step is timed."""
@@ -33,14 +34,14 @@ def time_train_step(cfg, steps: int):
     synthetic batch, after compiling and one warm-up step."""
     import jax
 
-    from jaxtrain import config as config_lib, host_memory, train
+    from jaxtrain import config as config_lib, host_memory
 
     host_memory.keep_freed_memory()  # as train.run does (CPU runs); a no-op once jax has started
     t = time.perf_counter()
     facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     state = trainer.init()
-    batch = train.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
+    batch = trainer_lib.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
     for _ in range(2):  # compile + one warm step
         state, m = trainer.train_step(state, batch)
     jax.block_until_ready(m)
@@ -58,7 +59,8 @@ def main(argv):
     del argv
     import jax
 
-    from jaxtrain import host_memory, metrics
+    from jaxtrain import host_memory
+    from jaxtrain.observe import metrics
     from jaxtrain.models import transformer
 
     cfg = _CONFIG.value

@@ -32,6 +32,7 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (scripts/ is not a package)
 from jaxtrain import host_memory  # noqa: E402
+from jaxtrain import trainer as trainer_lib
 
 TARGET = 1.2
 
@@ -73,7 +74,6 @@ def _main():
     import torch
 
     import torch_llama
-    from jaxtrain import train
 
     cfg = _CONFIG.value
     steps = _STEPS.value
@@ -92,7 +92,7 @@ def _main():
     state = trainer.init()
     params = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))  # before donation
     batch_np = bench_step.synthetic_batch(cfg)
-    jax_batch = train.global_batch(batch_np, trainer.batch_sharding)
+    jax_batch = trainer_lib.global_batch(batch_np, trainer.batch_sharding)
     state, m0 = trainer.train_step(state, jax_batch)
     jax_loss0 = float(m0["loss"])
     n_params = sum(np.size(x) for x in jax.tree.leaves(params))

@@ -3,7 +3,7 @@
     python scripts/chaos.py [--trials 10] [--seed 0] [--steps 300] [--out DIR]
 
 A reference run of configs/tiny.py trains uninterrupted. Each trial then runs the same config under
-`python -m jaxtrain.supervise` and injects one fault, chosen at random:
+`jaxtrain supervise` and injects one fault, chosen at random:
 
   sigkill         SIGKILL the trainer at a random step (the supervisor restarts it)
   sigterm         SIGTERM it (preemption: it saves, exits 75, the supervisor restarts it)
@@ -126,11 +126,11 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                 step_dir, fault.split(":")[1], rng)
             result["injected"], t_fault = True, time.time()
         proc.wait()
-        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain.supervise", "--workdir", str(workdir),
+        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
                                 "--backoff_s", "0.2", "--", *train_cmd(workdir, args)], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     else:
-        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain.supervise", "--workdir", str(workdir),
+        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
                                 "--backoff_s", "0.2", "--", *train_cmd(workdir, args)], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if fault == "kill_in_save":  # the first save after a random step, so an older checkpoint exists

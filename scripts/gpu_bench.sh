@@ -7,7 +7,7 @@
 #   bash scripts/gpu_bench.sh cudnn base lhs batch16
 #   bash scripts/gpu_bench.sh cudnn+lhs cudnn+batch16 cudnn+remat_none cudnn+chunk16k
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu near
-# 25% MFU by `jaxtrain.plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
+# 25% MFU by `jaxtrain plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
 # $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log, a + written as -). A variant that would start after
 # BUDGET_S seconds (default 480) is skipped and said so, so the call ends inside its limit with what it measured.

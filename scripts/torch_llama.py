@@ -108,7 +108,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """`Llama(model_cfg)` for a `jaxtrain.models.transformer.ModelConfig`; weights are uninitialised until
+    """`Llama(model_cfg)` for a `jaxtrain.models.config.ModelConfig`; weights are uninitialised until
     `load_jax_params`."""
 
     def __init__(self, cfg):

@@ -1,6 +1,6 @@
 """One process of a multi-process run (spawned by tests/test_multihost.py; not a test module).
 
-argv: CONFIG_JSON OUT_NPZ [gloo-coordinator]. jaxtrain.distributed reads JAXTRAIN_COORDINATOR /
+argv: CONFIG_JSON OUT_NPZ [gloo-coordinator]. jaxtrain.parallel.distributed reads JAXTRAIN_COORDINATOR /
 _NUM_PROCESSES / _PROCESS_ID. With a third argument, a single process joins a 1-process jax.distributed
 group at that address first, so that its 8 devices use gloo's collectives as a multi-process run does.
 JAXTRAIN_TEST_POISON="step:process" makes that process's batch of that step non-finite (tests/helpers.py).

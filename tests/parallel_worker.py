@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxtrain import config as config_lib
-from jaxtrain import train
+from jaxtrain import trainer as trainer_lib
 
 MESH_KEYS = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 
@@ -36,11 +36,11 @@ def train_steps(cfg, batches, devices=None):
     """{metric: [per step]} of one train step per batch, from the seed's init."""
     devices = devices or jax.devices()
     facts = config_lib.validate(cfg, len(devices))
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
     state = trainer.init()
     history = {}
     for batch in batches:
-        state, metrics = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
+        state, metrics = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
         for key, value in metrics.items():
             if key in ("loss", "grad_norm") or key.startswith("moe/"):
                 history.setdefault(key, []).append(float(value))

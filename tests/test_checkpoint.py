@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
-from jaxtrain import checkpoint, pipeline_parallel
+from jaxtrain import checkpoint
+from jaxtrain.parallel import pipeline as pipeline_parallel
 
 
 def mesh222():

@@ -10,10 +10,11 @@ import optax
 import pytest
 
 from jaxtrain import config as config_lib
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import plan
-from jaxtrain import train
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.tools import plan
 from jaxtrain.models import cross_entropy
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.observe import hlo as hlo_lib
 from parallel_worker import synthetic_batches, train_steps
 
 B, T, D, V = 4, 24, 16, 96
@@ -115,8 +116,8 @@ def compiled_text(tiny_config, chunk_tokens, mesh=None, **overrides):
                                             **overrides})
     devices = jax.devices() if mesh else jax.devices()[:1]
     facts = config_lib.validate(cfg, len(devices))
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
-    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text(), facts["mesh_shape"]
 
 
@@ -138,7 +139,7 @@ def test_head_gradient_crosses_sequence_as_its_fsdp_shard(tiny_config):
     fsdp shard [16, 512] first, and only that shard is all-reduced over `sequence` (it once crossed it whole)."""
     text, mesh_shape = compiled_text(tiny_config, 4, {"data": 2, "fsdp": 2, "sequence": 2},
                                      **{"model.tie_embeddings": False})
-    module = plan.parse_hlo(text)
+    module = hlo_lib.parse_hlo(text)
     shapes = [module["by_name"][op["name"]]["shape"] for op in plan.collectives(module, mesh_shape)
               if op["kind"] == "all-reduce" and op["axes"] == ("sequence",)]
     assert any("f32[16,512]" in shape for shape in shapes), shapes

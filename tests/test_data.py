@@ -14,6 +14,8 @@ import pytest
 
 from jaxtrain.data import pipeline, prepare, tokenizer
 from jaxtrain.data.prepare import DataError
+from jaxtrain.data import layout
+from jaxtrain import files
 
 VOCAB = 512  # Small vocab keeps preparation fast; tokens stay uint16.
 SEQ = 64  # Many KJV paragraphs are longer than this: packing must split them.
@@ -29,7 +31,7 @@ def data_dir(tmp_path_factory):
 
 def records(data_dir, split):
     """All documents of a split as tuples of token ids, in file order."""
-    manifest = prepare.load_manifest(data_dir)
+    manifest = layout.load_manifest(data_dir)
     paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]]
     source = grain.sources.ArrayRecordDataSource(paths)
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
@@ -74,16 +76,16 @@ def test_records_decode_to_source_documents(data_dir):
 
 
 def test_manifest_counts_and_hashes(data_dir):
-    m = prepare.load_manifest(data_dir)
+    m = layout.load_manifest(data_dir)
     assert (m["vocab_size"], m["heldout_docs"], m["seed"], m["dtype"]) == (VOCAB, 200, 0, "uint16")
-    assert m["tokenizer"]["sha256"] == tokenizer.file_hash(os.path.join(data_dir, "tokenizer.json"))
+    assert m["tokenizer"]["sha256"] == files.file_hash(os.path.join(data_dir, "tokenizer.json"))
     assert len(m["splits"]["train"]) == prepare.NUM_TRAIN_SHARDS
     for split, shards in m["splits"].items():
         recs = records(data_dir, split)
         assert sum(s["docs"] for s in shards) == len(recs)
         assert sum(s["tokens"] for s in shards) == sum(map(len, recs))
         for s in shards:
-            assert s["sha256"] == tokenizer.file_hash(os.path.join(data_dir, s["file"]))
+            assert s["sha256"] == files.file_hash(os.path.join(data_dir, s["file"]))
 
 
 def test_tokenizer_is_deterministic_and_round_trips():
@@ -101,7 +103,7 @@ def test_reuse_does_not_touch_files(data_dir, capsys):
     start = time.perf_counter()
     manifest = prepare.prepare_default_corpus(data_dir, VOCAB)
     assert time.perf_counter() - start < 0.5
-    assert manifest == prepare.load_manifest(data_dir)
+    assert manifest == layout.load_manifest(data_dir)
     after = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
     assert after == before
     assert capsys.readouterr().out == ""  # Reuse is silent; only real work prints.
@@ -124,7 +126,7 @@ def test_different_settings_raise(data_dir, kwargs, setting):
 def test_missing_data_dir_raises(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(DataError, match=re.escape(missing)):
-        prepare.load_manifest(missing)
+        layout.load_manifest(missing)
     with pytest.raises(DataError, match=re.escape(missing)):
         pipeline.train_iterator(missing, seq_len=SEQ, global_batch=2, seed=0)
     with pytest.raises(DataError, match=re.escape(missing)):
@@ -144,7 +146,7 @@ def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
 
 def test_concurrent_preparers_and_cli(tmp_path):
     out = str(tmp_path / "data")
-    cmd = [sys.executable, "-m", "jaxtrain.data.prepare", "--output", out, "--vocab_size", str(VOCAB)]
+    cmd = [sys.executable, "-m", "jaxtrain", "prepare", "--output", out, "--vocab_size", str(VOCAB)]
     procs = [
         subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
     ]
@@ -202,7 +204,7 @@ def tiny_prepared_dir(path, docs, dtype="<u2"):
     writer.close()
     manifest = {"dtype": np.dtype(dtype).name, "tokenizer": {"sha256": "0" * 64},
                 "splits": {"train": [{"file": "train-00000-of-00001.array_record"}]}}
-    with open(os.path.join(path, prepare.MANIFEST), "w") as f:
+    with open(os.path.join(path, layout.MANIFEST), "w") as f:
         json.dump(manifest, f)
     return str(path)
 
@@ -340,11 +342,11 @@ def test_a_changed_tokenizer_stops_the_run_before_training(data_dir, tmp_path, t
 
     copy = tmp_path / "data"
     shutil.copytree(data_dir, copy)
-    assert prepare.verified_tokenizer(str(copy)) == str(copy / "tokenizer.json")
+    assert layout.verified_tokenizer(str(copy)) == str(copy / "tokenizer.json")
     with open(copy / "tokenizer.json", "a") as f:
         f.write(" ")  # any byte: another file than the shards were tokenized with
     with pytest.raises(DataError, match=r"tokenizer.json: sha256 \w+ differs from \w+, the tokenizer the shards"):
-        prepare.verified_tokenizer(str(copy))
+        layout.verified_tokenizer(str(copy))
     cfg = tiny_config(**{"data.dir": str(copy), "data.vocab_size": VOCAB, "model.vocab_size": VOCAB})
     with pytest.raises(DataError, match="differs"):
         train.run(cfg, print_fn=lambda *a: None)

@@ -220,6 +220,8 @@ def tfds_data(tmp_path_factory):
 READER_SCRIPT = """
 import json, pickle, sys
 from jaxtrain.data import dataset_sources
+from jaxtrain.data import layout
+from jaxtrain.tools import prepare as prepare_cli
 assert "datasets" not in sys.modules and "tensorflow_datasets" not in sys.modules, "import must stay cheap"
 hf = pickle.loads(open(sys.argv[2], "rb").read())
 hf_values = list(hf.values(0, hf.num_rows))
@@ -318,19 +320,20 @@ def test_prepare_hf_input_in_parallel_round_trips_and_trains(jsonl_dir, tmp_path
     from test_prepare_sources import read_back
 
     from jaxtrain import train
-    from jaxtrain.data import prepare
+    from jaxtrain.data import layout
+    from jaxtrain.tools import prepare as prepare_cli
 
     out = tmp_path / "prepared"
     args = ["--input", f"hf:json:{jsonl_dir}/*.jsonl", "--output", str(out), "--vocab_size", "300",
             "--heldout_docs", "1", "--num_shards", "2", "--workers", "2"]
-    assert prepare.main(args) == 0
+    assert prepare_cli.main(args) == 0
     assert read_back(out) == sorted(TEXTS)
-    m = prepare.load_manifest(out)
+    m = layout.load_manifest(out)
     assert len(m["splits"]["train"]) == 2 and m["split"] == "train"
     assert m["sources"][0]["skipped"] == {"missing_field": 2} and m["sources"][0]["kind"] == "hf"
     assert "skipped 2 (missing_field 2)" in capsys.readouterr().out
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    assert prepare.main(args) == 0  # the same dataset again: nothing rewritten
+    assert prepare_cli.main(args) == 0  # the same dataset again: nothing rewritten
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
     cfg = tiny_config(**{"data.dir": str(out), "data.vocab_size": 300, "train.steps": 2, "optim.warmup_steps": 0,
@@ -341,16 +344,16 @@ def test_prepare_hf_input_in_parallel_round_trips_and_trains(jsonl_dir, tmp_path
 def test_prepare_tfds_input_round_trips(tfds_data, tmp_path):
     from test_prepare_sources import read_back
 
-    from jaxtrain.data import prepare
+    from jaxtrain.tools import prepare as prepare_cli
 
     data_dir, builder_dir = tfds_data
     common = ["--vocab_size", "300", "--heldout_docs", "3", "--num_shards", "3"]
-    assert prepare.main(["--input", f"tfds:{TFDS_NAME}/plain:1.0.0", "--tfds_data_dir", data_dir,
+    assert prepare_cli.main(["--input", f"tfds:{TFDS_NAME}/plain:1.0.0", "--tfds_data_dir", data_dir,
                          "--output", str(tmp_path / "by_name"), *common]) == 0
     assert read_back(tmp_path / "by_name") == sorted(TFDS_TRAIN)
-    assert prepare.main(["--input", f"tfds:{builder_dir}", "--split", "test", "--output", str(tmp_path / "test"),
+    assert prepare_cli.main(["--input", f"tfds:{builder_dir}", "--split", "test", "--output", str(tmp_path / "test"),
                          "--workers", "2", "--vocab_size", "300", "--heldout_docs", "1"]) == 0
     assert read_back(tmp_path / "test") == sorted(TFDS_TEST)
-    assert prepare.main(["--input", f"tfds:{TFDS_NAME}/plain:9.9.9", "--tfds_data_dir", data_dir,
+    assert prepare_cli.main(["--input", f"tfds:{TFDS_NAME}/plain:9.9.9", "--tfds_data_dir", data_dir,
                          "--output", str(tmp_path / "missing"), *common]) == 2
     assert not (tmp_path / "missing").exists()

@@ -12,8 +12,8 @@ import time
 import jax
 import pytest
 
-from jaxtrain import distributed
-from jaxtrain.distributed import Settings
+from jaxtrain.parallel import distributed
+from jaxtrain.parallel.distributed import Settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_PORT = 61440 + 4242 % 4096  # job id 4242
@@ -222,7 +222,7 @@ def test_initialize_sets_cpu_collectives_when_unset(fake_jax):
 WORKER = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxtrain import distributed
+    from jaxtrain.parallel import distributed
 
     s = distributed.initialize()
     assert distributed.initialize() is s and s.source == "env", s

@@ -10,6 +10,7 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain.data import pipeline, prepare
+from jaxtrain import trainer as trainer_lib
 
 TEXTS = [
     "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. " * 6,
@@ -55,7 +56,7 @@ def test_each_eval_set_reports_its_heldout_loss(tiny_config, tiny_data_dir, eval
 
     # The number is the model's loss on that dir's held-out split: recompute it from the final params.
     facts = config_lib.validate(cfg, jax.device_count())
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     batches = pipeline.eval_batches(verse, seq_len=cfg.train.seq_len, global_batch=cfg.train.batch_size,
                                     num_batches=cfg.eval.batches)
     assert trainer.evaluate(summary["state"]["params"], batches) == sets["verse"][-1][1]

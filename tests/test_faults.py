@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jaxtrain import faults
+from jaxtrain import errors, faults
 
 TIMEOUT_S = 0.5
 MARGIN_S = 1.5  # poll interval (TIMEOUT_S / 10) plus scheduling on 2 busy cores
@@ -49,7 +49,7 @@ def test_watchdog_fires_within_timeout_and_dumps_every_thread(tmp_path, kind):
             release.set()
         stream.seek(0)
         dump = stream.read()
-    assert codes == [faults.EXIT_HUNG]
+    assert codes == [errors.EXIT_HUNG]
     assert TIMEOUT_S <= elapsed <= TIMEOUT_S + MARGIN_S
     assert "no step finished in" in dump and f"(faults.step_timeout_s={TIMEOUT_S:g})" in dump
     assert "busy-worker" in dump  # the thread-name line maps idents to names
@@ -128,7 +128,7 @@ import jax, numpy as np
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax.experimental import multihost_utils
-from jaxtrain import faults
+from jaxtrain import errors, faults
 
 
 def train_loop():
@@ -143,7 +143,7 @@ def train_loop():
             if guard.should_stop(step):
                 print(f"stop {step} signalled_here={guard.received_at is not None}", flush=True)
                 guard.close()
-                sys.exit(faults.EXIT_PREEMPTED)
+                sys.exit(errors.EXIT_PREEMPTED)
             time.sleep(0.01)
     else:
         dog = faults.Watchdog(3.0)
@@ -198,7 +198,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(pair):
     p1.send_signal(signal.SIGTERM)
     codes = [p.wait(timeout=60) for p in (p0, p1)]
     outs = [output(i)[0] for i in range(2)]
-    assert codes == [faults.EXIT_PREEMPTED] * 2, [output(i) for i in range(2)]
+    assert codes == [errors.EXIT_PREEMPTED] * 2, [output(i) for i in range(2)]
     stops = [line.split()[1] for out in outs for line in out.splitlines() if line.startswith("stop ")]
     assert len(stops) == 2 and stops[0] == stops[1], outs
     assert "signalled_here=False" in outs[0] and "signalled_here=True" in outs[1]
@@ -212,7 +212,7 @@ def test_watchdog_ends_the_survivor_when_a_peer_is_stopped(pair):
     code = p0.wait(timeout=60)
     elapsed = time.monotonic() - t
     err = output(0)[1]
-    assert code == faults.EXIT_HUNG, err
+    assert code == errors.EXIT_HUNG, err
     assert elapsed < 3.0 + 3.0, elapsed  # timeout + poll + process exit, generously
     assert "step watchdog: no step finished in" in err and "(faults.step_timeout_s=3)" in err
     assert "most recent call first" in err and "train_loop" in err and "process_allgather" in err

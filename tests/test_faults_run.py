@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from helpers import install_poison, read_jsonl, tree_digest
-from jaxtrain import checkpoint, config as config_lib, hooks, train
+from jaxtrain import checkpoint, config as config_lib, errors, train
 from jaxtrain.data import pipeline
+from jaxtrain import trainer as trainer_lib
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_STEP = 7
@@ -42,7 +43,7 @@ RUN = {"train.steps": 10, "checkpoint.every_steps": 5, "log.fingerprints": True}
 
 def test_nan_halt_stops_without_applying_or_saving_it(tiny_config, poison_step):
     cfg = tiny_config(**RUN, **{"faults.nan_policy": "halt"})
-    with pytest.raises(hooks.NonFiniteLoss, match=f"step {BAD_STEP}.*nan_policy=halt"):
+    with pytest.raises(errors.NonFiniteLoss, match=f"step {BAD_STEP}.*nan_policy=halt"):
         train.run(cfg, print_fn=quiet)
     steps = sorted(int(d) for d in os.listdir(Path(cfg.workdir) / "checkpoints") if d.isdigit())
     assert steps == [5]  # saved before the bad step; nothing after it
@@ -83,7 +84,7 @@ def test_nan_rollback_restores_and_skips_the_bad_window(tiny_config, poison_step
     assert [f for _, f in seen[BAD_STEP:]] == batches[8:13]
     # Every checkpoint is finite.
     facts = config_lib.validate(cfg, jax.device_count())
-    abstract = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).abstract_state
+    abstract = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).abstract_state
     ckpt = checkpoint.Checkpointer(Path(cfg.workdir) / "checkpoints", keep=3)
     for s in (5, 10):
         state, _ = ckpt.restore(s, abstract)
@@ -193,7 +194,7 @@ def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny
     subprocess.run(command(reference), check=True, cwd=REPO, capture_output=True, timeout=300)
 
     workdir = tmp_path / "killed"
-    sup = subprocess.Popen([sys.executable, "-m", "jaxtrain.supervise", "--workdir", str(workdir), "--backoff_s",
+    sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir), "--backoff_s",
                             "0.1", "--", *command(workdir)], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
@@ -236,7 +237,7 @@ def test_preemption_save_reaches_the_persistent_directory_with_a_local_tier(tiny
     monkeypatch.setattr(pipeline.TrainIterator, "__next__", next_with_sigterm)
     cfg = tiny_config(**{"train.steps": 10, "checkpoint.every_steps": 50, "checkpoint.local_dir": str(tmp_path / "local"),
                          "checkpoint.local_every_steps": 1})
-    with pytest.raises(hooks.Preempted) as preempted:
+    with pytest.raises(errors.Preempted) as preempted:
         train.run(cfg, print_fn=quiet)
     step = preempted.value.step
     assert step == 4

@@ -13,13 +13,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import generate, pipeline_parallel
-from jaxtrain.models import transformer
+from jaxtrain.models import sampling
+from jaxtrain.parallel import pipeline as pipeline_parallel
+from jaxtrain.models import layers, transformer
+from jaxtrain.models.config import ModelConfig
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.tools import generate as generate_cli
 
 REPO = Path(__file__).resolve().parent.parent
 # GQA (8 query heads on 4 K/V heads). init_std 0.3 spreads the logits, so greedy has no near-ties that a
 # 1e-6 difference could flip and sampling settings visibly matter.
-CFG = transformer.ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
+CFG = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
                               d_ff=64, init_std=0.3)
 NEW_TOKENS = 20
 REF_LEN = 32  # the reference's fixed buffer: one compile for every prompt
@@ -58,7 +62,7 @@ def make_reference_forward(graphdef, window):
         mask = (key <= query) & (query - key < window) & (key < length)
         block_def, block_state = nnx.split(model.blocks)
         x = jnp.take(model.embed[...], tokens[None], axis=0)
-        tables = transformer.rotary(positions[None], model.cfg.head_dim, model.cfg.rope_theta)
+        tables = layers.rotary(positions[None], model.cfg.head_dim, model.cfg.rope_theta)
         x, _ = jax.lax.scan(lambda x, s: nnx.merge(block_def, s)(x, tables, mask[None, None]),  # (x, aux)
                             x, block_state)
         return (model.final_norm(x[0, length - 1]) @ model.embed[...].T)
@@ -66,7 +70,7 @@ def make_reference_forward(graphdef, window):
     return forward
 
 
-reference_draw = jax.jit(generate.sample_logits)
+reference_draw = jax.jit(sampling.sample_logits)
 
 
 def reference(graphdef, params, prompt, *, window, seed, temperature, top_k, top_p):
@@ -94,10 +98,10 @@ def decode_step(graphdef):
 def cached_logits(graphdef, params, prompt, ids, *, window):
     """The cache path's logits along a given continuation (teacher-forced), step by step."""
     prompt = prompt[-window:]
-    cache_len = min(window, generate.CACHE_BUCKET)
+    cache_len = min(window, sampling.CACHE_BUCKET)
     tokens = np.zeros((1, cache_len), np.int32)
     tokens[0, :len(prompt)] = prompt
-    logits, cache = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    logits, cache = sampling.prefill(graphdef, params, tokens, np.int32(len(prompt)))
     step = decode_step(graphdef)
     out = [np.asarray(logits[0])]
     for i, tok in enumerate(ids[:-1]):
@@ -125,13 +129,13 @@ def test_cached_decoding_equals_full_recompute(model, case, setting):
     kw = SETTINGS[setting]
     ref_ids, ref_logits = reference(graphdef, params, prompt, window=window, seed=7, **kw)
 
-    ids = generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7, **kw)
+    ids = sampling.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7, **kw)
     assert ids == ref_ids
     for step, (cached, full) in enumerate(zip(cached_logits(graphdef, params, prompt, ref_ids, window=window),
                                               ref_logits)):
         np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")  # ulps of f32 on logits up to ~5
     if setting != "greedy":  # the settings must change something, or the equality above is weak
-        greedy = generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7,
+        greedy = sampling.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7,
                                  temperature=0.0, top_k=0)
         assert ids != greedy
 
@@ -167,7 +171,7 @@ def test_sampling_rules():
 def test_tiny_top_p_and_top_k_1_generate_greedily(model):
     graphdef, params = model
     window, prompt = CASES["within_window"]
-    run = lambda **kw: generate.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS,
+    run = lambda **kw: sampling.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS,
                                        seed=3, **kw)
     greedy = run(temperature=0.0, top_k=0)
     assert run(temperature=1.5, top_k=0, top_p=1e-6) == greedy
@@ -178,14 +182,14 @@ def test_stop_id_ends_generation(model):
     graphdef, params = model
     window, prompt = CASES["within_window"]
     kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=0, seed=0)
-    ids = generate.sample(graphdef, params, prompt, **kw)
+    ids = sampling.sample(graphdef, params, prompt, **kw)
     cut = next(i for i in range(2, NEW_TOKENS) if ids[i] not in ids[:i])  # its first occurrence
-    assert generate.sample(graphdef, params, prompt, stop_id=ids[cut], **kw) == ids[:cut]
+    assert sampling.sample(graphdef, params, prompt, stop_id=ids[cut], **kw) == ids[:cut]
     # The loop itself stopped there: nothing was drawn after the stop id.
     tokens = np.zeros((1, window), np.int32)
     tokens[0, :len(prompt)] = prompt
-    logits, cache = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
-    raw = generate.decode(graphdef, params, logits, cache, np.int32(len(prompt)), jax.random.key(0),
+    logits, cache = sampling.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    raw = sampling.decode(graphdef, params, logits, cache, np.int32(len(prompt)), jax.random.key(0),
                           np.float32(0), np.int32(0), np.float32(1), np.int32(ids[cut]),
                           num_samples=1, max_new_tokens=NEW_TOKENS)
     assert np.asarray(raw)[0].tolist() == ids[:cut + 1] + [-1] * (NEW_TOKENS - cut - 1)
@@ -207,24 +211,24 @@ def test_decoding_reads_a_circular_pipelines_layer_order():
     window, prompt = CASES["within_window"]
     tokens = np.zeros((1, window), np.int32)
     tokens[0, :len(prompt)] = prompt
-    want, _ = generate.prefill(graphdef, params, tokens, np.int32(len(prompt)))
-    got, _ = generate.prefill(circular_def, stored, tokens, np.int32(len(prompt)))
+    want, _ = sampling.prefill(graphdef, params, tokens, np.int32(len(prompt)))
+    got, _ = sampling.prefill(circular_def, stored, tokens, np.int32(len(prompt)))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    misread, _ = generate.prefill(graphdef, stored, tokens, np.int32(len(prompt)))  # the order does matter
+    misread, _ = sampling.prefill(graphdef, stored, tokens, np.int32(len(prompt)))  # the order does matter
     assert np.abs(np.asarray(misread) - np.asarray(want)).max() > 1e-3
     kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=0, seed=0)
-    assert generate.sample(circular_def, stored, prompt, **kw) == generate.sample(graphdef, params, prompt, **kw)
+    assert sampling.sample(circular_def, stored, prompt, **kw) == sampling.sample(graphdef, params, prompt, **kw)
 
 
 def test_num_samples_are_seeded_and_differ(model):
     graphdef, params = model
     window, prompt = CASES["within_window"]
     kw = dict(window=window, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, seed=5, num_samples=3)
-    first = generate.generate(graphdef, params, prompt, **kw)
+    first = sampling.generate(graphdef, params, prompt, **kw)
     assert len(first) == 3 and all(len(ids) == NEW_TOKENS for ids in first)
-    assert generate.generate(graphdef, params, prompt, **kw) == first
+    assert sampling.generate(graphdef, params, prompt, **kw) == first
     assert len({tuple(ids) for ids in first}) == 3
-    assert generate.generate(graphdef, params, prompt, **{**kw, "seed": 6}) != first
+    assert sampling.generate(graphdef, params, prompt, **{**kw, "seed": 6}) != first
 
 
 @pytest.mark.parametrize("bad, name", [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
@@ -234,9 +238,9 @@ def test_bad_settings_raise(model, bad, name):
     graphdef, params = model
     kw = {**dict(window=32, max_new_tokens=4, temperature=0.0, top_k=0, seed=0), **bad}
     with pytest.raises(ValueError, match=f"^{name}: "):
-        generate.sample(graphdef, params, [1, 2], **kw)
+        sampling.sample(graphdef, params, [1, 2], **kw)
     with pytest.raises(ValueError, match="^prompt: "):
-        generate.sample(graphdef, params, [], window=32, max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
+        sampling.sample(graphdef, params, [], window=32, max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
 
 
 # --- The command line ----------------------------------------------------------------------------------
@@ -244,7 +248,7 @@ def test_bad_settings_raise(model, bad, name):
 
 @pytest.fixture(scope="module")
 def trained_workdir(tiny_config):
-    """A 2-step tiny run whose end-of-run sample goes through train.py's call of generate.sample."""
+    """A 2-step tiny run whose end-of-run sample goes through train.py's call of sampling.sample."""
     from jaxtrain import train
 
     config = tiny_config(**{"train.steps": 2, "sample.max_new_tokens": 6})
@@ -257,7 +261,7 @@ def run_cli(*args, compilation_cache=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if compilation_cache:  # a second run reuses the first one's executables: same program, seconds less
         env.update(JAX_COMPILATION_CACHE_DIR=str(compilation_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    return subprocess.run([sys.executable, "-m", "jaxtrain.generate", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "generate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -267,15 +271,14 @@ def test_weights_trained_with_cudnn_attention_restore_on_cpu(trained_workdir, tm
     import json
     import shutil
 
-    from jaxtrain import train
 
     copy = tmp_path / "run"
     shutil.copytree(trained_workdir, copy)
     saved = json.loads((copy / "config.json").read_text())
     saved["model"]["attention_impl"] = "cudnn"
     (copy / "config.json").write_text(json.dumps(saved))
-    _, model_cfg, _, params = train.restore_params(copy)
-    _, _, _, want = train.restore_params(trained_workdir)
+    _, model_cfg, _, params = trainer_lib.restore_params(copy)
+    _, _, _, want = trainer_lib.restore_params(trained_workdir)
     assert model_cfg.attention_impl == "xla"
     jax.tree.map(np.testing.assert_array_equal, params, want)
 
@@ -317,7 +320,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
 ])
 def test_cli_bad_flags_in_process(args, names, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        generate.main(["--workdir", str(tmp_path), "--prompt", "In", *args])
+        generate_cli.main(["--workdir", str(tmp_path), "--prompt", "In", *args])
     assert exit_info.value.code == 2
     assert_one_error_line(capsys.readouterr().err, *names)
 
@@ -325,12 +328,12 @@ def test_cli_bad_flags_in_process(args, names, tmp_path, capsys):
 def test_cli_workdir_without_checkpoint_or_step(trained_workdir, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert generate.main(["--workdir", str(empty), "--prompt", "In"]) == 2
+    assert generate_cli.main(["--workdir", str(empty), "--prompt", "In"]) == 2
     assert_one_error_line(capsys.readouterr().err, "config.json")
     no_ckpt = tmp_path / "no_ckpt"
     no_ckpt.mkdir()
     (no_ckpt / "config.json").write_text((Path(trained_workdir) / "config.json").read_text())
-    assert generate.main(["--workdir", str(no_ckpt), "--prompt", "In"]) == 2
+    assert generate_cli.main(["--workdir", str(no_ckpt), "--prompt", "In"]) == 2
     assert_one_error_line(capsys.readouterr().err, "checkpoint", str(no_ckpt))
-    assert generate.main(["--workdir", trained_workdir, "--prompt", "In", "--step", "999"]) == 2
+    assert generate_cli.main(["--workdir", trained_workdir, "--prompt", "In", "--step", "999"]) == 2
     assert_one_error_line(capsys.readouterr().err, "999")

@@ -18,8 +18,12 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxtrain import hf
+from jaxtrain.models import hf
 from jaxtrain.models import transformer
+from jaxtrain.models.config import ModelConfig
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.data import layout
+from jaxtrain.tools import hf as hf_cli
 
 REPO = Path(__file__).resolve().parents[1]
 # The tiny run config's model: H != KV, so grouped-query attention is exercised.
@@ -28,7 +32,7 @@ TINY = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, hea
 
 def tiny_model(tie=True, **overrides):
     # Not the defaults: a wrong theta or eps would otherwise agree by accident.
-    return transformer.ModelConfig(**{**TINY, "tie_embeddings": tie, "rope_theta": 5000.0, "norm_eps": 1e-6,
+    return ModelConfig(**{**TINY, "tie_embeddings": tie, "rope_theta": 5000.0, "norm_eps": 1e-6,
                                       **overrides})
 
 
@@ -277,7 +281,7 @@ def test_overrides_parse_into_a_config_that_matches(exported, capsys):
     from jaxtrain import config as config_lib
 
     cfg, _, out = exported
-    assert hf.main(["overrides", str(out)]) == 0
+    assert hf_cli.main(["overrides", str(out)]) == 0
     printed = capsys.readouterr().out.split()
     assert printed[-1] == f"--config.model.init_from={out}"
     argv = ["prog", *printed[:-1]]  # config_flags reads the overrides from sys_argv, not from the call
@@ -288,29 +292,28 @@ def test_overrides_parse_into_a_config_that_matches(exported, capsys):
 
 
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
-    assert hf.main(["overrides", str(tmp_path)]) == 2
+    assert hf_cli.main(["overrides", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "config.json: not found" in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as e:
-        hf.main(["export", "--workdir", str(tmp_path)])  # no --output
+        hf_cli.main(["export", "--workdir", str(tmp_path)])  # no --output
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--output" in err and err.count("\n") == 1
-    assert hf.main(["export", "--workdir", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
+    assert hf_cli.main(["export", "--workdir", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: workdir: ") and err.count("\n") == 1
 
 
 def run_hf_cli(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.hf", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "hf", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
 @pytest.mark.slow
 def test_export_cli_on_a_trained_workdir(tiny_config, tmp_path):
     from jaxtrain import train
-    from jaxtrain.data import prepare
 
     config = tiny_config(**{"train.steps": 2})
     train.run(config, print_fn=lambda *a, **k: None)
@@ -318,13 +321,13 @@ def test_export_cli_on_a_trained_workdir(tiny_config, tmp_path):
     result = run_hf_cli("export", "--workdir", config.workdir, "--output", str(out))
     assert result.returncode == 0, result.stderr
 
-    _, model_cfg, _, trained = train.restore_params(config.workdir)
+    _, model_cfg, _, trained = trainer_lib.restore_params(config.workdir)
     fields, back = hf.import_llama(out)
     assert fields == {f: getattr(model_cfg, f) for f in hf.FIELDS}
     assert_same_tree(jax.device_get(trained), back)
     hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["max_position_embeddings"] == config.train.seq_len
-    tok = prepare.load_tokenizer(config.data.dir)
+    tok = layout.load_tokenizer(config.data.dir)
     assert hf_config["eos_token_id"] == tok.eos_id
     assert (out / "tokenizer.json").read_bytes() == (Path(config.data.dir) / "tokenizer.json").read_bytes()
     # transformers reads the copied tokenizer as jaxtrain does.

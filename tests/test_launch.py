@@ -3,7 +3,7 @@
 Each launcher is run (SLURM, TPU VM) or rendered (JobSet) against fakes: an `srun` that starts its tasks
 with the variables real srun sets, `scontrol`, `gcloud` and `curl` recorders, the metadata server as
 files, the downward API as a dict. `python` is a recorder that writes its arguments and environment,
-so nothing trains; the environment each trainer would get goes through `jaxtrain.distributed.resolve`.
+so nothing trains; the environment each trainer would get goes through `jaxtrain.parallel.distributed.resolve`.
 """
 
 import importlib.util
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxtrain import distributed
-from jaxtrain.distributed import Settings
+from jaxtrain.parallel import distributed
+from jaxtrain.parallel.distributed import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "scripts" / "launch"

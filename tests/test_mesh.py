@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import config as config_lib
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import train
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.data import pipeline
+from jaxtrain import trainer as trainer_lib
 
 # The tiny config (conftest): vocab 512, d_model 32, 2 layers, 8 query heads, 4 kv heads, head_dim 8, d_ff 64.
 FULL = {
@@ -105,7 +105,7 @@ def mesh_config(tiny_config, rules, shape, **overrides):
 
 def build(cfg, devices=None):
     facts = config_lib.validate(cfg, jax.device_count())
-    return train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
 
 
 def by_path(tree):
@@ -260,7 +260,7 @@ def three_steps(trainer, batches):
     state = trainer.init()
     out = []
     for local in batches:
-        state, metrics = trainer.train_step(state, train.global_batch(local, trainer.batch_sharding))
+        state, metrics = trainer.train_step(state, trainer_lib.global_batch(local, trainer.batch_sharding))
         out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     return np.array(out)
 
@@ -271,7 +271,7 @@ def test_loss_and_grad_norm_agree_across_meshes(tiny_config, tiny_data_dir):
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
     batches = [next(it) for _ in range(3)]
 
-    single = train.build_trainer(
+    single = trainer_lib.build_trainer(
         cfg_for((8, 1, 1)),
         {"data": 1, "fsdp": 1, "tensor": 1},
         mesh_lib.resolve_rules("dp_fsdp_tp"),
@@ -335,7 +335,7 @@ def test_hybrid_mesh_trains_like_the_plain_one(tiny_config, tiny_data_dir):
     assert facts["dcn"] == {**dict.fromkeys(mesh_lib.AXES, 1), "fsdp": 2}
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
     batches = [next(it) for _ in range(3)]
-    hybrid = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], dcn=facts["dcn"])
-    plain = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    hybrid = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], dcn=facts["dcn"])
+    plain = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     assert granule_of(hybrid.mesh).tolist() != granule_of(plain.mesh).tolist()  # a different device layout
     np.testing.assert_allclose(three_steps(hybrid, batches), three_steps(plain, batches), rtol=1e-6, atol=0)

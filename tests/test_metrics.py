@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxtrain import metrics
+from jaxtrain.observe import metrics
+from jaxtrain.observe import profiling
 
 
 def test_jsonl_is_strict_json_and_nonfinite_becomes_null(tmp_path):
@@ -49,7 +50,7 @@ def test_bad_profile_steps_name_the_field(tiny_config, spec):
 
     with pytest.raises(config_lib.ConfigError, match="^log.profile_steps: "):
         config_lib.validate(tiny_config(**{"log.profile_steps": spec}), 8)
-    assert config_lib.profile_steps("5") == (5, 5) and config_lib.profile_steps("") is None
+    assert profiling.parse_steps("5") == (5, 5) and profiling.parse_steps("") is None
 
 
 def test_cpu_peak_is_measured_once_per_dtype_and_cached(tmp_path, monkeypatch):

@@ -5,14 +5,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.models import attention, transformer
+from jaxtrain.models import attention, layers, transformer
+from jaxtrain.models.config import ModelConfig
 
 # Small enough to run eagerly in milliseconds; H != KV so that grouped-query attention is exercised.
 SMALL = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 24}
 
 
 def build(**overrides):
-    cfg = transformer.ModelConfig(**{**SMALL, **overrides})
+    cfg = ModelConfig(**{**SMALL, **overrides})
     return cfg, transformer.build(cfg, seed=0)
 
 
@@ -214,12 +215,12 @@ def test_rotary_lookup_matches_the_formula_and_reads_nan_outside_the_row():
     rounding for every position of the row; a position outside the row reads NaN, not a clamped or wrapped row."""
     head_dim, theta, T = 8, 10000.0, 12
     positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
-    for got, want in zip(transformer.rotary_lookup(positions, head_dim, theta),
-                         transformer.rotary(positions, head_dim, theta)):
+    for got, want in zip(layers.rotary_lookup(positions, head_dim, theta),
+                         layers.rotary(positions, head_dim, theta)):
         assert got.shape == want.shape == (2, T, 1, head_dim // 2)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
     outside = np.array([[0, 5, 6, 11, -1, -6]], np.int32)  # a row of 6
-    cos, sin = transformer.rotary_lookup(outside, head_dim, theta)
+    cos, sin = layers.rotary_lookup(outside, head_dim, theta)
     assert not np.isnan(cos[0, :2]).any() and np.isnan(cos[0, 2:]).all() and np.isnan(sin[0, 2:]).all()
 
 
@@ -334,7 +335,7 @@ def test_cudnn_attention_matches_xla_on_gpu():
 
 
 def test_train_flops_per_token_hand_computed():
-    cfg = transformer.ModelConfig(vocab_size=100, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=40)
+    cfg = ModelConfig(vocab_size=100, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=40)
     # Per layer: wq 16*4*8=512, wk 16*2*8=256, wv 256, wo 512 -> 1536; MLP 3*16*40=1920 -> 3456.
     # 3 layers -> 10368, plus the output head 16*100=1600 -> 11968 matmul params.
     # 6 * 11968 = 71808; attention 6 * L * S * H * d_head = 6*3*64*4*8 = 36864; total 108672.

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxtrain import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.models import moe
 from jaxtrain.models.transformer import ModelConfig
 

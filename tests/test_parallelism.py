@@ -13,12 +13,14 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as config_lib
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import pipeline_parallel
-from jaxtrain import plan
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline as pipeline_parallel
+from jaxtrain.tools import plan
 from jaxtrain import step as step_lib
 from jaxtrain import train
 from jaxtrain.models import transformer
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.observe import hlo as hlo_lib
 from helpers import read_jsonl
 from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
 
@@ -63,16 +65,16 @@ def forward_fn(trainer):
 def test_sequence_parallel_splits_activations_and_keeps_attention_exact(tiny_config):
     cfg = configure(tiny_config, {"data": 2, "sequence": 4})
     facts = config_lib.validate(cfg, 8)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    reference = train.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    reference = trainer_lib.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
     state = trainer.init()
     batch = synthetic_batches(1, 8, 32, 512)[0]
-    logits = forward_fn(trainer)(state["params"], train.global_batch(batch, trainer.batch_sharding))
+    logits = forward_fn(trainer)(state["params"], trainer_lib.global_batch(batch, trainer.batch_sharding))
     # Batch over data, the sequence over the 4 sequence devices: each holds 4 rows x 8 positions.
     assert logits.sharding.spec[:2] == ("data", "sequence")
     assert {s.data.shape for s in logits.addressable_shards} == {(4, 8, 512)}
     params = jax.device_put(jax.device_get(state["params"]), jax.devices()[0])
-    want = forward_fn(reference)(params, train.global_batch(batch, reference.batch_sharding))
+    want = forward_fn(reference)(params, trainer_lib.global_batch(batch, reference.batch_sharding))
     # Every document spans several sequence shards, so queries on one device attend to keys on others.
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -92,12 +94,12 @@ def test_sequence_parallel_splits_the_matmuls_and_moves_only_keys_and_values(tin
     gathers each layer's K and V and nothing else (the gradients come back as reduce-scatters)."""
     cfg = configure(tiny_config, {"data": 2, "sequence": 4}, **{"model.loss_chunk_tokens": chunk_tokens})
     facts = config_lib.validate(cfg, 8)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     m = trainer.model_cfg
     model_flops = transformer.train_flops_per_token(m, 32) * 8 * 32
-    assert plan.dot_flops(text) * 8 < 1.3 * model_flops, plan.dot_flops(text) * 8 / model_flops
+    assert hlo_lib.dot_flops(text) * 8 < 1.3 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
     gathers = [op for op in plan.collectives(text, facts["mesh_shape"]) if op["kind"] == "all-gather"]
     assert {op["axes"] for op in gathers} == {("sequence",)}
     rows = 8 // 2  # per data shard
@@ -132,8 +134,8 @@ def pipelined_config(tiny_config, name):
 def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, name):
     cfg = pipelined_config(tiny_config, name)
     facts = config_lib.validate(cfg, 8)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    reference = train.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    reference = trainer_lib.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
     state = trainer.init()
     # The state keeps the stacked layers in the pipeline's order (circular: stage-major); the reference the model's.
     order = transformer.layer_order(trainer.model_cfg)
@@ -153,7 +155,7 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
             with mesh_lib.activation_sharding(t.mesh, t.rules):
                 total, count, aux = step_lib.loss_terms(t.graphdef, p, b)
                 return total / count + aux.get("load_balance_loss", 0.0), aux
-        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, train.global_batch(batch, t.batch_sharding))
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, trainer_lib.global_batch(batch, t.batch_sharding))
 
     (loss, aux), grads = loss_and_grads(trainer, state["params"])
     (want_loss, want_aux), want_grads = loss_and_grads(reference, jax.device_put(params, jax.devices()[0]))
@@ -175,16 +177,16 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     cfg = pipelined_config(tiny_config, "gpipe4")
     cfg.model.vocab_size = 4096  # the head dominates, as in configs/bench_cpu.py
     facts = config_lib.validate(cfg, 8)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     state = trainer.abstract_state
     for tree in (state["params"]["embed"], state["opt_state"]):
         tables = [x for x in jax.tree.leaves(tree) if x.shape == (4096, 32)]
         assert tables and all(x.sharding.shard_shape(x.shape) == (1024, 32) for x in tables)
-    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     text = trainer.train_step.lower(state, batch).compile().as_text()
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
     # The layers' share runs 7 ticks for 4 microbatches (the bubble); the head's is done once.
-    assert plan.dot_flops(text) * 8 < 1.5 * model_flops, plan.dot_flops(text) * 8 / model_flops
+    assert hlo_lib.dot_flops(text) * 8 < 1.5 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
     over_data = [op for op in plan.collectives(text, facts["mesh_shape"]) if "data" in op["axes"]]
     assert {(op["kind"], op["axes"]) for op in over_data} == {("all-reduce", ("data",))}
     # Every gradient shard once; the tied table twice (XLA reduces its lookup and head parts one after the other).
@@ -212,7 +214,7 @@ def test_pipeline_run_reports_the_bubble_and_resumes(tiny_config, tmp_path):
                for line in lines), lines
     # The checkpoint holds the layers stage-major, as the run kept them; tools get them in the model's order.
     order = pipeline_parallel.layer_order(4, 2, 2)
-    _, _, _, params = train.restore_params(cfg.workdir)
+    _, _, _, params = trainer_lib.restore_params(cfg.workdir)
     want = pipeline_parallel.reorder_layers(jax.device_get(result["state"]["params"]), order, None)
     for got, expected in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(want)):
         np.testing.assert_array_equal(got, expected)
@@ -256,17 +258,17 @@ def test_expert_parallel_with_sequence_shards_routes_within_them(tiny_config):
     got = assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
     assert 0 < got["moe/dropped_fraction"][0] < 0.5
     facts = config_lib.validate(cfg, 8)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    batch = train.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
-    assert plan.dot_flops(text) * 8 < 1.6 * model_flops, plan.dot_flops(text) * 8 / model_flops
+    assert hlo_lib.dot_flops(text) * 8 < 1.6 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
 
 
 def test_expert_weights_live_on_the_expert_axis(tiny_config):
     cfg = configure(tiny_config, {"expert": 4, "data": 2}, **MOE)
     facts = config_lib.validate(cfg, 8)
-    state = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).init()
+    state = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).init()
     w_gate = state["params"]["blocks"]["mlp"]["w_gate"]  # [layers, experts, embed, mlp]
     assert w_gate.shape == (2, 4, 32, 64)
     assert {s.data.shape for s in w_gate.addressable_shards} == {(2, 1, 32, 64)}

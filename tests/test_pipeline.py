@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import pipeline_parallel as pipeline
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline
 
 L, B, T, D = 8, 8, 4, 16  # T != D so that only the weights have a trailing [D, D]
 RULES = {"stages": ("pipeline",), "layers": ("pipeline",), "batch": ("data",)}

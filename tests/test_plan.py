@@ -1,4 +1,4 @@
-"""jaxtrain.plan: per-device memory from the shardings, the compiled program's collectives mapped to mesh
+"""jaxtrain.tools.plan: per-device memory from the shardings, the compiled program's collectives mapped to mesh
 axes, and the analytic (ZeRO-style) estimate next to them. Three tiny compiles (dp, fsdp, 2x2x2) shared by
 the module, and one each for the analytic sequence / expert / pipeline collectives; HLO parsing is tested on
 hand-written text; the CLI's bad-flag path in a subprocess."""
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain import plan as plan_lib
+from jaxtrain.tools import plan as plan_lib
+from jaxtrain.observe import hlo as hlo_lib
 
 REPO = Path(__file__).resolve().parent.parent
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # partition id = 4 * data + 2 * fsdp + tensor
@@ -112,7 +113,7 @@ def test_collectives_in_hlo_text():
     scatter = ops["reduce-scatter", ("fsdp",)]
     assert scatter["as_all_reduce"] and scatter["bytes"] == 256 and scatter["wire_bytes"] == 128
     # 2 * output elements * contracted size, entry computation once.
-    assert plan_lib.dot_flops(HLO) == 2 * 4 * 8 * 16
+    assert hlo_lib.dot_flops(HLO) == 2 * 4 * 8 * 16
     # A replica_groups form the parser does not know is still counted, on axes "?", not silently "all".
     ops = _by_kind(plan_lib.collectives(HLO.replace("replica_groups=[4,2]<=[8]", "replica_groups=new<8>"), MESH))
     assert ops["all-reduce", ("?",)]["bytes"] == 3 * 64 and ("all-reduce", ("tensor",)) not in ops
@@ -243,7 +244,7 @@ def test_flops_and_report(plans, tmp_path):
 # ===== CLI =============================================================================================
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxtrain.plan", "--config", "configs/tiny.py", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "plan", "--config", "configs/tiny.py", *args], cwd=REPO,
                           env=dict(os.environ), capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -1,5 +1,5 @@
-"""`jaxtrain.plan --compiler gpu`: the train step compiled by XLA:GPU for described H100s, on this CPU-only
-machine (`jaxtrain.gpu_topology`; `make test` installs the CUDA PJRT plugin into .venv/cuda-plugin)."""
+"""`jaxtrain plan --compiler gpu`: the train step compiled by XLA:GPU for described H100s, on this CPU-only
+machine (`jaxtrain.tools.plan.topology`; `make test` installs the CUDA PJRT plugin into .venv/cuda-plugin)."""
 
 import json
 import os
@@ -25,7 +25,7 @@ def _plugin_env() -> dict:
 def _plan(tmp_path, *args):
     """The planner's JSON and compiled HLO text."""
     out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", *args, "--json", str(out), "--hlo", str(hlo)],
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", *args, "--json", str(out), "--hlo", str(hlo)],
                           cwd=ROOT, env=_plugin_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), hlo.read_text(), proc.stdout
@@ -89,7 +89,7 @@ def test_gpu_compiler_errors_name_the_field(tmp_path):
     env = _plugin_env()
     for args, needle in ((["--backend", "cpu"], "error: compiler: gpu compiles for a gpu target"),
                          (["--backend", "gpu", "--device_kind", "A100"], "error: compiler: no GPU description for")):
-        proc = subprocess.run([sys.executable, "-m", "jaxtrain.plan", "--config", "configs/tiny.py", "--devices", "1",
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", "--config", "configs/tiny.py", "--devices", "1",
                                "--compiler", "gpu", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -99,13 +99,14 @@ def test_gpu_compiler_errors_name_the_field(tmp_path):
 _TRACE_PROJECT = """
 import sys
 import jax, jax.numpy as jnp
-from jaxtrain import gpu_topology, mesh as mesh_lib
-from jaxtrain.models import transformer
+from jaxtrain.tools.plan import topology as gpu_topology
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.models import layers
 devices = gpu_topology.devices("H100", 1) if sys.argv[1] == "gpu" else jax.devices("cpu")[:1]
 mesh = mesh_lib.make_mesh({"data": 1}, devices)
 x, w = jnp.zeros((4, 8, 16), jnp.bfloat16), jnp.zeros((16, 32), jnp.bfloat16)
 with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("dp")):
-    print(mesh_lib.compile_platform(), jax.make_jaxpr(jax.grad(lambda x, w: transformer.project(x, w).sum()))(x, w))
+    print(mesh_lib.compile_platform(), jax.make_jaxpr(jax.grad(lambda x, w: layers.project(x, w).sum()))(x, w))
 """
 
 

@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import config as config_lib, plan, train
+from jaxtrain import config as config_lib
 from jaxtrain.data import pipeline
-from jaxtrain.models import attention, cpu_bf16, cross_entropy, transformer
+from jaxtrain.models import attention, cpu_bf16, cross_entropy, layers
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.observe import hlo as hlo_lib
 from parallel_worker import synthetic_batches, train_steps
 
 
 def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, ...]]:
     """The operands' element types of every dot in a compiled module, e.g. [("bf16", "bf16"), ...]."""
-    module = plan.parse_hlo(hlo_text)
+    module = hlo_lib.parse_hlo(hlo_text)
     dtype = lambda name: re.match(r"(\w+)\[", module["shapes"][name]).group(1)  # noqa: E731
     return [tuple(dtype(o) for o in re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0]))
             for instr in module["by_name"].values() if instr["op"] == "dot"]
@@ -43,12 +45,12 @@ def test_bf16_compute_keeps_f32_master_weights_and_tracks_f32(tiny_config):
     def step(dtype):
         cfg = tiny_config(**{"model.dtype": dtype, "mesh.data": 1})
         facts = config_lib.validate(cfg, 1)
-        trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+        trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
         logits = jax.jit(lambda p: nnx.merge(trainer.graphdef, p)(
             jnp.asarray(local["tokens"]), jnp.asarray(local["positions"]), jnp.asarray(local["segment_ids"])))
         state = trainer.init()
         out_dtype = logits(state["params"]).dtype
-        state, metrics = trainer.train_step(state, train.global_batch(local, trainer.batch_sharding))
+        state, metrics = trainer.train_step(state, trainer_lib.global_batch(local, trainer.batch_sharding))
         return state, float(metrics["loss"]), out_dtype
 
     state16, loss16, logits16 = step("bfloat16")
@@ -74,7 +76,7 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
         return lambda x, w: jnp.sum(project(x, w).astype(jnp.float32) * r)
 
     plain = lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
-    got_fn = jax.jit(jax.value_and_grad(loss(transformer.project), argnums=(0, 1)))
+    got_fn = jax.jit(jax.value_and_grad(loss(layers.project), argnums=(0, 1)))
     got, (got_dx, got_dw) = got_fn(x, w)
     want, (want_dx, want_dw) = jax.jit(jax.value_and_grad(loss(plain), argnums=(0, 1)))(x, w)
     assert got_dx.dtype == got_dw.dtype == jnp.bfloat16
@@ -98,17 +100,17 @@ def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
     ws = [jnp.asarray(rng.normal(0, 0.2, (32, n)), jnp.bfloat16) for n in (24, 24)]
 
     def loss(x, ws):
-        gate, up = transformer.project_fused(x, ws, "mlp", "act_mlp")
+        gate, up = layers.project_fused(x, ws, "mlp", "act_mlp")
         return jnp.sum((jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(jnp.bfloat16)
                        .astype(jnp.float32) ** 2)
 
     def concatenations(hlo: str) -> set[str]:
-        return {i["shape"].split("[")[0] for i in plan.parse_hlo(hlo)["by_name"].values()
+        return {i["shape"].split("[")[0] for i in hlo_lib.parse_hlo(hlo)["by_name"].values()
                 if i["op"] == "concatenate" and i["shape"].split("[")[1].startswith("2,16,1,48")}
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
     got, joins = grad(x, ws), concatenations(grad.lower(x, ws).compile().as_text())
-    monkeypatch.setattr(transformer, "split_last", lambda y, cuts: jnp.split(y, cuts, axis=-1))
+    monkeypatch.setattr(layers, "split_last", lambda y, cuts: jnp.split(y, cuts, axis=-1))
     plain = jax.jit(jax.grad(loss, argnums=(0, 1)))
     want, plain_joins = plain(x, ws), concatenations(plain.lower(x, ws).compile().as_text())
     for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -191,9 +193,9 @@ def test_cpu_bf16_train_step_matmuls_are_bf16_and_shard_alike(tiny_config):
                                       **{f"mesh.{a}": n for a, n in mesh.items()}})
     one = cfg({"data": 1})
     facts = config_lib.validate(one, 1)
-    trainer = train.build_trainer(one, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(one, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
     batches = synthetic_batches(1, 8, 32, 512) * 3
-    batch = train.global_batch(batches[0], trainer.batch_sharding)
+    batch = trainer_lib.global_batch(batches[0], trainer.batch_sharding)
     module = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     dtypes = dot_operand_dtypes(module)
     assert dtypes and set(dtypes) == {("bf16", "bf16")}, dtypes

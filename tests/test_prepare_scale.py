@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 from jaxtrain.data import pipeline, prepare, sources, tokenizer
+from jaxtrain.data import layout
+from jaxtrain.tools import prepare as prepare_cli
+from jaxtrain import files
 
 VOCAB = 300
 WORDS = ("the quick brown fox jumps over a lazy dog; data ünïcode — “quoted” 中文 ✓ tokens and more words "
@@ -37,7 +40,7 @@ def snapshot(data_dir):
 
 def records(data_dir, split=None):
     """Token id arrays of every record (manifest order), checked to end with the manifest's EOS id."""
-    m = prepare.load_manifest(str(data_dir))
+    m = layout.load_manifest(str(data_dir))
     splits = [split] if split else list(m["splits"])
     files = [os.path.join(data_dir, s["file"]) for sp in splits for s in m["splits"][sp]]
     src = grain.sources.ArrayRecordDataSource(files)
@@ -48,12 +51,12 @@ def records(data_dir, split=None):
 
 def decoded(data_dir, eos_token=None):
     """Multiset of the documents of both splits, decoded with the data dir's own tokenizer."""
-    tok = tokenizer.load(prepare.verified_tokenizer(str(data_dir)), eos_token)
+    tok = tokenizer.load(layout.verified_tokenizer(str(data_dir)), eos_token)
     return collections.Counter(tok.decode(r[:-1]) for r in records(data_dir))
 
 
 def run(out, *args, heldout=3, vocab=VOCAB):
-    return prepare.main(["--output", str(out), "--vocab_size", str(vocab), "--heldout_docs", str(heldout), *args])
+    return prepare_cli.main(["--output", str(out), "--vocab_size", str(vocab), "--heldout_docs", str(heldout), *args])
 
 
 def write_jsonl(path, docs, extra=()):
@@ -92,11 +95,11 @@ def test_parallel_equals_serial(tmp_path, corpus, monkeypatch):
     assert digests(tmp_path / "batched") == serial
     names = set(serial)
     assert {"tokenizer.json", "manifest.json"} < names
-    m = prepare.load_manifest(str(tmp_path / "serial"))
-    assert m["splits"] == prepare.load_manifest(str(tmp_path / "parallel"))["splits"]
+    m = layout.load_manifest(str(tmp_path / "serial"))
+    assert m["splits"] == layout.load_manifest(str(tmp_path / "parallel"))["splits"]
     assert len(m["splits"]["train"]) == 4
     for row in m["splits"]["train"] + m["splits"]["heldout"]:
-        assert row["file"] in names and row["lengths"] == row["file"] + prepare.LENGTHS_SUFFIX in names
+        assert row["file"] in names and row["lengths"] == row["file"] + layout.LENGTHS_SUFFIX in names
     assert decoded(tmp_path / "parallel") == expected
 
 
@@ -130,7 +133,7 @@ def test_interrupted_run_resumes_shard_by_shard(tmp_path, corpus, monkeypatch):
     assert sorted(calls) == [2, 3, 4]  # only the missing shards
     assert not partial.exists()
     assert digests(out) == digests(tmp_path / "ref")  # manifest included: nothing in it is path-dependent
-    assert prepare.load_manifest(str(out)) == prepare.load_manifest(str(tmp_path / "ref"))
+    assert layout.load_manifest(str(out)) == layout.load_manifest(str(tmp_path / "ref"))
     assert decoded(out) == expected
 
     # Interrupted again, then rerun with other settings: the partial work is discarded, everything is rebuilt.
@@ -144,7 +147,7 @@ def test_interrupted_run_resumes_shard_by_shard(tmp_path, corpus, monkeypatch):
     assert run(tmp_path / "out2", *args, "--seed", "1") == 0
     assert sorted(calls) == [0, 1, 2, 3, 4]
     assert not (tmp_path / ".out2.partial").exists()
-    assert prepare.load_manifest(str(tmp_path / "out2"))["seed"] == 1
+    assert layout.load_manifest(str(tmp_path / "out2"))["seed"] == 1
     assert decoded(tmp_path / "out2") == expected
 
 
@@ -185,7 +188,7 @@ def test_txt_lines_in_byte_range_pieces(tmp_path):
     assert whole == docs  # the CRLF line lost its "\r", empty and blank lines are skipped
 
     assert run(tmp_path / "out", "--input", str(f), "--text_split", "line", "--num_shards", "4", heldout=5) == 0
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     # Line starts are not on piece boundaries: some lines straddle them.
     starts = {0} | {i + 1 for i, c in enumerate(data) if c == ord("\n")}
     assert any(a not in starts for a, _, _ in src.pieces(-(-len(data) // 4), "line"))
@@ -208,7 +211,7 @@ def test_jsonl_in_byte_range_pieces(tmp_path):
     assert _check_pieces_cover(src, "file", [1.01, 4, 37, 500]) == docs
 
     assert run(tmp_path / "out", "--input", str(f), "--num_shards", "4", "--workers", "2", heldout=6) == 0
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     assert decoded(tmp_path / "out") == collections.Counter(docs)
     (row,) = m["sources"]
     assert row["docs"] == len(docs) and row["skipped"] == {"empty": 1, "missing_field": 1}
@@ -249,7 +252,7 @@ def test_parquet_row_groups_in_row_range_pieces(tmp_path):
     assert _check_pieces_cover(src, "file", [3, 5, 100]) == kept
 
     assert run(tmp_path / "out", "--input", str(f), "--num_shards", "4", heldout=4) == 0
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     assert len(m["splits"]["train"]) == 4
     assert decoded(tmp_path / "out") == collections.Counter(kept)
     assert m["sources"][0]["docs"] == len(kept)
@@ -281,7 +284,7 @@ def test_heldout_quotas_are_proportional_and_add_up(tmp_path):
 
     assert run(tmp_path / "out", "--input", str(d / "a.jsonl"), str(d / "*.txt"), "--text_split", "paragraph",
                "--num_shards", "4", heldout=13) == 0
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     plans = prepare.plan_shards(srcs, "paragraph", 4, 13)
     assert sum(s["docs"] for s in m["splits"]["heldout"]) == 13
     by_index = {int(s["file"].split("-")[1]): s["docs"] for s in m["splits"]["heldout"]}
@@ -298,7 +301,7 @@ def test_heldout_shortfall_is_reported(tmp_path, capsys):
         (d / f"b{i}.txt").write_text(f"small doc {i} " * 8)  # ten documents, 1 KB: shard 1, quota 0
     assert run(tmp_path / "out", "--input", str(d / "*.txt"), "--num_shards", "2", "--workers", "1", heldout=4) == 0
     assert "prepare: warning: 1 held-out documents instead of --heldout_docs 4" in capsys.readouterr().err
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     assert [s["docs"] for s in m["splits"]["heldout"]] == [1]
     assert [s["docs"] for s in m["splits"]["train"]] == [0, 10]  # an empty train shard is fine for the pipeline
     assert len(pipeline.PackedStream(str(tmp_path / "out"), "train", seed=0).lengths) == 10
@@ -358,15 +361,15 @@ def test_sentencepiece_model_prepares_and_trains(tmp_path, tiny_config):
     out = tmp_path / "out"
     assert run(out, "--input", str(f), "--tokenizer", str(model), "--num_shards", "2", heldout=5) == 0
 
-    m = prepare.load_manifest(str(out))
+    m = layout.load_manifest(str(out))
     assert (out / "tokenizer.model").read_bytes() == model.read_bytes() and not (out / "tokenizer.json").exists()
-    assert m["tokenizer"] == {"file": "tokenizer.model", "sha256": tokenizer.file_hash(model), "kind": "sentencepiece"}
+    assert m["tokenizer"] == {"file": "tokenizer.model", "sha256": files.file_hash(model), "kind": "sentencepiece"}
     assert m["eos_id"] == sp.eos_id() == 2 and m["dtype"] == "uint16"
     recs = records(out)  # every record ends with the EOS id, and has it nowhere else
     assert all(2 not in r[:-1] for r in recs)
     assert collections.Counter(sp.decode(r[:-1].tolist()) for r in recs) == collections.Counter(docs)
     assert decoded(out) == collections.Counter(docs)
-    tok = prepare.load_tokenizer(str(out))
+    tok = layout.load_tokenizer(str(out))
     assert tok.kind == "sentencepiece" and tok.eos_id == 2 and tok.vocab_size == 400
 
     # A model without an EOS piece needs --eos_token naming one it has.
@@ -379,8 +382,8 @@ def test_sentencepiece_model_prepares_and_trains(tmp_path, tiny_config):
     assert run(tmp_path / "out2", "--input", str(f), "--tokenizer", str(noeos), "--eos_token", "<nope>") == 2
     assert run(tmp_path / "out2", "--input", str(f), "--tokenizer", str(noeos), "--eos_token", "<doc_end>") == 0
     sp2 = spm.SentencePieceProcessor(model_file=str(noeos))
-    assert prepare.load_manifest(str(tmp_path / "out2"))["eos_id"] == sp2.piece_to_id("<doc_end>") == 1
-    assert prepare.load_tokenizer(str(tmp_path / "out2")).eos_id == 1
+    assert layout.load_manifest(str(tmp_path / "out2"))["eos_id"] == sp2.piece_to_id("<doc_end>") == 1
+    assert layout.load_tokenizer(str(tmp_path / "out2")).eos_id == 1
     assert decoded(tmp_path / "out2", "<doc_end>") == collections.Counter(docs)
 
     cfg = tiny_config(**{"data.dir": str(out), "data.vocab_size": 400, "model.vocab_size": 448, "train.steps": 2,
@@ -413,12 +416,12 @@ def test_tokenizer_json_without_a_known_eos_needs_eos_token(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
     assert run(tmp_path / "out", "--input", str(f), "--tokenizer", str(tok_file), "--eos_token", "[END]") == 0
-    m = prepare.load_manifest(str(tmp_path / "out"))
+    m = layout.load_manifest(str(tmp_path / "out"))
     assert m["eos_id"] == end_id and m["eos_token"] == "[END]"
     assert decoded(tmp_path / "out", "[END]") == collections.Counter(docs)
     assert all(end_id not in r[:-1] for r in records(tmp_path / "out"))
     # What train.run loads: the data dir's tokenizer with the EOS its documents end with.
-    assert prepare.load_tokenizer(str(tmp_path / "out")).eos_id == end_id
+    assert layout.load_tokenizer(str(tmp_path / "out")).eos_id == end_id
 
     capsys.readouterr()
     assert run(tmp_path / "out2", "--input", str(f), "--tokenizer", str(tok_file), "--eos_token", "[NOPE]") == 2
@@ -430,7 +433,7 @@ def test_lengths_index(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", make_docs(60, seed=8))
     out = tmp_path / "out"
     assert run(out, "--input", str(f), "--num_shards", "3") == 0
-    m = prepare.load_manifest(str(out))
+    m = layout.load_manifest(str(out))
     for split in ("train", "heldout"):
         from_records = np.array([len(r) for r in records(out, split)])
         stream = pipeline.PackedStream(str(out), split, seed=0)
@@ -473,7 +476,7 @@ def test_lengths_index(tmp_path):
 def test_concurrent_cli_preparers(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", make_docs(200, seed=9))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "jaxtrain.data.prepare", "--output", str(out), "--heldout_docs", "3",
+    cmd = [sys.executable, "-m", "jaxtrain", "prepare", "--output", str(out), "--heldout_docs", "3",
            "--vocab_size", str(VOCAB), "--input", str(f), "--num_shards", "3", "--workers", "1"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]

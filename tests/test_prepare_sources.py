@@ -10,7 +10,10 @@ import grain
 import numpy as np
 import pytest
 
-from jaxtrain.data import pipeline, prepare, tokenizer
+from jaxtrain.data import pipeline, tokenizer
+from jaxtrain.data import layout
+from jaxtrain.tools import prepare as prepare_cli
+from jaxtrain import files
 
 VOCAB = 300
 PARAS = ["In the beginning was the word.\nAnd the word was data.", "Second paragraph — with ünïcode.", "Third one."]
@@ -18,8 +21,8 @@ PARAS = ["In the beginning was the word.\nAnd the word was data.", "Second parag
 
 def read_back(data_dir):
     """All documents of both splits, decoded with the data dir's own tokenizer."""
-    m = prepare.load_manifest(data_dir)
-    tok = tokenizer.load(prepare.verified_tokenizer(data_dir))
+    m = layout.load_manifest(data_dir)
+    tok = tokenizer.load(layout.verified_tokenizer(data_dir))
     files = [os.path.join(data_dir, s["file"]) for split in m["splits"].values() for s in split]
     src = grain.sources.ArrayRecordDataSource(files)
     docs = []
@@ -31,7 +34,7 @@ def read_back(data_dir):
 
 
 def run(tmp_path, *args, out="out"):
-    return prepare.main(["--output", str(tmp_path / out), "--vocab_size", str(VOCAB), "--heldout_docs", "1", *args])
+    return prepare_cli.main(["--output", str(tmp_path / out), "--vocab_size", str(VOCAB), "--heldout_docs", "1", *args])
 
 
 @pytest.fixture
@@ -63,7 +66,7 @@ def test_jsonl_custom_field_and_counted_skips(tmp_path, capsys):
     f.write_bytes(("\n".join(lines) + "\n").encode() + b'{"body": "bad \xff byte"}\n')
     assert run(tmp_path, "--input", str(f), "--field", "body") == 0
     assert read_back(tmp_path / "out") == ["doc one", "doc two ✓"]
-    (row,) = prepare.load_manifest(tmp_path / "out")["sources"]
+    (row,) = layout.load_manifest(tmp_path / "out")["sources"]
     assert row == {"path": str(f), "kind": "jsonl", "field": "body", "docs": 2,
                    "skipped": {"empty": 1, "missing_field": 1, "not_text": 1, "undecodable": 1}}
     assert "skipped 4 (empty 1, missing_field 1, not_text 1, undecodable 1)" in capsys.readouterr().out
@@ -83,7 +86,7 @@ def test_txt_undecodable_paragraph_is_skipped(tmp_path):
     f.write_bytes(b"good one\n\nbad \xff\n \n\ngood two\n\n\n\n")
     assert run(tmp_path, "--input", str(f), "--text_split", "paragraph") == 0
     assert read_back(tmp_path / "out") == ["good one", "good two"]
-    assert prepare.load_manifest(tmp_path / "out")["sources"][0]["skipped"] == {"undecodable": 1}
+    assert layout.load_manifest(tmp_path / "out")["sources"][0]["skipped"] == {"undecodable": 1}
 
 
 def test_parquet_round_trip_and_trains(tmp_path):
@@ -95,7 +98,7 @@ def test_parquet_round_trip_and_trains(tmp_path):
     assert run(tmp_path, "--input", str(tmp_path / "d.parquet"), "--field", "content", "--num_shards", "2") == 0
     out = tmp_path / "out"
     assert read_back(out) == sorted(docs)
-    m = prepare.load_manifest(out)
+    m = layout.load_manifest(out)
     assert len(m["splits"]["train"]) == 2 and sum(s["docs"] for s in m["splits"]["train"]) == 5
     assert m["sources"][0]["skipped"] == {"missing_field": 1}
     batch = next(iter(pipeline.train_iterator(str(out), seq_len=16, global_batch=2, seed=0)))
@@ -107,9 +110,9 @@ def test_existing_tokenizer_is_copied_and_hashed(tmp_path, txt):
     tokenizer.train_bpe(PARAS * 3, VOCAB).save(str(tok_file))
     assert run(tmp_path, "--input", str(txt / "a.txt"), "--text_split", "paragraph", "--tokenizer", str(tok_file)) == 0
     out = tmp_path / "out"
-    m = prepare.load_manifest(out)
+    m = layout.load_manifest(out)
     assert (out / "tokenizer.json").read_bytes() == tok_file.read_bytes()
-    assert m["tokenizer"]["sha256"] == tokenizer.file_hash(tok_file) == m["tokenizer_sha256"]
+    assert m["tokenizer"]["sha256"] == files.file_hash(tok_file) == m["tokenizer_sha256"]
     assert read_back(out) == sorted(PARAS)
 
     # The same dir with another tokenizer (here: a trained one) is refused, naming the difference.
@@ -154,7 +157,7 @@ def test_bad_input_exits_2_naming_the_path(tmp_path, capsys, make, reason):
 def test_cli_subprocess_bad_json_and_success(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "a"}\n{oops\n')
-    cmd = [sys.executable, "-m", "jaxtrain.data.prepare", "--output", str(tmp_path / "out"), "--heldout_docs", "1",
+    cmd = [sys.executable, "-m", "jaxtrain", "prepare", "--output", str(tmp_path / "out"), "--heldout_docs", "1",
            "--vocab_size", str(VOCAB), "--input", str(f)]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     expected = f"error: {f}: line 2 is not JSON (Expecting property name enclosed in double quotes)"
@@ -171,7 +174,7 @@ def test_a_run_trains_on_prepared_sources(tmp_path, tiny_config):
     lines = [json.dumps({"text": f"Document number {i}: " + "words and more words " * (i % 7 + 1)}) for i in range(60)]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "prepared"
-    assert prepare.main(["--input", str(tmp_path / "docs.jsonl"), "--output", str(out), "--vocab_size", "300",
+    assert prepare_cli.main(["--input", str(tmp_path / "docs.jsonl"), "--output", str(out), "--vocab_size", "300",
                          "--heldout_docs", "5"]) == 0
     cfg = tiny_config(**{"data.dir": str(out), "data.vocab_size": 300, "train.steps": 2, "optim.warmup_steps": 0})
     summary = train.run(cfg, print_fn=lambda *a: None)

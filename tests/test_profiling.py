@@ -1,11 +1,13 @@
-"""log.profile_steps: the trace, and the table of where the traced steps' time went (jaxtrain.profiling)."""
+"""log.profile_steps: the trace, and the table of where the traced steps' time went (jaxtrain.observe.profiling)."""
 
 from pathlib import Path
 
 import jax
 import pytest
 
-from jaxtrain import plan, profiling
+from jaxtrain.observe import hlo as hlo_lib
+from jaxtrain.observe import profiling
+from jaxtrain.tools import profile as profile_cli
 
 
 def test_overlapping_ops_split_the_wall_time_between_them():
@@ -32,7 +34,7 @@ def test_profile_steps_writes_a_trace_and_the_table_of_its_ops(tiny_config, caps
     assert table.startswith("2 step(s): ") and f"(all ops: {logdir / 'summary.txt'})" in table
 
     hlo = (logdir / profiling.HLO_FILE).read_text()
-    module = plan.parse_hlo(hlo)
+    module = hlo_lib.parse_hlo(hlo)
     s = profiling.summarize(profiling.latest_trace(logdir), hlo, steps=2)
     assert 0 < s["busy_ms"] <= s["span_ms"] * 1.001
     assert abs(sum(op["ms"] for op in s["ops"]) - s["busy_ms"]) < 1e-6
@@ -44,9 +46,9 @@ def test_profile_steps_writes_a_trace_and_the_table_of_its_ops(tiny_config, caps
     # Each step runs every matmul of the compiled step once per layer (the tiny model's are scanned) on each of the
     # 8 devices, whose ops this one process traces.
     total = sum(op["runs"] * op["flops"] for op in matmuls)
-    assert total == pytest.approx(plan.dot_flops(module) * jax.device_count())
+    assert total == pytest.approx(hlo_lib.dot_flops(module) * jax.device_count())
 
-    profiling.main([str(logdir), "--top", "5"])  # steps from summary.txt
+    profile_cli.main([str(logdir), "--top", "5"])  # steps from summary.txt
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (logdir / "summary.txt").read_text().splitlines()[0]
     assert len([line for line in out.splitlines()[out.splitlines().index(""):] if "%" in line]) == 5
@@ -62,7 +64,7 @@ def test_each_op_reports_the_bytes_it_moved_and_their_rate(tmp_path):
     import jax.numpy as jnp
 
     hlo = jax.jit(lambda x: x + 1).lower(jnp.zeros((1024, 1024), jnp.float32)).compile().as_text()
-    (name,) = [n for n, i in plan.parse_hlo(hlo)["by_name"].items() if i["op"] == "fusion"]  # the add
+    (name,) = [n for n, i in hlo_lib.parse_hlo(hlo)["by_name"].items() if i["op"] == "fusion"]  # the add
     trace = tmp_path / "perfetto_trace.json.gz"
     events = [{"ph": "X", "name": name, "ts": ts, "dur": 1000} for ts in (0, 5000)]
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))

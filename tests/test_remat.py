@@ -4,9 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import config as config_lib, train
+from jaxtrain import config as config_lib
 from jaxtrain.data import pipeline
-from jaxtrain.models.transformer import REMAT_POLICIES
+from jaxtrain.models.config import REMAT_POLICIES
+from jaxtrain import trainer as trainer_lib
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +19,8 @@ def batch(tiny_config):
 
 def _one_step(cfg, local):
     facts = config_lib.validate(cfg, 1)
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
-    state, metrics = trainer.train_step(trainer.init(), train.global_batch(local, trainer.batch_sharding))
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    state, metrics = trainer.train_step(trainer.init(), trainer_lib.global_batch(local, trainer.batch_sharding))
     return jax.device_get((metrics["loss"], metrics["grad_norm"], state["params"]))
 
 
@@ -42,8 +43,8 @@ def test_unknown_remat_policy_is_a_config_error(tiny_config):
 
 
 def _dot_flops(tiny_config, devices, **overrides):
-    """All devices' matmul FLOPs in the compiled train step (jaxtrain.plan counts them in the HLO)."""
-    from jaxtrain import plan as plan_lib  # noqa: PLC0415
+    """All devices' matmul FLOPs in the compiled train step (jaxtrain.tools.plan counts them in the HLO)."""
+    from jaxtrain.tools import plan as plan_lib  # noqa: PLC0415
 
     return plan_lib.plan(tiny_config(**overrides), devices, "cpu", peak_flops=1e12)["flops"]["hlo_dots_total"]
 

@@ -1,4 +1,4 @@
-"""jaxtrain.report: synthetic workdirs with known figures, the CLI's errors, and one real tiny run."""
+"""jaxtrain.tools.report: synthetic workdirs with known figures, the CLI's errors, and one real tiny run."""
 
 import csv
 import io
@@ -12,7 +12,7 @@ import pytest
 from matplotlib import image as mpimg
 from matplotlib.figure import Figure
 
-from jaxtrain import report
+from jaxtrain.tools import report
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = {"train": {"steps": 10, "batch_size": 8, "seq_len": 32}, "model": {}, "optim": {}}
@@ -75,7 +75,7 @@ def assert_png(path):
 
 def cli(*args, cwd):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.report", *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "report", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -11,11 +11,14 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as config_lib
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import optim, plan, train
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain import optim
+from jaxtrain.tools import plan
 from jaxtrain.config import base_config
 from jaxtrain.data import pipeline
 from jaxtrain.models import transformer
+from jaxtrain.models.config import ModelConfig
+from jaxtrain import trainer as trainer_lib
 
 
 def by_path(tree):
@@ -36,7 +39,7 @@ def adam_mu(opt_state):
 
 def build(cfg, devices=None):
     facts = config_lib.validate(cfg, jax.device_count())
-    return train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
 
 
 # --- Gradient accumulation --------------------------------------------------------------------------------
@@ -70,14 +73,14 @@ def test_microbatches_equal_one_big_batch(tiny_config, tiny_data_dir):
         state = trainer.init()
         before = by_path(state["params"])
         if n > 1:  # each data replica accumulates on its own copy: the gradients cross `data` once, not 4 times
-            global_batch = train.global_batch(batch, trainer.batch_sharding)
+            global_batch = trainer_lib.global_batch(batch, trainer.batch_sharding)
             text = trainer.train_step.lower(state, global_batch).compile().as_text()
             mesh_shape = {a: trainer.mesh.shape[a] for a in mesh_lib.AXES}
             over_data = [op for op in plan.collectives(text, mesh_shape) if "data" in op["axes"]]
             assert {op["kind"] for op in over_data} == {"all-reduce"}
             assert sum(op["bytes"] for op in over_data) == pytest.approx(plan._per_device_bytes(state["params"]),
                                                                          rel=0.01)
-        state, metrics = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
+        state, metrics = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
         results[n] = before, jax.device_get(state), jax.device_get(metrics)
 
     before, one, m1 = results[1]
@@ -119,12 +122,12 @@ def test_overfits_one_batch(tiny_config, tiny_data_dir):
         **{"train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 10, "optim.schedule": "constant"}
     )
     # One device: the fastest way to run 80 steps of a 40k-parameter model on 2 cores.
-    trainer = train.build_trainer(
+    trainer = trainer_lib.build_trainer(
         cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1]
     )
     state = trainer.init()
     initial = by_path(state["params"])
-    gb = train.global_batch(batch, trainer.batch_sharding)
+    gb = trainer_lib.global_batch(batch, trainer.batch_sharding)
     losses, lrs = [], []
     for step in range(1, steps + 1):
         state, metrics = trainer.train_step(state, gb)
@@ -148,7 +151,7 @@ def test_overfits_one_batch(tiny_config, tiny_data_dir):
 
 # --- Optimizer: weight-decay mask --------------------------------------------------------------------------
 
-TINY_MODEL = transformer.ModelConfig(
+TINY_MODEL = ModelConfig(
     vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24
 )
 NORM_SCALES = {"blocks/attn_norm/scale", "blocks/mlp_norm/scale", "final_norm/scale"}

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from jaxtrain import faults, goodput, supervise
+from jaxtrain import errors
+from jaxtrain.observe import goodput
+from jaxtrain.tools import supervise
 
 # Exits with the code scripted for its attempt: argv[1] is e.g. "75,1,KILL,0".
 SCRIPTED = (
@@ -40,7 +42,7 @@ def test_restarts_after_preemption_and_crashes_until_done(tmp_path):
     assert "killed by SIGKILL" in log and "hung (step watchdog)" in log and "checkpoint write failed" in log
 
 
-@pytest.mark.parametrize("code", [faults.EXIT_BAD_INPUT, faults.EXIT_NONFINITE])
+@pytest.mark.parametrize("code", [errors.EXIT_BAD_INPUT, errors.EXIT_NONFINITE])
 def test_no_restart_after_bad_config_or_nonfinite_loss(tmp_path, code):
     rc, summary, _ = _run(f"{code},0", tmp_path)
     assert rc == code and len(summary["attempts"]) == 1
@@ -73,7 +75,7 @@ CHILD_WAITS_FOR_SIGTERM = (
 
 def test_cli_forwards_sigterm_to_the_child_and_does_not_restart(tmp_path):
     started = tmp_path / "started.txt"
-    sup = subprocess.Popen([sys.executable, "-m", "jaxtrain.supervise", "--backoff_s", "0", "--workdir", str(tmp_path),
+    sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--backoff_s", "0", "--workdir", str(tmp_path),
                             "--", sys.executable, "-c", CHILD_WAITS_FOR_SIGTERM, str(started)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -86,7 +88,7 @@ def test_cli_forwards_sigterm_to_the_child_and_does_not_restart(tmp_path):
         if sup.poll() is None:
             sup.kill()
             sup.wait()
-    assert sup.returncode == faults.EXIT_PREEMPTED, out
+    assert sup.returncode == errors.EXIT_PREEMPTED, out
     assert "got SIGTERM; not restarting" in out
     assert started.read_text() == "1\n"  # one attempt, numbered 1
     assert json.loads((tmp_path / "supervisor.json").read_text())["attempts"][0]["exit_code"] == 75
@@ -147,7 +149,7 @@ def test_recorder_lines_survive_a_torn_write_and_reading_starts_at_an_offset(tmp
 # resumes at 10 and finishes 20.
 RECORDING = (
     "import os, sys\n"
-    "from jaxtrain.goodput import GoodputRecorder\n"
+    "from jaxtrain.observe.goodput import GoodputRecorder\n"
     "rec = GoodputRecorder(os.path.join(sys.argv[1], 'goodput.jsonl'))\n"
     "if rec.attempt == 1:\n"
     "    rec.start(0); rec.steps(10, 1.0); rec.checkpoint(10); rec.steps(20, 1.0); sys.exit(1)\n"

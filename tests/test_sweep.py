@@ -1,4 +1,4 @@
-"""jaxtrain.sweep: sweep files, budget and resume, pruning, workers, results, and bad input (exit 2).
+"""jaxtrain.tools.sweep: sweep files, budget and resume, pruning, workers, results, and bad input (exit 2).
 
 Most tests stand a fake trainer in for `train.run` (it logs eval_loss as a function of the learning rate
 and "checkpoints" its step to a file), so the sweep's own logic runs in milliseconds; the tests named
@@ -20,8 +20,9 @@ import pytest
 from optuna.trial import TrialState
 
 from helpers import read_jsonl
-from jaxtrain import metrics as metrics_lib
-from jaxtrain import sweep, train
+from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain import train
+from jaxtrain.tools import sweep
 from jaxtrain.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -349,7 +350,7 @@ def test_grid_sweep_real_with_pruning(tiny_config, tmp_path):
 
 def cli(tmp_path, *args, devices=1, timeout=600):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return subprocess.run([sys.executable, "-m", "jaxtrain.sweep", "--config", "configs/tiny.py", *args],
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "sweep", "--config", "configs/tiny.py", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -364,7 +365,7 @@ CLI_BAD = {
 @pytest.mark.parametrize("case", list(CLI_BAD))
 def test_cli_bad_sweep_exits_2_before_any_trial(case, tmp_path, tiny_data_dir):
     body, message = CLI_BAD[case]
-    path = write_sweep(tmp_path / f"{case}.py", f"from jaxtrain.sweep import loguniform\n\n\ndef get_sweep():\n"
+    path = write_sweep(tmp_path / f"{case}.py", f"from jaxtrain.tools.sweep import loguniform\n\n\ndef get_sweep():\n"
                                                 f"    return {body}\n")
     proc = cli(tmp_path, "--sweep", str(path), "--sweep_dir", str(tmp_path / "sw"), f"--config.data.dir={tiny_data_dir}")
     lines = proc.stderr.strip().splitlines()
@@ -376,7 +377,7 @@ def test_cli_bad_sweep_exits_2_before_any_trial(case, tmp_path, tiny_data_dir):
 @pytest.mark.slow
 def test_cli_two_workers_share_one_study(tmp_path, tiny_data_dir):
     path = write_sweep(tmp_path / "two.py", """
-        from jaxtrain.sweep import loguniform
+        from jaxtrain.tools.sweep import loguniform
 
 
         def get_sweep():
@@ -395,7 +396,8 @@ def test_cli_two_workers_share_one_study(tmp_path, tiny_data_dir):
 
 KILLED_WORKER = """
 import os, pickle, sys
-from jaxtrain import sweep, train
+from jaxtrain import train
+from jaxtrain.tools import sweep
 
 real_run = train.run
 

@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import torch_llama  # noqa: E402
 
-from jaxtrain import config as config_lib, train  # noqa: E402
+from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.config import base_config  # noqa: E402
+from jaxtrain import trainer as trainer_lib
 
 VOCAB, B, T = 512, 8, 32
 
@@ -58,7 +59,7 @@ def test_torch_reference_trains_like_jaxtrain(tie):
     cfg = tiny(tie)
     devices = jax.devices()[:1]  # one device compiles faster; sharding is not what is compared here
     facts = config_lib.validate(cfg, len(devices))
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
     state = trainer.init()
     init = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))
     ref = torch_llama.TorchTrainer(cfg, trainer.model_cfg, init)
@@ -68,7 +69,7 @@ def test_torch_reference_trains_like_jaxtrain(tie):
     data = batches()
     assert torch_llama.prepare_batch(data[0])["mask"] is None and torch_llama.prepare_batch(data[1])["mask"] is not None
     for i, batch in enumerate(data):
-        state, m = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
+        state, m = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
         t = ref.train_step(torch_llama.prepare_batch(batch))
         m = jax.device_get(m)
         assert bool(m["finite"]) and t["finite"]
@@ -96,7 +97,7 @@ def test_torch_reference_in_bf16_is_autocast_and_tracks_jaxtrain_bf16():
     cfg.model.dtype = "bfloat16"
     devices = jax.devices()[:1]
     facts = config_lib.validate(cfg, len(devices))
-    trainer = train.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
     state = trainer.init()
     init = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))
     ref = torch_llama.TorchTrainer(cfg, trainer.model_cfg, init)
@@ -104,7 +105,7 @@ def test_torch_reference_in_bf16_is_autocast_and_tracks_jaxtrain_bf16():
     f32 = torch_llama.TorchTrainer(f32_cfg, config_lib.model_config(f32_cfg, "cpu"), init)
     assert ref.autocast and not f32.autocast
     for i, batch in enumerate(batches()):
-        state, m = trainer.train_step(state, train.global_batch(batch, trainer.batch_sharding))
+        state, m = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
         t = ref.train_step(torch_llama.prepare_batch(batch))
         t32 = f32.train_step(torch_llama.prepare_batch(batch))
         np.testing.assert_allclose(float(t["loss"]), float(m["loss"]), rtol=1e-2, err_msg=f"loss, step {i + 1}")

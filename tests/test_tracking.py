@@ -11,7 +11,10 @@ import pytest
 
 from helpers import read_jsonl
 from jaxtrain import config as config_lib
-from jaxtrain import metrics, tracking, train
+from jaxtrain import train
+from jaxtrain.observe import metrics
+from jaxtrain.observe import tracking
+from jaxtrain import files
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cr3t-Value-42"
@@ -162,7 +165,7 @@ def test_json_files_are_replaced_whole_while_others_read_them(tmp_path):
     import threading
 
     path = tmp_path / "config.json"
-    tracking.write_json(path, {"n": 0, "pad": "x" * 200_000})
+    files.write_json(path, {"n": 0, "pad": "x" * 200_000})
     seen, bad, done = [], [], threading.Event()
 
     def read():
@@ -176,7 +179,7 @@ def test_json_files_are_replaced_whole_while_others_read_them(tmp_path):
     reader = threading.Thread(target=read)
     reader.start()
     for n in range(1, 200):
-        tracking.write_json(path, {"n": n, "pad": "x" * 200_000})
+        files.write_json(path, {"n": n, "pad": "x" * 200_000})
     done.set()
     reader.join()
     assert not bad, f"{len(bad)} partial reads, e.g. {bad[:3]} bytes"

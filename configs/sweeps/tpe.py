@@ -1,12 +1,12 @@
 """Bayesian search (Optuna TPE) over the optimizer, stopping bad trials early with the median rule:
 
-    python -m jaxtrain.sweep --config configs/tiny.py --sweep configs/sweeps/tpe.py --workers 2
+    jaxtrain sweep --config configs/tiny.py --sweep configs/sweeps/tpe.py --workers 2
 
 The bounds suit configs/tiny.py (20 steps) and configs/default.py (150 steps): warmup stays below both.
 The format of this file is documented in jaxtrain/sweep.py.
 """
 
-from jaxtrain.sweep import integer, loguniform, uniform
+from jaxtrain.tools.sweep import integer, loguniform, uniform
 
 
 def get_sweep():

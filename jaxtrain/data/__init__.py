@@ -1,5 +1,5 @@
-"""Data: tokenizer (BPE), prepare (corpus -> ArrayRecord shards), pipeline (Grain).
+"""Data: the prepared-dir format (layout), tokenizers, sources, the writer (prepare) and the reader (pipeline).
 
-Submodules are imported explicitly (`from jaxtrain.data import pipeline`), so
-that the prepare CLI does not pay for importing Grain.
+Submodules are imported explicitly (`from jaxtrain.data import pipeline`), so that preparing data does not pay
+for importing Grain.
 """

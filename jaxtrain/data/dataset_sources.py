@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import json
 import os
 import re
@@ -24,14 +23,17 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from jaxtrain.data.sources import DATASET_PREFIXES as PREFIXES
-from jaxtrain.data.sources import MISSING, SourceError
+from jaxtrain.files import file_hash
+from jaxtrain.errors import SourceError
+
+DATASET_PREFIXES = ("hf:", "tfds:")
+MISSING = object()  # a record without the text field (counted as missing_field)
 HF_BUILDERS_HINT = ("json", "parquet", "csv", "text", "arrow")
 _BATCH = 1024  # rows decoded per read: amortises Arrow/ArrayRecord call overhead, bounds memory
 
 
 def is_dataset_spec(spec: str) -> bool:
-    return spec.startswith(PREFIXES)
+    return spec.startswith(DATASET_PREFIXES)
 
 
 @dataclasses.dataclass
@@ -71,7 +73,7 @@ def open_dataset(spec: str, *, split: str = "train", field: str = "text", data_d
         return _open_hf(spec, spec[len("hf:") :], split, field)
     if spec.startswith("tfds:"):
         return _open_tfds(spec, spec[len("tfds:") :], split, field, data_dir)
-    raise SourceError(f"{spec}: unknown dataset prefix (expected one of {', '.join(PREFIXES)})")
+    raise SourceError(f"{spec}: unknown dataset prefix (expected one of {', '.join(DATASET_PREFIXES)})")
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
@@ -124,7 +126,7 @@ def _open_hf(spec: str, rest: str, split: str, field: str) -> DatasetSource:
     paths = tuple(f["filename"] for f in ds.cache_files)
     if not paths:
         raise SourceError(f"{spec}: dataset is in memory only (unset HF_DATASETS_IN_MEMORY_MAX_SIZE)")
-    files = [[os.path.getsize(p), _sha256(p)] for p in paths]
+    files = [[os.path.getsize(p), file_hash(p)] for p in paths]
     # Hash the Arrow files themselves (what workers read), not their paths: HF cache paths differ between
     # machines and cache dirs, while the bytes are the same whenever the content is.
     identity = {"kind": "hf", "source": origin, "split": split, "field": field, "files": files}
@@ -249,7 +251,7 @@ def _open_tfds(spec: str, rest: str, split: str, field: str, data_dir: str | Non
         files.append([os.path.basename(fi.filename), file_size, fi.skip, fi.take])
     identity = {"kind": "tfds", "builder_dir": os.fspath(builder.data_dir), "name": info.name,
                 "config": info.config_name or None, "version": str(info.version), "split": split, "field": field,
-                "dataset_info_sha256": _sha256(epath.Path(builder.data_dir) / "dataset_info.json"), "files": files}
+                "dataset_info_sha256": file_hash(epath.Path(builder.data_dir) / "dataset_info.json"), "files": files}
     source = DatasetSource(spec=spec, split=split, field=field, data_dir=data_dir, num_rows=len(reader.source),
                            size=int(size), identity=identity, paths=(os.fspath(builder.data_dir),))
     source._reader = reader  # already open here; a pickled copy reopens
@@ -304,14 +306,6 @@ class _TfdsFieldReader:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with epath.Path(path).open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _one_line(e: BaseException) -> str:

@@ -35,9 +35,50 @@ import grain
 import numpy as np
 from absl import flags
 
-from jaxtrain.data.prepare import DataError, load_manifest
+from jaxtrain.data.layout import load_manifest
+from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.fields import Group
 
 _KEYS = ("tokens", "segment_ids", "positions")
+# The config's `data` group. `dir` empty = ~/.cache/jaxtrain/data/<corpus>_v<vocab_size>_h<heldout_docs>, the
+# default corpus prepared on first use (layout.default_dir). `vocab_size` is the tokenizer's; it may be smaller than
+# model.vocab_size (padding rows for better matmul shapes). `mixture` (optional): train on several prepared dirs with
+# weights, "dirA:0.7,dirB:0.3", all tokenized with `dir`'s tokenizer; `dir` still supplies the tokenizer and the
+# held-out split. `num_workers` > 0: build train batches in that many Grain worker processes (the same batches);
+# 0 = one prefetch thread in the trainer, which is faster on a few CPU cores.
+CONFIG = dict(corpus="kjv", dir="", vocab_size=8192, heldout_docs=200, mixture="", num_workers=0)
+
+
+def check_config(data, *, model_vocab_size: int) -> None:
+    """ConfigError naming the first bad field of the `data` group."""
+    g = Group(data, "data")
+    if data.corpus != "kjv":
+        raise ConfigError("data.corpus", f"unknown corpus {data.corpus!r}; only 'kjv' ships so far")
+    g.positive_int("vocab_size")
+    if data.vocab_size < 258:
+        raise ConfigError("data.vocab_size", f"must be at least 258 (256 bytes + 2 special tokens), "
+                          f"got {data.vocab_size}")
+    if data.vocab_size > model_vocab_size:
+        raise ConfigError("model.vocab_size", f"{model_vocab_size} is smaller than the tokenizer's "
+                          f"data.vocab_size={data.vocab_size}")
+    g.positive_int("heldout_docs")
+    if data.mixture:
+        try:
+            parse_mixture(data.mixture)
+        except ValueError as e:
+            raise ConfigError("data.mixture", str(e)) from None
+    g.positive_int("num_workers", allow_zero=True)
+
+
+def check_eval_sets(spec) -> None:
+    """ConfigError for an `eval.sets` that does not parse (the dirs are checked when the run opens them)."""
+    if not isinstance(spec, str):
+        raise ConfigError("eval.sets", f"must be a string \"name=DIR,...\", got {spec!r}")
+    if spec:
+        try:
+            parse_eval_sets(spec)
+        except ValueError as e:
+            raise ConfigError("eval.sets", str(e)) from None
 
 
 def _document_lengths(data_dir: str, shards: list[dict], source, dtype: np.dtype) -> np.ndarray:

@@ -14,15 +14,11 @@ With --input, the inputs are cut into shards of about 256 MB of text, each token
 and written to a sibling work dir `.<name>.partial`; the finished dir is renamed into place as a whole. An
 interrupted run resumes there, redoing only unfinished shards; a rerun on the same inputs touches nothing.
 
-Usage:
-  python -m jaxtrain.data.prepare --output DIR --vocab_size 8192            # default corpus (KJV)
-  python -m jaxtrain.data.prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json]
-  python -m jaxtrain.data.prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
+Its command line is `jaxtrain prepare` (jaxtrain.tools.prepare).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import contextlib
@@ -41,23 +37,17 @@ import time
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtrain import tracking
+from jaxtrain import files
+from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
+from jaxtrain.errors import DataError
 
 CORPUS = "kjv"
 FORMAT = 1  # Bump when the on-disk layout changes, so old dirs are refused.
 NUM_TRAIN_SHARDS = 4
-MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.json"
-TOKENIZER_SPM = "tokenizer.model"
-LENGTHS_SUFFIX = ".lengths.npy"
 # Settings that define a data dir's content; a mismatch means "different data".
 SETTINGS = ("format", "corpus", "vocab_size", "heldout_docs", "seed")
-
-
-class DataError(ValueError):
-    """Bad data input: missing or mismatching data dir, impossible settings."""
 
 
 def read_kjv_documents() -> list[str]:
@@ -76,47 +66,6 @@ def split_documents(docs: list[str], heldout_docs: int, seed: int) -> tuple[list
     train = [d for d, h in zip(docs, is_heldout) if not h]
     heldout = [d for d, h in zip(docs, is_heldout) if h]
     return train, heldout
-
-
-def load_manifest(data_dir: str) -> dict:
-    path = os.path.join(data_dir, MANIFEST)
-    if not os.path.isdir(data_dir):
-        raise DataError(
-            f"{data_dir}: data dir does not exist; create it with `python -m jaxtrain.data.prepare --output {data_dir}`"
-        )
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-
-
-def prepared_from_sources(data_dir: str) -> bool:
-    """Whether data_dir holds data made by `prepare --input` (rather than the default corpus)."""
-    return os.path.exists(os.path.join(data_dir, MANIFEST)) and load_manifest(data_dir).get("corpus") == "sources"
-
-
-def verified_tokenizer(data_dir: str) -> str:
-    """Path of the data dir's tokenizer.json, after checking it is the one its shards were made with."""
-    manifest = load_manifest(data_dir)
-    path = os.path.join(data_dir, manifest["tokenizer"]["file"])
-    if not os.path.exists(path):
-        raise DataError(f"{path}: missing; the shards in {data_dir} cannot be decoded without it")
-    if (actual := tok_lib.file_hash(path)) != manifest["tokenizer"]["sha256"]:
-        raise DataError(f"{path}: sha256 {actual[:12]} differs from {manifest['tokenizer']['sha256'][:12]}, the "
-                        f"tokenizer the shards were made with (manifest.json); prepare the data again")
-    return path
-
-
-def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
-    """The data dir's verified tokenizer, with the EOS id its documents end with."""
-    manifest = load_manifest(data_dir)
-    # With the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name.
-    tok = _given_tokenizer(verified_tokenizer(data_dir), manifest.get("eos_token"))
-    tok.eos_id = manifest.get("eos_id", tok.eos_id)
-    return tok
 
 
 def _cut(value, limit: int = 200) -> str:
@@ -150,8 +99,8 @@ def _prepare_into(out_dir: str, settings: dict) -> dict:
         raise DataError(f"heldout_docs must be in [1, {len(docs) - 1}], got {settings['heldout_docs']}")
     train, heldout = split_documents(docs, settings["heldout_docs"], settings["seed"])
     # Train on train docs only, so held-out loss is not flattered by the vocab.
-    tok_lib.train_bpe(train, settings["vocab_size"]).save(os.path.join(out_dir, TOKENIZER))
-    tok = tok_lib.load(os.path.join(out_dir, TOKENIZER))
+    tok_lib.train_bpe(train, settings["vocab_size"]).save(os.path.join(out_dir, layout.TOKENIZER))
+    tok = tok_lib.load(os.path.join(out_dir, layout.TOKENIZER))
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
     token_lists = _tokenize(tok, train + heldout, dtype)  # Rust threads: fast on 2 cores.
     return {
@@ -160,7 +109,7 @@ def _prepare_into(out_dir: str, settings: dict) -> dict:
         "byte_order": "little",
         "pad_id": tok_lib.PAD_ID,
         "eos_id": tok.eos_id,
-        "tokenizer": {"file": TOKENIZER, "sha256": tok_lib.file_hash(os.path.join(out_dir, TOKENIZER)), "kind": "hf"},
+        "tokenizer": {"file": layout.TOKENIZER, "sha256": files.file_hash(os.path.join(out_dir, layout.TOKENIZER)), "kind": "hf"},
         "splits": {
             "train": _write_split(out_dir, "train", token_lists[: len(train)], min(NUM_TRAIN_SHARDS, len(train))),
             "heldout": _write_split(out_dir, "heldout", token_lists[len(train) :], 1),
@@ -206,7 +155,7 @@ def _build_atomically(data_dir: str, settings: dict, build) -> dict:
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
         manifest = build(tmp)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
+        with open(os.path.join(tmp, layout.MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700.
         try:
@@ -215,7 +164,7 @@ def _build_atomically(data_dir: str, settings: dict, build) -> dict:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             # A concurrent preparer won the race: use its result.
-            return _check_settings(data_dir, load_manifest(data_dir), settings)
+            return _check_settings(data_dir, layout.load_manifest(data_dir), settings)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # No-op after a successful rename.
     return manifest
@@ -224,10 +173,10 @@ def _build_atomically(data_dir: str, settings: dict, build) -> dict:
 def _existing_manifest(data_dir: str, settings: dict) -> dict | None:
     """The manifest of data already prepared with `settings` in data_dir; None if data_dir is free to use.
     Data made with other settings, or a non-empty dir without a manifest, is refused (DataError)."""
-    if os.path.exists(os.path.join(data_dir, MANIFEST)):
-        return _check_settings(data_dir, load_manifest(data_dir), settings)
+    if os.path.exists(os.path.join(data_dir, layout.MANIFEST)):
+        return _check_settings(data_dir, layout.load_manifest(data_dir), settings)
     if os.path.exists(data_dir) and (not os.path.isdir(data_dir) or os.listdir(data_dir)):
-        raise DataError(f"{data_dir}: exists but has no {MANIFEST}; refusing to overwrite it")
+        raise DataError(f"{data_dir}: exists but has no {layout.MANIFEST}; refusing to overwrite it")
     return None
 
 
@@ -299,10 +248,10 @@ def _write_shard(path: str, token_lists: list[np.ndarray]) -> dict:
     writer.close()
     lengths = np.array([len(t) for t in token_lists], np.uint32)
     # The index lets the pipeline skip reading every record at start; np.save(str) would append ".npy".
-    with open(path + LENGTHS_SUFFIX, "wb") as f:
+    with open(path + layout.LENGTHS_SUFFIX, "wb") as f:
         np.save(f, lengths)
     return {"file": os.path.basename(path), "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
-            "sha256": tok_lib.file_hash(path), "lengths": os.path.basename(path) + LENGTHS_SUFFIX}
+            "sha256": files.file_hash(path), "lengths": os.path.basename(path) + layout.LENGTHS_SUFFIX}
 
 
 TOKENIZE_BATCH_BYTES = 4 << 20  # text per encode_batch call
@@ -337,7 +286,7 @@ def _build_shard(job: dict) -> dict:
     if heldout:
         record["heldout"] = _write_shard(os.path.join(work, f"heldout-{plan.index:05d}-of-{n:05d}.array_record"),
                                          _tokenize(tok, heldout, dtype))
-    tracking.write_json(os.path.join(work, _done_name(plan.index)), record)
+    files.write_json(os.path.join(work, _done_name(plan.index)), record)
     return record
 
 
@@ -356,8 +305,8 @@ def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
         return None
     for row in filter(None, (record["train"], record["heldout"])):
         path = os.path.join(work, row["file"])
-        if not os.path.exists(path + LENGTHS_SUFFIX) or not os.path.exists(path) or \
-                tok_lib.file_hash(path) != row["sha256"]:
+        if not os.path.exists(path + layout.LENGTHS_SUFFIX) or not os.path.exists(path) or \
+                files.file_hash(path) != row["sha256"]:
             return None
     return record
 
@@ -414,7 +363,7 @@ def _work_dir(data_dir: str, settings: dict, input_mtimes: list, print_fn) -> st
                      file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)  # our own scratch, never a finished data dir
         os.makedirs(work)
-        tracking.write_json(state_file, {**settings, "input_mtimes": input_mtimes})
+        files.write_json(state_file, {**settings, "input_mtimes": input_mtimes})
     return work
 
 
@@ -449,14 +398,14 @@ def prepare_sources(
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
         raise DataError(f"vocab_size must be >= 258, got {vocab_size}")
-    tok = _given_tokenizer(tokenizer, eos_token) if tokenizer else None
+    tok = layout.open_tokenizer(tokenizer, eos_token) if tokenizer else None
     srcs = sources_lib.expand(inputs, fmt, field, split=split, tfds_data_dir=tfds_data_dir)
     data_dir = os.path.abspath(data_dir)
     start = time.perf_counter()
     with _locked(data_dir):
         previous = None
-        if os.path.exists(os.path.join(data_dir, MANIFEST)):
-            previous = load_manifest(data_dir)
+        if os.path.exists(os.path.join(data_dir, layout.MANIFEST)):
+            previous = layout.load_manifest(data_dir)
         elif os.path.exists(state := os.path.join(_work_path(data_dir), "settings.json")):
             with contextlib.suppress(OSError, json.JSONDecodeError), open(state) as f:
                 previous = json.load(f)
@@ -469,7 +418,7 @@ def prepare_sources(
             "text_split": text_split,
             "split": split if any(s.dataset for s in srcs) else None,
             "vocab_size": None if tokenizer else vocab_size,
-            "tokenizer_sha256": tok_lib.file_hash(tokenizer) if tokenizer else None,
+            "tokenizer_sha256": files.file_hash(tokenizer) if tokenizer else None,
             "eos_token": eos_token,
             "heldout_docs": heldout_docs,
             "seed": seed,
@@ -506,7 +455,7 @@ def prepare_sources(
             "byte_order": "little",
             "pad_id": tok_lib.PAD_ID if not tokenizer else None,
             "eos_id": tok.eos_id,
-            "tokenizer": {"file": tok_file, "sha256": tok_lib.file_hash(os.path.join(work, tok_file)),
+            "tokenizer": {"file": tok_file, "sha256": files.file_hash(os.path.join(work, tok_file)),
                           "kind": tok.kind},
             "splits": {"train": train_rows, "heldout": heldout_rows},
             "sources": [s.row() for s in srcs],
@@ -514,7 +463,7 @@ def prepare_sources(
         for r in range(len(plans)):
             os.remove(os.path.join(work, _done_name(r)))
         os.remove(os.path.join(work, "settings.json"))
-        tracking.write_json(os.path.join(work, MANIFEST), manifest)
+        files.write_json(os.path.join(work, layout.MANIFEST), manifest)
         if os.path.isdir(data_dir):
             os.rmdir(data_dir)  # an empty dir (checked above) is replaced
         os.rename(work, data_dir)
@@ -538,23 +487,16 @@ def prepare_sources(
     return manifest
 
 
-def _given_tokenizer(path: str, eos_token: str | None) -> tok_lib.Tokenizer:
-    try:
-        return tok_lib.load(path, eos_token)
-    except tok_lib.TokenizerError as e:
-        raise DataError(str(e)) from None
-
-
 def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size):
     """Copies the given tokenizer into the work dir, or trains a BPE on (a sample of) the train documents;
     an interrupted run's tokenizer is reused. Returns (file name in the dir, Tokenizer)."""
     if given:
-        name = TOKENIZER_SPM if given.endswith(tok_lib.SENTENCEPIECE_SUFFIX) else TOKENIZER
+        name = layout.TOKENIZER_SPM if given.endswith(tok_lib.SENTENCEPIECE_SUFFIX) else layout.TOKENIZER
         if not os.path.exists(os.path.join(work, name)):
             shutil.copyfile(given, os.path.join(work, name + ".tmp"))  # the data dir must be self-contained
             os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
         return name, tok
-    path = os.path.join(work, TOKENIZER)
+    path = os.path.join(work, layout.TOKENIZER)
     if not os.path.exists(path):
         # Train on train documents only, so held-out loss is not flattered by the vocab. A corpus larger
         # than the sample budget contributes whole shards in a seeded order until the budget is spent.
@@ -574,12 +516,12 @@ def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size)
 
         tok_lib.train_bpe(sample(), vocab_size).save(path + ".tmp")
         os.replace(path + ".tmp", path)
-    return TOKENIZER, tok_lib.load(path)
+    return layout.TOKENIZER, tok_lib.load(path)
 
 
 def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn) -> list[dict]:
     """Builds every shard not already finished in `work`, in parallel worker processes, with a progress line."""
-    tok_sha = tok_lib.file_hash(os.path.join(work, tok_file))
+    tok_sha = files.file_hash(os.path.join(work, tok_file))
     jobs, records = [], {}
     for plan in plans:
         # The work dir only survives with identical settings (inputs included), so a finished shard is
@@ -631,41 +573,7 @@ def _quiet_worker():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="data dir to create, finish or reuse")
-    parser.add_argument("--vocab_size", type=int, default=8192, help="of the BPE trained when no --tokenizer is given")
-    parser.add_argument("--heldout_docs", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--input", nargs="+", action="extend",
-                        help="files or globs (.txt, .jsonl[.gz], .parquet; epath: gs:// works with gcsfs), "
-                        "hf:SAVED_DIR, hf:BUILDER:FILES (json/csv/parquet/text), hf:DIR, tfds:NAME[/CONFIG][:VERSION] "
-                        "or tfds:BUILDER_DIR; without it the default corpus (KJV) is prepared")
-    parser.add_argument("--format", choices=sources_lib.KINDS, help="kind of every file input (default: by extension)")
-    parser.add_argument("--field", default="text", help="JSONL key / Parquet or dataset column holding the text")
-    parser.add_argument("--text_split", choices=sources_lib.TEXT_SPLITS, default="file",
-                        help="a .txt document is the whole file, each blank-line paragraph, or each line")
-    parser.add_argument("--split", default="train", help="split of hf:/tfds: inputs (tfds slicing works)")
-    parser.add_argument("--tfds_data_dir", help="where tfds: datasets are prepared (default: TFDS's)")
-    parser.add_argument("--tokenizer", help="an HF tokenizer.json or a SentencePiece .model to use instead of "
-                        "training a BPE")
-    parser.add_argument("--eos_token", help="the given tokenizer's end-of-document token (default: found by name)")
-    parser.add_argument("--num_shards", type=int, help="train shards (default: one per ~256 MB of text)")
-    parser.add_argument("--workers", type=int, help="tokenizing processes (default: one per CPU)")
-    args = parser.parse_args(argv)
-    try:
-        if args.input:
-            prepare_sources(args.output, args.input, fmt=args.format, field=args.field, text_split=args.text_split,
-                            tokenizer=args.tokenizer, eos_token=args.eos_token, vocab_size=args.vocab_size,
-                            heldout_docs=args.heldout_docs, seed=args.seed, num_shards=args.num_shards,
-                            workers=args.workers, split=args.split, tfds_data_dir=args.tfds_data_dir)
-        else:
-            prepare_default_corpus(args.output, args.vocab_size, args.heldout_docs, args.seed)
-    except (DataError, sources_lib.SourceError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+if __name__ == "__main__":  # the command moved to `jaxtrain prepare`
+    from jaxtrain import moved
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(moved.point("jaxtrain.data.prepare"))

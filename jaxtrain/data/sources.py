@@ -21,17 +21,15 @@ from collections.abc import Iterator
 import numpy as np
 from etils import epath
 
-from jaxtrain.data.tokenizer import file_hash
+from jaxtrain.data import dataset_sources
+from jaxtrain.data.dataset_sources import DATASET_PREFIXES, MISSING
+from jaxtrain.errors import SourceError
+from jaxtrain.files import file_hash
 
 KINDS = ("txt", "jsonl", "parquet")
-DATASET_PREFIXES = ("hf:", "tfds:")
 TEXT_SPLITS = ("file", "paragraph", "line")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 _PARAGRAPH_BREAK = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")  # one or more blank lines
-
-
-class SourceError(ValueError):
-    """A path that matches nothing, or a file that cannot be read as its kind."""
 
 
 @dataclasses.dataclass
@@ -78,7 +76,6 @@ def expand(patterns: list[str], fmt: str | None, field: str, *, split: str = "tr
     sources = []
     for pattern in patterns:
         if pattern.startswith(DATASET_PREFIXES):
-            from jaxtrain.data import dataset_sources  # HF datasets / TFDS, imported only when asked for
 
             ds = dataset_sources.open_dataset(pattern, split=split, field=field, data_dir=tfds_data_dir)
             sources.append(Source(pattern, pattern.split(":", 1)[0], field, size=ds.size, dataset=ds))
@@ -166,7 +163,6 @@ def _counted(src: Source, values: Iterator[object]) -> Iterator[str]:
             yield v
 
 
-MISSING = object()  # a record without the text field (counted as missing_field)
 
 
 def _text_chunks(src: Source, text_split: str) -> Iterator[bytes]:

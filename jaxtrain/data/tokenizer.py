@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable
 
 import tokenizers
-from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jaxtrain.errors import TokenizerError
 
 PAD_TOKEN, EOS_TOKEN = "<|pad|>", "<|endoftext|>"
 PAD_ID, EOS_ID = 0, 1  # Fixed ids in the BPE we train: the trainer assigns special tokens first, in order.
 # End-of-document tokens of common tokenizers, tried in order when a given tokenizer.json is used.
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 SENTENCEPIECE_SUFFIX = ".model"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file that cannot be used: unreadable, or without an end-of-document token."""
 
 
 class Tokenizer:
@@ -113,10 +109,3 @@ def _treat_text_as_text(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
     return tok
 
 
-def file_hash(path: str | os.PathLike) -> str:
-    """sha256 hex of a file (tokenizer.json, shards, prepare's inputs: so any etils.epath path, gs:// too)."""
-    h = hashlib.sha256()
-    with epath.Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -1,4 +1,2 @@
-"""Model families. Only the dense Llama-style decoder exists so far."""
-from jaxtrain.models.transformer import ModelConfig, Transformer, build, matmul_params, train_flops_per_token
-
-__all__ = ["ModelConfig", "Transformer", "build", "matmul_params", "train_flops_per_token"]
+"""Models: one decoder (transformer.py) built from shared blocks (layers.py, attention.py, moe.py), configured by
+`config.ModelConfig`; the fused loss (cross_entropy.py); decoding (sampling.py); Hugging Face weights (hf.py)."""

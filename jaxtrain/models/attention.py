@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.mesh import split_ways
+from jaxtrain.parallel.mesh import split_ways
 from jaxtrain.models.cpu_bf16 import transposed_in_memory
 
 # A masked logit, as jax.nn.dot_product_attention's XLA path sets it.

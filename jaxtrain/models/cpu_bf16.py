@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 
 
 def applies(*arrays) -> bool:

@@ -20,9 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.mesh import constrain, split_ways
+from jaxtrain.parallel.mesh import constrain, split_ways
 from jaxtrain.models import cpu_bf16
-from jaxtrain.models.transformer import project
+from jaxtrain.models.layers import project
 
 
 def _chunks(a, n: int):
@@ -58,7 +58,7 @@ def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False, f_na
 def _gathered_once(w, dtype):
     """w [d, V] cast to `dtype` and gathered over the axes FSDP splits d_model on, once, before the chunk loop. Left
     to XLA, XLA:GPU put the gather inside the loop: every chunk gathered the head again for its logits and for its dx
-    (`jaxtrain.plan --compiler gpu`, configs/plan_1b.py on 8 H100s: 2 x 128 gathers of 125 MiB a step)."""
+    (`jaxtrain plan --compiler gpu`, configs/plan_1b.py on 8 H100s: 2 x 128 gathers of 125 MiB a step)."""
     return constrain(w.astype(dtype), (None, "vocab"))
 
 

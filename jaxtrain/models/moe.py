@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.mesh import constrain, split_ways
-from jaxtrain.models.transformer import WEIGHT_MATMUL, ModelConfig, _param, split_last, weight
+from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
+from jaxtrain.models.layers import param, split_last, weight
+from jaxtrain.parallel.mesh import constrain, split_ways
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -124,15 +125,15 @@ class MoE(nnx.Module):
         check_config(cfg)
         self.cfg = cfg
         d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
-        self.w_router = _param(rngs, (d, e), ("embed", None), cfg)
-        self.w_gate = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
-        self.w_up = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
-        self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
+        self.w_router = param(rngs, (d, e), ("embed", None), cfg)
+        self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
+        self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def gate_up(self, expert_in, dt):
         """The gate and up projections of the expert buffer [E, B, N, C, d] as one matmul per expert, joined as
-        transformer.project_fused joins them (one input-gradient all-reduce under tensor parallelism)."""
+        layers.project_fused joins them (one input-gradient all-reduce under tensor parallelism)."""
         w_gate, w_up = weight(self.w_gate, dt), weight(self.w_up, dt)
         ways = split_ways("mlp")
         if w_gate.shape[-1] % ways:

@@ -22,7 +22,7 @@
 #                   Default: stream every worker's output here; losing the ssh session then kills the run
 #   PYTHON          interpreter on the workers (default python3)
 #
-# What the trainers see (jaxtrain.distributed, TPU path): TPU_WORKER_HOSTNAMES (the workers' addresses in
+# What the trainers see (jaxtrain.parallel.distributed, TPU path): TPU_WORKER_HOSTNAMES (the workers' addresses in
 # worker order, from the `worker-network-endpoints` attribute), TPU_WORKER_ID (`agent-worker-number`),
 # and MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID / MEGASCALE_COORDINATOR_ADDRESS when `tpu-env` has them
 # (multislice). On a plain TPU VM these live only in the metadata server. jaxtrain takes process id =

@@ -1,4 +1,4 @@
-"""`python -m jaxtrain.report WORKDIR [WORKDIR ...] [--output DIR] [--price_per_device_hour USD] [--names a,b]`
+"""`jaxtrain report WORKDIR [WORKDIR ...] [--output DIR] [--price_per_device_hour USD] [--names a,b]`
 
 Compares runs: PNG curves (one line per run) and a summary table (summary.md, summary.csv, stdout). It only
 reads what `jaxtrain.train.run` writes into a workdir, and any of it may be missing or stale (a crashed run
@@ -14,17 +14,17 @@ From a notebook:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import io
 import json
 import math
-import sys
 from pathlib import Path
 
-from jaxtrain import faults
-from jaxtrain import goodput as goodput_lib
+from jaxtrain.observe import goodput as goodput_lib
+from jaxtrain.errors import ReportError
+from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.tools import common
 
 # metric -> (y-axis label, multiplier); "eval_loss" also draws every "eval_loss/<set>", dashed.
 CURVES = {
@@ -47,10 +47,6 @@ CSV_COLUMNS = ["name", "status", "steps", "total_steps", "final_loss", "best_eva
                "device_hours", "cost"]
 
 
-class ReportError(ValueError):
-    """A workdir the report cannot use (exit 2 from the CLI)."""
-
-
 # ===== Reading a workdir ==================================================================================
 
 def _read_json(path: Path):
@@ -65,24 +61,6 @@ def _mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except OSError:
         return None
-
-
-def _lineage(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(train, eval) records of the final lineage, in step order. A resumed or rolled-back run logs again
-    from an earlier step, so a record at step s ends every earlier record past s: the later record for a
-    step wins, and steps an abandoned attempt logged past the resume point drop out."""
-    train: list[dict] = []
-    evals: list[dict] = []
-    for r in records:
-        is_eval = any(k.startswith("eval_loss") for k in r)
-        # A step's eval record follows its train record, so an eval at s ends only the train records after s.
-        while train and (train[-1]["step"] > r["step"] or (train[-1]["step"] == r["step"] and not is_eval)):
-            train.pop()
-        while evals and evals[-1]["step"] >= r["step"]:
-            evals.pop()
-        if is_eval or "loss" in r:
-            (evals if is_eval else train).append(r)
-    return train, evals
 
 
 @dataclasses.dataclass
@@ -221,27 +199,6 @@ def _harmonic_mean(rates: list[float]) -> float | None:
     return len(rates) / sum(1 / r for r in rates) if rates else None
 
 
-def read_records(metrics: Path) -> list[dict]:
-    """A metrics.jsonl's records with an integer step, in file order (a line a kill cut short is skipped)."""
-    records = []
-    with open(metrics) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:  # the line a kill cut short
-                continue
-            if isinstance(r, dict) and isinstance(r.get("step"), int):
-                records.append(r)
-    return records
-
-
-def earlier_evals(workdir, up_to: int) -> list[dict]:
-    """The eval records of the final lineage at steps <= `up_to`: what a run resumed at that step evaluated
-    before (for its summary). [] where there is no metrics.jsonl."""
-    metrics = Path(workdir) / "metrics.jsonl"
-    return [r for r in _lineage(read_records(metrics))[1] if r["step"] <= up_to] if metrics.is_file() else []
-
-
 def load_run(workdir, name: str | None = None) -> Run:
     """Reads one workdir; raises ReportError if it is not a directory or has no metrics.jsonl."""
     workdir = Path(workdir)
@@ -250,8 +207,8 @@ def load_run(workdir, name: str | None = None) -> Run:
     metrics = workdir / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(f"{metrics}: not found (not a jaxtrain workdir, or the run has not logged yet)")
-    records = read_records(metrics)
-    train, evals = _lineage(records)
+    records = metrics_lib.read_records(metrics)
+    train, evals = metrics_lib.lineage(records)
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), (int, float))]
     summary = _read_json(workdir / "summary.json")
     run = Run(name=name or default_names([workdir])[0], workdir=workdir, train=train, evals=evals,
@@ -430,8 +387,8 @@ def write_report(workdirs, output="report", price: float | None = None, names=No
     return {"paths": paths, "rows": rows, "table": table}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.report", description=__doc__.split("\n\n")[1])
+def _report(argv) -> int:
+    parser = common.Parser(prog="jaxtrain report", description=__doc__.split("\n\n")[1])
     parser.add_argument("workdirs", nargs="+", metavar="WORKDIR")
     parser.add_argument("--output", default="report", metavar="DIR",
                         help="directory for the PNGs and tables (default: report)")
@@ -440,17 +397,13 @@ def main(argv=None) -> int:
     parser.add_argument("--names", default=None, metavar="a,b", help="comma-separated run names, one per WORKDIR")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.names.split(",")] if args.names is not None else None
-    try:
-        if args.price_per_device_hour is not None and not args.price_per_device_hour >= 0:
-            raise ReportError(f"--price_per_device_hour: {args.price_per_device_hour} is not a price")
-        result = write_report(args.workdirs, args.output, args.price_per_device_hour, names)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return faults.EXIT_BAD_INPUT
+    if args.price_per_device_hour is not None and not args.price_per_device_hour >= 0:
+        raise ReportError(f"--price_per_device_hour: {args.price_per_device_hour} is not a price")
+    result = write_report(args.workdirs, args.output, args.price_per_device_hour, names)
     print(result["table"], end="")
     print(f"wrote {', '.join(p.name for p in result['paths'].values())} to {args.output}")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    return common.run(_report, argv)

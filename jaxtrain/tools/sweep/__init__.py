@@ -1,6 +1,6 @@
-"""Hyperparameter sweeps: `python -m jaxtrain.sweep --config configs/tiny.py --sweep configs/sweeps/lr_grid.py`
+"""Hyperparameter sweeps: `jaxtrain sweep --config configs/tiny.py --sweep configs/sweeps/lr_grid.py`
 
-    python -m jaxtrain.sweep --config CONFIG --sweep SWEEP [--workers N] [--sweep_dir DIR] [--storage URL]
+    jaxtrain sweep --config CONFIG --sweep SWEEP [--workers N] [--sweep_dir DIR] [--storage URL]
         [--trials N] [--config.a.b=v ...]
 
 Every trial is an ordinary run of CONFIG (with the CLI overrides) plus the trial's values, in its own workdir
@@ -83,9 +83,10 @@ import optuna
 from optuna.trial import TrialState
 
 from jaxtrain import config as config_lib
-from jaxtrain import metrics as metrics_lib
-from jaxtrain import report
-from jaxtrain import tracking
+from jaxtrain import errors
+from jaxtrain.errors import SweepError
+from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.observe import tracking
 
 SAMPLERS = ("grid", "random", "tpe")
 PRUNERS = ("none", "median", "hyperband")
@@ -96,10 +97,6 @@ KEYS = ("space", "sampler", "sampler_args", "trials", "metric", "objective", "di
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 600.0  # a RUNNING trial whose heartbeat is this old is taken for dead (other machines)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-
-
-class SweepError(config_lib.ConfigError):
-    """A bad sweep file, space, flag or storage. `str()` is the one line shown: '<field>: <reason>'."""
 
 
 # ===== The sweep file ==================================================================================
@@ -418,7 +415,7 @@ def check(config, spec: Sweep) -> None:
                              f"({type(_get(config, path)).__name__})") from None
         try:
             config_lib.validate(cfg, devices, 1)
-        except config_lib.ConfigError as e:
+        except errors.ConfigError as e:
             named = e.field if e.field in point else None
             values = ", ".join(f"{k}={v!r}" for k, v in point.items())
             raise SweepError(f"space.{named}" if named else "space", f"{values} fails the config's validation: {e}") from None
@@ -636,7 +633,7 @@ def metric_history(workdir, metric: str) -> dict[int, float]:
     """{step: value} of `metric` in a workdir's metrics.jsonl; for a step logged twice (a run killed after
     its last checkpoint, then resumed) the later record wins."""
     path = Path(workdir) / "metrics.jsonl"
-    records = report.read_records(path) if path.is_file() else []
+    records = metrics_lib.read_records(path) if path.is_file() else []
     return {r["step"]: float(r[metric]) for r in records if r.get(metric) is not None}
 
 
@@ -647,14 +644,14 @@ def objective(history: dict[int, float], spec: Sweep) -> float:
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e) if isinstance(e, config_lib.ConfigError) else f"{type(e).__name__}: {e}"
+    text = str(e) if isinstance(e, errors.ConfigError) else f"{type(e).__name__}: {e}"
     return tracking.redact((text.strip().splitlines() or [type(e).__name__])[0])
 
 
 def run_trial(study, spec: Sweep, base, sweep_dir: Path, trial, params: dict) -> optuna.trial.FrozenTrial:
     """Trains one trial in this process and tells the study how it ended. KeyboardInterrupt and SIGTERM
-    (hooks.Preempted) mark it interrupted (retried by the next run) and propagate."""
-    from jaxtrain import hooks, train
+    (errors.Preempted) mark it interrupted (retried by the next run) and propagate."""
+    from jaxtrain import train
 
     workdir = sweep_dir / trial.user_attrs["workdir"]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -673,7 +670,7 @@ def run_trial(study, spec: Sweep, base, sweep_dir: Path, trial, params: dict) ->
         except optuna.TrialPruned as e:
             state = TrialState.PRUNED
             say(str(e))
-        except (KeyboardInterrupt, hooks.Preempted):
+        except (KeyboardInterrupt, errors.Preempted):
             trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 1))
             study.tell(trial, state=TrialState.FAIL)  # no "error": retried in this workdir by the next run
             raise
@@ -834,8 +831,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     get_sweep() dict or a Sweep. Raises SweepError/ConfigError/DataError before any trial for bad input.
 
     Returns {"rows", "best" (row or None), "csv", "markdown", "plot", "sweep_dir"}."""
-    from jaxtrain import hooks, train
-    from jaxtrain.data import prepare
+    from jaxtrain.data import layout, prepare
 
     spec = load(sweep, trials)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -843,8 +839,8 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     check(config, spec)
     sweep_dir = Path(sweep_dir) if sweep_dir else default_sweep_dir(config, spec.name)
     # The corpus once, here: N workers' first trials would otherwise all build it; a DataError is bad input.
-    ddir = train.data_dir(config)
-    if not prepare.prepared_from_sources(ddir):
+    ddir = layout.default_dir(config.data)
+    if not layout.prepared_from_sources(ddir):
         prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our one line per trial replaces Optuna's
@@ -865,7 +861,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
             child.wait()
         # A worker that died left its trial RUNNING: retry it now rather than on the next invocation.
         work(study, spec, config, sweep_dir, print_fn)
-    except hooks.Preempted as e:  # the table is still worth writing; then the caller sees the preemption
+    except errors.Preempted as e:  # the table is still worth writing; then the caller sees the preemption
         preempted = e
     finally:
         for child, reader in children:
@@ -889,9 +885,9 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
 
 
 def _spawn(config, spec: Sweep, sweep_dir: Path, storage, index: int, print_fn):
-    """A worker process (`python -m jaxtrain.sweep --worker`); the config arrives on stdin (no secrets in argv)
+    """A worker process (`jaxtrain sweep --worker`); the config arrives on stdin (no secrets in argv)
     and its lines come back through print_fn."""
-    child = subprocess.Popen([sys.executable, "-m", "jaxtrain.sweep", "--worker"], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-m", "jaxtrain", "sweep", "--worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=False, env={**os.environ, "JAXTRAIN_SWEEP_WORKER": str(index)})
     child.stdin.write(pickle.dumps({"config": config, "spec": spec, "sweep_dir": str(sweep_dir), "storage": storage}))
     child.stdin.close()
@@ -906,7 +902,6 @@ def _spawn(config, spec: Sweep, sweep_dir: Path, storage, index: int, print_fn):
 
 
 def _worker_main() -> int:
-    from jaxtrain import faults, hooks
 
     job = pickle.load(sys.stdin.buffer)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -915,16 +910,16 @@ def _worker_main() -> int:
                               sampler=make_sampler(job["spec"], job["spec"].seed), pruner=make_pruner(job["spec"]))
     try:
         work(study, job["spec"], job["config"], sweep_dir, lambda *a: print(*a, flush=True))
-    except hooks.Preempted:
-        return faults.EXIT_PREEMPTED
-    return faults.EXIT_OK
+    except errors.Preempted:
+        return errors.EXIT_PREEMPTED
+    return errors.EXIT_OK
 
 
-def _cli_main():
+def main(argv: list[str] | None = None):
+    """`jaxtrain sweep ...`: `argv` without the program name (default: sys.argv[1:]); exits."""
     from absl import app, flags, logging
 
-    from jaxtrain import faults, hooks, main as main_cli  # main defines --config (a config file + overrides)
-    from jaxtrain.data.prepare import DataError
+    from jaxtrain import main as main_cli  # main defines --config (a config file + overrides)
 
     flags.DEFINE_string("sweep", None, "Path to a sweep file (configs/sweeps/*.py) with get_sweep().")
     flags.DEFINE_integer("workers", 1, "Worker processes on this machine (this one plus N-1 more).")
@@ -936,35 +931,28 @@ def _cli_main():
     flags.DEFINE_boolean("worker", False, "Internal: an extra worker started by --workers (job on stdin).")
     FLAGS = flags.FLAGS
 
-    def main(argv):
+    def run_sweep(argv):
         del argv
         if not FLAGS["verbosity"].present:  # Orbax logs every file operation at INFO
             logging.set_verbosity(logging.WARNING)
         if FLAGS.worker:
             sys.exit(_worker_main())
-        if main_cli._CONFIG.value is None:
+        if main_cli.CONFIG_FLAG.value is None:
             print("error: --config: required (e.g. --config configs/tiny.py)", file=sys.stderr)
-            sys.exit(faults.EXIT_BAD_INPUT)
+            sys.exit(errors.EXIT_BAD_INPUT)
         if not FLAGS.sweep:
             print("error: --sweep: required (e.g. --sweep configs/sweeps/lr_grid.py)", file=sys.stderr)
-            sys.exit(faults.EXIT_BAD_INPUT)
+            sys.exit(errors.EXIT_BAD_INPUT)
         try:
-            run(main_cli._CONFIG.value, FLAGS.sweep, FLAGS.sweep_dir, workers=FLAGS.workers, storage=FLAGS.storage,
+            run(main_cli.CONFIG_FLAG.value, FLAGS.sweep, FLAGS.sweep_dir, workers=FLAGS.workers, storage=FLAGS.storage,
                 trials=FLAGS.trials, print_fn=lambda *a: print(*a, flush=True))
-        except (config_lib.ConfigError, DataError) as e:
+        except (errors.ConfigError, errors.DataError) as e:
             print(f"error: {e}".splitlines()[0], file=sys.stderr)
-            sys.exit(faults.EXIT_BAD_INPUT)
-        except hooks.Preempted:
+            sys.exit(errors.EXIT_BAD_INPUT)
+        except errors.Preempted:
             print("preempted: running trials saved a checkpoint; rerun the same command to resume", file=sys.stderr)
-            sys.exit(faults.EXIT_PREEMPTED)
-        sys.exit(faults.EXIT_OK)
+            sys.exit(errors.EXIT_PREEMPTED)
+        sys.exit(errors.EXIT_OK)
 
-    app.run(main, flags_parser=main_cli._parse)
-
-
-if __name__ == "__main__":
-    # Run the copy imported as jaxtrain.sweep, so that pickled jobs and sweep files that import helpers from
-    # jaxtrain.sweep see the same classes.
-    from jaxtrain.sweep import _cli_main as _main
-
-    _main()
+    app.run(run_sweep, argv=["jaxtrain sweep", *(sys.argv[1:] if argv is None else argv)],
+            flags_parser=main_cli.parse_flags)

@@ -5,7 +5,7 @@ A rule table maps each logical axis to zero or more *mesh* axes; XLA then insert
 
 The mesh axes have fixed meanings (listed outermost first, as they are laid out over the devices):
   data      pure replicas (gradients all-reduced; put it on the slowest links)
-  pipeline  pipeline stages: the layer stack is split into contiguous stages (jaxtrain.pipeline_parallel)
+  pipeline  pipeline stages: the layer stack is split into contiguous stages (jaxtrain.parallel.pipeline)
   fsdp      replicas that also shard params, grads and optimizer state (ZeRO-3)
   expert    mixture-of-experts experts are split over it; for everything else it is one more batch axis
   sequence  sequence (context) parallelism: activations split along the sequence; attention gathers K/V
@@ -31,9 +31,12 @@ import math
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain.errors import ConfigError
 
 AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 
@@ -56,6 +59,30 @@ PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
 # follows its parameter twin (tensor parallelism); "act_embed" is unmapped unless a table maps it.
 _ACT_TO_PARAM = {"act_heads": "q_heads", "act_kv_heads": "kv_heads", "act_mlp": "mlp", "act_vocab": "vocab",
                  "act_experts": "experts"}
+
+
+# The config's `mesh` group. -1 = all remaining devices. `rules` is a preset name (PRESETS) or an explicit table
+# such as "batch=data+fsdp,embed=fsdp,mlp=tensor" (unlisted logical axes are replicated). `dcn_<axis>` (hybrid
+# meshes: TPU multislice, GPU multi-node): how many of that axis's ways cross the slow network between slices or
+# nodes (see above for which axes belong there).
+CONFIG = dict(data=-1, pipeline=1, fsdp=1, expert=1, sequence=1, tensor=1, rules="dp_fsdp_tp",
+              dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_expert=1, dcn_sequence=1, dcn_tensor=1)
+
+
+def check_config(mesh_cfg, num_devices: int) -> tuple[dict, dict, dict]:
+    """(shape, rules, dcn) of the `mesh` group for `num_devices`; ConfigError naming the first bad field."""
+    try:
+        shape = resolve_shape(mesh_cfg, num_devices)
+        rules = resolve_rules(mesh_cfg.rules)
+        dcn = resolve_dcn(mesh_cfg, shape)
+    except (ValueError, TypeError) as e:
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field if field.startswith("mesh") else "mesh", reason or str(e)) from None
+    unused = unused_axes(shape, rules)
+    if unused:
+        raise ConfigError(f"mesh.{unused[0]}", f"size {shape[unused[0]]} but mesh.rules={mesh_cfg.rules!r} "
+                          f"maps nothing to {unused[0]!r}; use a preset that does (e.g. 'dp_fsdp_tp')")
+    return shape, rules, dcn
 
 
 def resolve_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -224,7 +251,7 @@ def active_sharding() -> tuple[Mesh, Mapping[str, tuple[str, ...]]] | None:
 
 def compile_platform() -> str:
     """The platform the computation being traced compiles for: the active mesh's devices' ("cpu", "gpu", "tpu"),
-    else this process's default backend. An ahead-of-time compile for GPUs on a CPU host (`jaxtrain.plan
+    else this process's default backend. An ahead-of-time compile for GPUs on a CPU host (`jaxtrain.tools.plan
     --compiler gpu`) then traces the GPU's forms, not the CPU's (`jaxtrain.models.cpu_bf16`)."""
     active = _ACTIVE.get()
     return active[0].devices.flat[0].platform if active is not None else jax.default_backend()
@@ -283,6 +310,11 @@ def over_replicas(fn, axes: tuple[str, ...]):
         return jax.vmap(inner, spmd_axis_name=axes)(copies, split)
 
     return run
+
+
+def split_microbatches(x, n: int):
+    """[B, ...] -> [n, B/n, ...] taking every n-th row, so each microbatch spans every data shard."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

@@ -1,4 +1,4 @@
-"""`python -m jaxtrain.plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--compiler auto|cpu|gpu]
+"""`jaxtrain plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--compiler auto|cpu|gpu]
 [--config.a.b=v ...]`
 
 Does this fit, and how fast could it go? Answered before anyone books a cluster: the train step is
@@ -17,7 +17,7 @@ are about the f32 figure (the report prints the analytic temporaries both ways),
 reduce-scatter: it all-reduces and slices, which the GPU/TPU pipelines turn into a reduce-scatter, so the
 report counts an all-reduce whose every result is only sliced to 1/n afterwards as a reduce-scatter.
 `--compiler gpu` (the default for `--backend gpu` where the CUDA PJRT plugin is installed) compiles with XLA:GPU
-instead, for N described GPUs of `--device_kind` (`jaxtrain.gpu_topology`, no GPU needed): then fusion, buffer
+instead, for N described GPUs of `--device_kind` (`jaxtrain.tools.plan.topology`, no GPU needed): then fusion, buffer
 reuse, collectives and scheduling are the GPU compiler's, without its autotuning.
 
 From Python: `plan(config, num_devices, backend) -> dict` (the process must already see N CPU devices),
@@ -158,7 +158,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtrain import gpu_topology
+from jaxtrain.observe import hlo as hlo_lib
+from jaxtrain.tools.plan import topology as gpu_topology
 
 BACKENDS = ("cpu", "gpu", "tpu")
 DEFAULT_DEVICE_KIND = {"gpu": "H100", "tpu": "TPU v5p"}
@@ -166,10 +167,7 @@ DEFAULT_DEVICE_KIND = {"gpu": "H100", "tpu": "TPU v5p"}
 HBM_GIB = {"h100": 80 * 1e9 / 2**30, "h200": 141 * 1e9 / 2**30, "b200": 192 * 1e9 / 2**30,
            "a100": 80 * 1e9 / 2**30, "l4": 24 * 1e9 / 2**30, "tpu v4": 32, "tpu v5 lite": 16, "tpu v5e": 16,
            "tpu v5p": 95, "tpu v5": 95, "tpu v6 lite": 32, "tpu v6e": 32}
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-               "s2": 0.25, "u2": 0.25, "token": 0}
+COLLECTIVES = hlo_lib.COLLECTIVES
 
 
 class PlanError(ValueError):
@@ -182,95 +180,6 @@ def _error(field: str, reason: str):
 
 
 # ===== HLO text: computations, instructions, shapes ===================================================
-
-_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
-_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
-
-
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape string, tuples summed: 'f32[2,3]' -> 24, '(f32[2], bf16[4])' -> 16."""
-    total = 0.0
-    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
-        size = DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
-        if size is None:
-            continue
-        total += size * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def _dims(shape: str) -> list[int]:
-    m = _SHAPE.search(shape)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
-def _split_instruction(line: str):
-    """'  %x = (f32[2], s32[]) op(%a, %b), attr=...' -> (name, shape, op, rest) or None."""
-    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
-    if not m:
-        return None
-    rest = line[m.end():]
-    if rest.startswith("("):  # tuple shape: up to its matching parenthesis
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += (ch == "(") - (ch == ")")
-            if depth == 0:
-                break
-        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
-    else:
-        shape, _, rest = rest.partition(" ")
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    return m.group(1), shape, op.group(1), rest[op.end():]
-
-
-def operands(instr) -> list[str]:
-    """Operand names: the %names before the op's closing parenthesis."""
-    return re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0])
-
-
-def parse_hlo(text: str) -> dict:
-    """{"computations": {name: [instr]}, "entry": name, "shapes": {instr name: shape}, "by_name": {name: instr},
-    "users": {name: [(user instr, operand index)]}, "fusion_of": {fused computation: fusion instr}};
-    instr = dict(name, shape, op, rest, comp, root)."""
-    comps, by_name, entry, current = {}, {}, None, None
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("//"):
-            continue
-        if not line[0].isspace():
-            header = _COMP_HEADER.match(line)
-            if header and not line.startswith("HloModule"):
-                current = header.group(2)
-                comps[current] = []
-                if header.group(1):
-                    entry = current
-            elif line.startswith("}"):
-                current = None
-            continue
-        if current is None:
-            continue
-        parts = _split_instruction(line)
-        if parts:
-            name, shape, op, rest = parts
-            instr = {"name": name, "shape": shape, "op": op, "rest": rest, "comp": current,
-                     "root": line.lstrip().startswith("ROOT ")}
-            comps[current].append(instr)
-            by_name[name] = instr
-    users: dict[str, list] = {}
-    fusion_of = {}  # fused computation -> the fusion instruction that calls it
-    for instrs in comps.values():
-        for instr in instrs:
-            for i, operand in enumerate(operands(instr)):
-                users.setdefault(operand, []).append((instr, i))
-            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"]) if instr["op"] == "fusion" else None
-            if called:
-                fusion_of[called.group(1)] = instr
-    return {"computations": comps, "entry": entry, "by_name": by_name, "users": users, "fusion_of": fusion_of,
-            "shapes": {name: instr["shape"] for name, instr in by_name.items()}}
-
-
-def _numel(shape: str) -> int:
-    return math.prod(_dims(shape))
 
 
 _PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "convert", "get-tuple-element")
@@ -286,14 +195,14 @@ def _only_sliced(module, name: str, n: int, depth: int = 0) -> bool:
         users = users + module["users"].get(module["fusion_of"][instr["comp"]]["name"], [])
     if not users or depth > 12:
         return False
-    size = _numel(module["shapes"][name])
+    size = hlo_lib.numel(module["shapes"][name])
     for user, index in users:
         op = user["op"]
         if op == "dynamic-slice" and index == 0:
-            if _numel(user["shape"]) * n != size:
+            if hlo_lib.numel(user["shape"]) * n != size:
                 return False
         elif op in _PASS_THROUGH and index == 0:
-            if _numel(user["shape"]) != size or not _only_sliced(module, user["name"], n, depth + 1):
+            if hlo_lib.numel(user["shape"]) != size or not _only_sliced(module, user["name"], n, depth + 1):
                 return False
         elif op == "fusion":
             called = re.search(r"\bcalls=%?([\w.\-]+)", user["rest"])
@@ -310,7 +219,7 @@ def _scattered_elements(module, instr, n: int) -> list[bool]:
     """For each result of an all-reduce (a tuple has several): is it only sliced to 1/n afterwards?"""
     if not instr["shape"].startswith("("):
         return [_only_sliced(module, instr["name"], n)]
-    elements = _tuple_elements(instr["shape"])
+    elements = hlo_lib.tuple_elements(instr["shape"])
     out = [False] * len(elements)
     for user, _ in module["users"].get(instr["name"], []):
         if user["op"] == "get-tuple-element":
@@ -335,86 +244,12 @@ def _scatter_axes(module, result, axes: tuple[str, ...], mesh_shape: dict, repli
     return (), []
 
 
-def _tuple_elements(shape: str) -> list[str]:
-    """'(f32[2]{0}, /*index=1*/bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']."""
-    return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape))]
-
-
-def _called(instr) -> list[tuple[str, str]]:
-    """(computation, role) pairs an instruction calls; role is the attribute (body, condition, calls, ...)."""
-    if instr["op"].endswith("-done") or instr["op"] == "async-update":
-        return []  # the -start already accounts for the wrapped computation
-    out = []
-    for role, target in re.findall(r"\b(calls|to_apply|body|condition|true_computation|false_computation)="
-                                   r"%?([\w.\-]+)", instr["rest"]):
-        out.append((target, role))
-    for role, group in re.findall(r"\b(branch_computations|called_computations)=\{([^}]*)\}", instr["rest"]):
-        out += [(t.strip().lstrip("%"), role) for t in group.split(",") if t.strip()]
-    return out
-
-
-def _trip_count(instr, module) -> int | None:
-    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', instr["rest"])
-    if m:
-        return int(m.group(1))
-    cond = re.search(r"\bcondition=%?([\w.\-]+)", instr["rest"])
-    body = module["computations"].get(cond.group(1), []) if cond else []
-    consts = [int(c) for i in body if i["op"] == "constant" and re.fullmatch(r"s(32|64)\[\]", i["shape"])
-              for c in re.findall(r"^(-?\d+)\)", i["rest"])]
-    has_lt = any(i["op"] == "compare" and "direction=LT" in i["rest"] for i in body)
-    return consts[0] if has_lt and len(consts) == 1 and consts[0] > 0 else None
-
-
-def multiplicities(module) -> tuple[dict, set]:
-    """How many times each computation runs per call of the entry; and the computations reached through a
-    while loop of unknown trip count (counted once)."""
-    callers: dict[str, list] = {}
-    unknown_loops = set()
-    for comp, instrs in module["computations"].items():
-        for instr in instrs:
-            for target, role in _called(instr):
-                factor = 1
-                if instr["op"] == "while" and role == "body":
-                    trips = _trip_count(instr, module)
-                    if trips is None:
-                        unknown_loops.add(target)
-                    factor = trips or 1
-                callers.setdefault(target, []).append((comp, factor))
-    memo: dict[str, float] = {}
-
-    def mult(comp, seen=()):
-        if comp == module["entry"]:
-            return 1
-        if comp not in memo:
-            memo[comp] = sum(mult(c, seen + (comp,)) * f for c, f in callers.get(comp, []) if c not in seen)
-        return memo[comp]
-
-    out = {c: mult(c) for c in module["computations"]}
-    # Unknown trip counts propagate to what those loop bodies call.
-    flagged = set(unknown_loops)
-    changed = True
-    while changed:
-        changed = False
-        for comp, instrs in module["computations"].items():
-            if comp in flagged:
-                for instr in instrs:
-                    for target, _ in _called(instr):
-                        if target not in flagged:
-                            flagged.add(target)
-                            changed = True
-    return out, flagged
-
-
 # ===== Replica groups -> mesh axes =====================================================================
 
 def _iota(reshape: list[int], perm: list[int] | None):
     import numpy as np  # noqa: PLC0415
     array = np.arange(math.prod(reshape)).reshape(reshape)
     return array.transpose(perm) if perm else array
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.findall(r"-?\d+", text)]
 
 
 def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
@@ -431,11 +266,11 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
         inner = text[1:-1].strip()
         if not inner:
             return [list(range(num_devices))] if num_devices else []
-        return [_ints(g) for g in re.findall(r"\{([^{}]*)\}", inner)]
+        return [hlo_lib.ints(g) for g in re.findall(r"\{([^{}]*)\}", inner)]
     m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
     if m:
-        groups, size = _ints(m.group(1))
-        array = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        groups, size = hlo_lib.ints(m.group(1))
+        array = _iota(hlo_lib.ints(m.group(2)), hlo_lib.ints(m.group(3)) if m.group(3) else None)
         return array.reshape(groups, size).tolist()
     m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", text)
     if m:
@@ -444,8 +279,8 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
         ids = m.group(2)
         if ids:
             it = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?$", ids.strip())
-            devices = (_iota(_ints(it.group(1)), _ints(it.group(2)) if it.group(2) else None) if it
-                       else np.array(_ints(ids)))
+            devices = (_iota(hlo_lib.ints(it.group(1)), hlo_lib.ints(it.group(2)) if it.group(2) else None) if it
+                       else np.array(hlo_lib.ints(ids)))
             devices = devices.reshape(sizes)
         else:
             devices = np.arange(math.prod(sizes)).reshape(sizes)
@@ -499,7 +334,7 @@ def _op_groups(instr, kind: str, num_devices: int) -> list[list[int]] | None:
     replica_groups form is unknown."""
     if kind == "collective-permute":
         pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", instr["rest"])
-        return [p for p in map(_ints, re.findall(r"\{(\d+,\d+)\}", pairs.group(1))) if p[0] != p[1]] \
+        return [p for p in map(hlo_lib.ints, re.findall(r"\{(\d+,\d+)\}", pairs.group(1))) if p[0] != p[1]] \
             if pairs else []
     attr = _group_attr(instr["rest"])
     if attr is None:  # absent = all devices in one group
@@ -516,20 +351,20 @@ _WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1
 
 
 def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> list[dict]:
-    """Every collective in compiled HLO (text or `parse_hlo`'s result), one dict per op (an all-reduce whose
+    """Every collective in compiled HLO (text or `hlo_lib.parse_hlo`'s result), one dict per op (an all-reduce whose
     results are partly sliced afterwards gives two, or three): kind, axes, partial, group_size, count (executions
     per step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
     as all-reduce + dynamic-slice). An all-reduce whose results are only sliced over part of its axes counts as a
     reduce-scatter over that part and an all-reduce of the slice over the rest (GPU's AllReduceSplitter rewrites
     it so); `replica_axes` (mesh.replica_axes) breaks ties between parts of one size. See the module docstring."""
-    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, unknown = multiplicities(module)
+    module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, unknown = hlo_lib.multiplicities(module)
     num_devices = math.prod(mesh_shape.values())
     done_of = {}  # start name -> its -done instruction
     for instrs in module["computations"].values():
         for instr in instrs:
-            if instr["op"].endswith("-done") and operands(instr):
-                done_of[operands(instr)[0]] = instr
+            if instr["op"].endswith("-done") and hlo_lib.operands(instr):
+                done_of[hlo_lib.operands(instr)[0]] = instr
     out = []
     for comp, instrs in module["computations"].items():
         for instr in instrs:
@@ -550,19 +385,19 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
             common = {"axes": axes, "partial": not exact, "group_size": size, "count": count,
                       "name": instr["name"], "async": op.endswith("-start"), "trip_count_unknown": comp in unknown}
             # (kind, axes, group size, payload bytes, emitted as all-reduce + slice)
-            parts = [(kind, axes, size, shape_bytes(result["shape"]) * (size if kind == "reduce-scatter" else 1),
+            parts = [(kind, axes, size, hlo_lib.shape_bytes(result["shape"]) * (size if kind == "reduce-scatter" else 1),
                       False)]
             if kind == "all-reduce":  # all-reduce + slice to 1/n = reduce-scatter (the CPU pipeline has none)
-                elements = _tuple_elements(result["shape"]) if result["shape"].startswith("(") else [result["shape"]]
+                elements = hlo_lib.tuple_elements(result["shape"]) if result["shape"].startswith("(") else [result["shape"]]
                 scattered = _scattered_elements(module, result, size)
-                rs = sum(shape_bytes(e) for e, sc in zip(elements, scattered) if sc)
+                rs = sum(hlo_lib.shape_bytes(e) for e, sc in zip(elements, scattered) if sc)
                 split, partly = _scatter_axes(module, result, axes, mesh_shape, replica_axes) if (
                     exact and not all(scattered)) else ((), [])
                 n = math.prod(mesh_shape[a] for a in split)
                 partly = partly or [False] * len(elements)
-                rs_part = sum(shape_bytes(e) for e, sc, p in zip(elements, scattered, partly) if p and not sc)
+                rs_part = sum(hlo_lib.shape_bytes(e) for e, sc, p in zip(elements, scattered, partly) if p and not sc)
                 rest = tuple(a for a in axes if a not in split)
-                parts = [p for p in (("all-reduce", axes, size, shape_bytes(result["shape"]) - rs - rs_part, False),
+                parts = [p for p in (("all-reduce", axes, size, hlo_lib.shape_bytes(result["shape"]) - rs - rs_part, False),
                                      ("reduce-scatter", axes, size, rs, True),
                                      ("reduce-scatter", split, n, rs_part, True),
                                      ("all-reduce", rest, size // n, rs_part / n, True)) if p[3]]
@@ -588,32 +423,6 @@ def summarize_collectives(ops: list[dict]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["kind"]), r["axes"]))
 
 
-def instruction_flops(module, instr) -> float:
-    """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module (0 otherwise)."""
-    if instr["op"] not in ("dot", "convolution"):
-        return 0.0
-    out = math.prod(_dims(instr["shape"]))
-    names = operands(instr)
-    lhs = _dims(module["shapes"].get(names[0], "")) if names else []
-    if instr["op"] == "dot":
-        contract = _ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr["rest"]).group(1)) \
-            if "lhs_contracting_dims" in instr["rest"] else []
-        k = math.prod(lhs[i] for i in contract if i < len(lhs))
-    else:  # convolution: contracted = kernel elements / output features
-        rhs = _dims(module["shapes"].get(names[1], "")) if len(names) > 1 else []
-        k = math.prod(rhs) / max(_dims(instr["shape"])[-1:] or [1])
-    return 2.0 * out * k
-
-
-def dot_flops(hlo) -> float:
-    """`instruction_flops` of every dot / convolution in compiled HLO (text or `parse_hlo`'s result), weighted by
-    how often its computation runs (per device)."""
-    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, _ = multiplicities(module)
-    return sum(instruction_flops(module, instr) * mult.get(comp, 0)
-               for comp, instrs in module["computations"].items() for instr in instrs)
-
-
 # ===== Roofline of a compiled program ==================================================================
 
 # Kernels: the ops that launch work in a non-fused computation. Collectives are left out (async on GPUs, they
@@ -628,8 +437,8 @@ def _flops_within(module, comp: str, seen=()) -> float:
     """Dot / convolution FLOPs of a fused computation and what it calls."""
     total = 0.0
     for instr in module["computations"].get(comp, []):
-        total += instruction_flops(module, instr)
-        for target, _ in _called(instr):
+        total += hlo_lib.instruction_flops(module, instr)
+        for target, _ in hlo_lib.called(instr):
             if target not in seen:
                 total += _flops_within(module, target, seen + (comp,))
     return total
@@ -641,21 +450,21 @@ def _fusion_bytes(module, fusion, comp: str) -> float:
     body = module["computations"][comp]
     users: dict[str, list] = {}
     for instr in body:
-        for i, name in enumerate(operands(instr)):
+        for i, name in enumerate(hlo_lib.operands(instr)):
             users.setdefault(name, []).append((instr, i))
-    args = operands(fusion)
-    total, written = 0.0, shape_bytes(fusion["shape"])
+    args = hlo_lib.operands(fusion)
+    total, written = 0.0, hlo_lib.shape_bytes(fusion["shape"])
     for instr in body:
         if instr["op"] != "parameter":
             continue
         index = int(re.match(r"(\d+)", instr["rest"]).group(1))
         uses = users.get(instr["name"], [])
         if uses and all(u["op"] in ("dynamic-slice", "slice") and i == 0 for u, i in uses):
-            total += sum(shape_bytes(u["shape"]) for u, _ in uses)
+            total += sum(hlo_lib.shape_bytes(u["shape"]) for u, _ in uses)
         elif uses and all(u["op"] == "dynamic-update-slice" and i == 0 for u, i in uses):
-            written = sum(shape_bytes(module["shapes"].get(operands(u)[1], "")) for u, _ in uses)
+            written = sum(hlo_lib.shape_bytes(module["shapes"].get(hlo_lib.operands(u)[1], "")) for u, _ in uses)
         elif index < len(args):
-            total += shape_bytes(module["shapes"].get(args[index], ""))
+            total += hlo_lib.shape_bytes(module["shapes"].get(args[index], ""))
     return total + written
 
 
@@ -664,8 +473,8 @@ def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
     bytes / bandwidth) and they run one after another (one stream), times how often its computation runs.
     Matmul FLOPs inside custom calls (cuDNN attention) are not seen, so those count by their bytes only.
     Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
-    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, _ = multiplicities(module)
+    module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, _ = hlo_lib.multiplicities(module)
     kernels = []
     for comp, instrs in module["computations"].items():
         if comp in module["fusion_of"] or not mult.get(comp):
@@ -678,9 +487,9 @@ def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
                 nbytes = _fusion_bytes(module, instr, called.group(1))
                 flops = _flops_within(module, called.group(1))
             else:
-                nbytes = shape_bytes(instr["shape"]) + sum(shape_bytes(module["shapes"].get(o, ""))
-                                                           for o in operands(instr))
-                flops = instruction_flops(module, instr) + (_flops_within(module, called.group(1)) if called else 0)
+                nbytes = hlo_lib.shape_bytes(instr["shape"]) + sum(hlo_lib.shape_bytes(module["shapes"].get(o, ""))
+                                                           for o in hlo_lib.operands(instr))
+                flops = hlo_lib.instruction_flops(module, instr) + (_flops_within(module, called.group(1)) if called else 0)
             times = mult[comp]
             op_name = re.search(r'op_name="([^"]*)"', instr["rest"])
             kernels.append({"name": instr["name"], "kind": "matmul" if flops else instr["op"], "runs": times,
@@ -705,7 +514,7 @@ def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tup
         if fsdp > 1 and any("fsdp" in axes for axes in rules.values()) and any(n % fsdp == 0 for n in shape):
             return fsdp, ("fsdp",)
         return 1, ()
-    from jaxtrain import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
     taken = tuple(a for axes in mesh_lib.dim_axes(shape, names, mesh_shape, rules) for a in axes)
     return math.prod(mesh_shape[a] for a in taken), taken
 
@@ -744,7 +553,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     stages = pipeline["stages"] if pipeline else 1
     ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
     param_bytes = 0.0
-    from jaxtrain import mesh as mesh_lib, step as step_lib  # noqa: PLC0415 (imports jax)
+    from jaxtrain import step as step_lib  # noqa: PLC0415 (imports jax)
+    from jaxtrain.parallel import mesh as mesh_lib
     replicas = mesh_lib.replica_axes(mesh_shape, rules)
     comms: dict[tuple, float] = {}
 
@@ -917,7 +727,7 @@ def peak_per_device(backend: str, device_kind: str | None, num_devices: int,
                     dtype: str = "float32") -> tuple[float, str]:
     """Peak FLOP/s of one target device and where it comes from. On cpu: this machine's measured matmul peak in
     the compute `dtype` (metrics.peak_flops, cached), shared by the fake devices, so divided by their count."""
-    from jaxtrain import metrics  # noqa: PLC0415
+    from jaxtrain.observe import metrics  # noqa: PLC0415
     if backend == "cpu" and not device_kind:
         flops, source = metrics.peak_flops(dtype=dtype)
         return flops / num_devices, f"this machine's peak, {source}, shared by the fake devices"
@@ -935,7 +745,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
 
     The calling process must see at least `num_devices` CPU devices (XLA_FLAGS, before jax is imported).
     `compiler="gpu"` (with backend "gpu") compiles with XLA:GPU instead, for `num_devices` described GPUs of
-    `device_kind` (`jaxtrain.gpu_topology`: needs the CUDA PJRT plugin, not a GPU): the memory, fusions and
+    `device_kind` (`jaxtrain.tools.plan.topology`: needs the CUDA PJRT plugin, not a GPU): the memory, fusions and
     collectives are then the GPU compiler's own.
     `peak_flops`: peak FLOP/s per device, overriding the `backend` / `device_kind` lookup. `hlo_path`: also
     write the compiled HLO text there (to read the collectives' op names and shapes)."""
@@ -943,7 +753,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from jaxtrain import config as config_lib, mesh as mesh_lib, optim, pipeline_parallel, train  # noqa: PLC0415
+    from jaxtrain import config as config_lib, optim, train  # noqa: PLC0415
+    from jaxtrain.parallel import mesh as mesh_lib
+    from jaxtrain.parallel import pipeline as pipeline_parallel
     from jaxtrain.models import transformer  # noqa: PLC0415
 
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -1020,7 +832,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     if hlo_path:
         Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         Path(hlo_path).write_text(text)
-    module = parse_hlo(text)
+    module = hlo_lib.parse_hlo(text)
     ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if text else []
     coll_rows = summarize_collectives(ops)
     analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
@@ -1034,7 +846,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     tokens = t.batch_size * t.seq_len
     model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
     cost = _cost_flops(compiled)
-    dots = dot_flops(module) if text else None
+    dots = hlo_lib.dot_flops(module) if text else None
     step_s = model_flops / (peak_dev * num_devices * mfu)
     roof = None
     if compiler == "gpu" and text:
@@ -1265,11 +1077,12 @@ def main(argv=None) -> None:
         del argv_rest
         if not FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
-        config = main_cli._CONFIG.value
+        config = main_cli.CONFIG_FLAG.value
         if config is None:
             print("error: --config: required (e.g. --config configs/bench_cpu.py)", file=sys.stderr)
             sys.exit(2)
-        from jaxtrain import config as config_lib, mesh as mesh_lib  # noqa: PLC0415
+        from jaxtrain import config as config_lib  # noqa: PLC0415
+        from jaxtrain.parallel import mesh as mesh_lib
 
         n = devices
         try:
@@ -1297,7 +1110,7 @@ def main(argv=None) -> None:
             print(f"json: {path}")
         sys.exit(0)
 
-    app.run(run, argv=argv, flags_parser=main_cli._parse)
+    app.run(run, argv=argv, flags_parser=main_cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from jaxtrain.errors import Preempted
+from jaxtrain.files import write_json
 
 REDACTED = "<redacted>"
 SECRET_WORDS = {"token", "key", "password", "passwd", "secret", "credential", "credentials", "apikey"}
@@ -80,20 +82,10 @@ def _iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    """`data` as JSON at `path`, written to a temporary file and renamed into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)  # a reader never sees half a file
-
-
 def status_of(error: BaseException | None, finished: bool) -> str:
-    from jaxtrain import hooks  # the trainer's exception types
-
     if error is None:
         return "finished" if finished else "stopped"
-    if isinstance(error, hooks.Preempted):
+    if isinstance(error, Preempted):
         return "preempted"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"

@@ -5,7 +5,7 @@ for TensorBoard's profile plugin and a Perfetto trace, `perfetto_trace.json.gz`)
 HLO beside it (`train_step.hlo.txt`) and writes this module's table to `summary.txt`. The same table for any such
 directory:
 
-    python -m jaxtrain.profiling WORKDIR/profile [--steps N] [--top 30]
+    jaxtrain profile WORKDIR/profile [--steps N] [--top 30]
 
 XLA:CPU records one trace event per HLO instruction it runs. Ops that run at the same time share the cores, so
 each instant's wall time is split evenly between the ops running then: the per-op times add up to the time the
@@ -19,21 +19,20 @@ name their kernels differently; this reading is tested on CPU only.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
 import re
 from pathlib import Path
 
-from jaxtrain import plan
+from jaxtrain.errors import ConfigError
+from jaxtrain.observe import hlo as hlo_lib
 
 HLO_FILE = "train_step.hlo.txt"
 SUMMARY_FILE = "summary.txt"
 # Ops that only run other ops (their events span their bodies' events).
 _CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}
 _PASS_THROUGH = {"bitcast", "reshape", "tuple", "get-tuple-element"}
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def latest_trace(logdir) -> Path:
@@ -70,14 +69,14 @@ def _describe(module, instr, fused: dict) -> tuple[str, float, str]:
     dots = [d for d in body if d["op"] in ("dot", "convolution")]
     if dots:
         shapes = module["shapes"]
-        what = "; ".join(" x ".join(shapes.get(o, "?").split("{")[0] for o in plan.operands(d)[:2])
+        what = "; ".join(" x ".join(shapes.get(o, "?").split("{")[0] for o in hlo_lib.operands(d)[:2])
                          + " -> " + d["shape"].split("{")[0] for d in dots)
-        return "matmul", sum(plan.instruction_flops(module, d) for d in dots), what
+        return "matmul", sum(hlo_lib.instruction_flops(module, d) for d in dots), what
     root = next((d for d in body if d["root"]), instr)
     by_name = {d["name"]: d for d in body}
-    while root["op"] in _PASS_THROUGH and plan.operands(root) and plan.operands(root)[0] in by_name:
-        root = by_name[plan.operands(root)[0]]  # name the fusion by what it computes, not its last reshape
-    kind = "collective" if root["op"].startswith(_COLLECTIVES) else root["op"]
+    while root["op"] in _PASS_THROUGH and hlo_lib.operands(root) and hlo_lib.operands(root)[0] in by_name:
+        root = by_name[hlo_lib.operands(root)[0]]  # name the fusion by what it computes, not its last reshape
+    kind = "collective" if root["op"].startswith(hlo_lib.COLLECTIVES) else root["op"]
     op_name = re.search(r'op_name="([^"]+)"', instr["rest"]) or re.search(r'op_name="([^"]+)"', root["rest"])
     where = re.sub(r"^jit\([^)]*\)/", "", op_name.group(1))[-60:] if op_name else ""
     return kind, 0.0, f"{instr['shape'].split('{')[0]}  {where}".rstrip()
@@ -89,7 +88,7 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
     every event of the trace that names an instruction of the compiled module `hlo_text` (containers such as while
     loops excluded). Events are matched by name only: another computation run inside the traced steps (an eval)
     adds its ops of the same names."""
-    module = plan.parse_hlo(hlo_text)
+    module = hlo_lib.parse_hlo(hlo_text)
     events = json.load(gzip.open(trace_path))["traceEvents"]
     events = [e for e in events if e.get("ph") == "X" and e.get("dur") is not None
               and e["name"] in module["by_name"] and module["by_name"][e["name"]]["op"] not in _CONTAINERS]
@@ -102,8 +101,8 @@ def summarize(trace_path, hlo_text: str, steps: int) -> dict:
         instr = module["by_name"][name]
         kind, flops, what = _describe(module, instr, fused)
         runs = counts[name] / steps
-        moved = plan.shape_bytes(instr["shape"]) + sum(plan.shape_bytes(module["shapes"].get(o, ""))
-                                                       for o in plan.operands(instr))
+        moved = hlo_lib.shape_bytes(instr["shape"]) + sum(hlo_lib.shape_bytes(module["shapes"].get(o, ""))
+                                                       for o in hlo_lib.operands(instr))
         ops.append({"op": name, "ms": us / 1e3 / steps, "runs": runs, "kind": kind, "what": what, "flops": flops,
                     "bytes": moved, "gflops_per_s": flops * runs / (us / 1e3 / steps) / 1e6 if flops and us else None,
                     "gbytes_per_s": moved * runs / (us / 1e3 / steps) / 1e6 if us else None})
@@ -133,18 +132,6 @@ def format_summary(s: dict, top: int = 30, kinds: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.profiling", description=__doc__.split("\n\n")[0])
-    parser.add_argument("logdir", help="WORKDIR/profile of a run with --config.log.profile_steps")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps in the trace (default: as the run's summary.txt says, else 1)")
-    parser.add_argument("--top", type=int, default=30)
-    args = parser.parse_args(argv)
-    logdir = Path(args.logdir)
-    steps = args.steps or traced_steps(logdir)
-    print(format_summary(summarize(latest_trace(logdir), (logdir / HLO_FILE).read_text(), steps), args.top))
-
-
 def traced_steps(logdir) -> int:
     """The step count the run's summary.txt starts with ("3 step(s): ..."), else 1."""
     try:
@@ -162,5 +149,17 @@ def write_summary(logdir, hlo_text: str, steps: int) -> dict:
     return summary
 
 
-if __name__ == "__main__":
-    main()
+
+def parse_steps(spec) -> tuple[int, int] | None:
+    """log.profile_steps "FIRST,LAST" or "STEP" -> (first, last), "" -> None; ConfigError otherwise."""
+    if spec == "":
+        return None
+    parts = str(spec).split(",")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if not 1 <= first <= last:
+        raise ConfigError("log.profile_steps", f"expected \"FIRST,LAST\" or \"STEP\" with 1 <= FIRST <= LAST, "
+                          f"got {spec!r}")
+    return first, last

@@ -17,22 +17,16 @@ layer). HF linear weights are [out, in], jaxtrain kernels [in, out] with heads a
 Both sides apply rotate-half RoPE with frequencies theta^(-2j/hd) to each head, so q/k need no permutation
 (the permutation in HF's conversion scripts is for Meta's interleaved checkpoints).
 
-Usage:
-  python -m jaxtrain.hf export --workdir W --output D [--step N] [--dtype float32|bfloat16] [--overwrite]
-  python -m jaxtrain.hf overrides D     # the --config.model.* flags that fine-tune from D
-
+Commands: `jaxtrain hf export` and `jaxtrain hf overrides` (jaxtrain.tools.hf).
 Needs only numpy and safetensors: no torch or transformers.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import shlex
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -43,8 +37,9 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError, HFError, HFMismatch
 from jaxtrain.models import transformer
+from jaxtrain.models.config import ModelConfig
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -73,21 +68,6 @@ TOP_NAMES = {
     ("final_norm", "scale"): ("model.norm", None),
     ("unembed",): ("lm_head", 1),
 }
-
-
-class HFError(ValueError):
-    """An HF directory we cannot read or represent, or an export we refuse; the message names the field,
-    tensor or path."""
-
-
-class HFMismatch(ConfigError, HFError):
-    """The HF checkpoint's architecture differs from the jaxtrain model config.
-
-    `HFMismatch("d_ff", reason)`: str() is 'model.d_ff: <reason>', like ConfigError (so `.field` is 'model.d_ff'),
-    and the CLI's ConfigError handling already exits 2 on it."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"model.{field}", reason)
 
 
 # ===== Layout conversion ===============================================================================
@@ -138,7 +118,7 @@ def _nest(flat: dict[tuple[str, ...], object]) -> dict:
     return out
 
 
-def param_shapes(model_cfg: transformer.ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+def param_shapes(model_cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{path: shape} of the model's params, traced from the model itself so a new parameter cannot be missed."""
     abstract = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, 0))))
     return {path: tuple(x.shape) for path, x in _flat(abstract).items()}
@@ -147,7 +127,7 @@ def param_shapes(model_cfg: transformer.ModelConfig) -> dict[tuple[str, ...], tu
 # ===== Export ==========================================================================================
 
 
-def hf_config(model_cfg: transformer.ModelConfig, *, dtype: str, max_position_embeddings: int = 2048,
+def hf_config(model_cfg: ModelConfig, *, dtype: str, max_position_embeddings: int = 2048,
               eos_token_id: int | None = None) -> dict:
     c = model_cfg
     return {
@@ -181,7 +161,7 @@ def hf_config(model_cfg: transformer.ModelConfig, *, dtype: str, max_position_em
     }
 
 
-def _check_output(out_dir: Path, overwrite: bool) -> None:
+def check_output(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise HFError(f"{out_dir}: exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -194,7 +174,7 @@ def _check_output(out_dir: Path, overwrite: bool) -> None:
                           f"not a model export")
 
 
-def export_llama(params: dict, model_cfg: transformer.ModelConfig, out_dir, *, dtype: str | None = None,
+def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None = None,
                  tokenizer_dir=None, max_position_embeddings: int = 2048, overwrite: bool = False) -> Path:
     """Writes `out_dir` as a Hugging Face Llama directory: config.json, model.safetensors and, when
     `tokenizer_dir` holds them, tokenizer.json / tokenizer.model (+ the EOS id from its manifest.json).
@@ -206,7 +186,7 @@ def export_llama(params: dict, model_cfg: transformer.ModelConfig, out_dir, *, d
     if model_cfg.n_experts:
         raise HFError(f"model.n_experts: {model_cfg.n_experts}, but a Llama checkpoint has no mixture of experts "
                       f"(a Mixtral export is not written yet)")
-    _check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise HFError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
 
@@ -415,7 +395,7 @@ def import_llama(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
             raise HFError(f"{hf_dir}: lm_head.weight: present and unlike model.embed_tokens.weight, but the config "
                           f"has tie_word_embeddings true")
 
-    model_cfg = transformer.ModelConfig(**fields)
+    model_cfg = ModelConfig(**fields)
     flat = {}
     used = set()
     for path, shape in param_shapes(model_cfg).items():
@@ -440,7 +420,7 @@ def import_llama(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
     return fields, _nest(flat)
 
 
-def check_fields(fields: dict, model_cfg: transformer.ModelConfig, hf_dir) -> None:
+def check_fields(fields: dict, model_cfg: ModelConfig, hf_dir) -> None:
     """HFMismatch on the first ModelConfig field (FIELDS order) that differs from the HF checkpoint's."""
     if model_cfg.n_experts:
         raise HFMismatch("n_experts", f"{model_cfg.n_experts} in the config, but the Hugging Face Llama checkpoint "
@@ -452,7 +432,17 @@ def check_fields(fields: dict, model_cfg: transformer.ModelConfig, hf_dir) -> No
                                     f"{theirs!r}; set --config.model.{field}={_flag_value(theirs)}")
 
 
-def load_params(hf_dir, model_cfg: transformer.ModelConfig) -> dict:
+def check_init_from(hf_dir, model_cfg: ModelConfig) -> None:
+    """`model.init_from`'s config.json against `model_cfg` (its weights are read at init, after compiling)."""
+    try:
+        check_fields(read_config(hf_dir), model_cfg, hf_dir)
+    except HFMismatch:
+        raise
+    except HFError as e:
+        raise ConfigError("model.init_from", str(e)) from None
+
+
+def load_params(hf_dir, model_cfg: ModelConfig) -> dict:
     """Params of an HF Llama directory for `model_cfg` (numpy, in its param_dtype), after checking that every
     architecture field matches: HFMismatch names the first that does not, HFError anything unreadable."""
     fields = read_config(hf_dir)
@@ -468,7 +458,7 @@ def check_tokenizer(hf_dir, data_dir) -> None:
     if not theirs or any(_same_file(f, Path(data_dir) / f.name) for f in theirs):
         return
     raise ConfigError("model.init_from", f"{hf_dir} ships its own tokenizer, and the data in {data_dir} was "
-                      f"tokenized with another; prepare the data with it (python -m jaxtrain.data.prepare "
+                      f"tokenized with another; prepare the data with it (jaxtrain prepare "
                       f"--tokenizer {theirs[0]} ...) and set data.dir")
 
 
@@ -480,7 +470,7 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.read_bytes() == b.read_bytes()
 
 
-# ===== CLI =============================================================================================
+# ===== Flags ===========================================================================================
 
 
 def _flag_value(value) -> str:
@@ -494,53 +484,3 @@ def override_flags(hf_dir) -> list[str]:
     fields = read_config(hf_dir)
     return [f"--config.model.{k}={_flag_value(fields[k])}" for k in FIELDS] + [
         f"--config.model.init_from={os.path.abspath(hf_dir)}"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one `error:` line and exit 2, like every other jaxtrain CLI
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m jaxtrain.hf", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    export = commands.add_parser("export", help="write a workdir's checkpoint as a Hugging Face Llama directory")
-    export.add_argument("--workdir", required=True)
-    export.add_argument("--output", required=True, help="directory to create (written whole, then renamed)")
-    export.add_argument("--step", type=int, help="checkpoint step (default: the newest that verifies)")
-    export.add_argument("--dtype", choices=("float32", "bfloat16"), help="of the weights (default: as trained)")
-    export.add_argument("--overwrite", action="store_true", help="replace an existing export at --output")
-    overrides = commands.add_parser("overrides", help="print the jaxtrain flags that fine-tune from an HF dir")
-    overrides.add_argument("hf_dir")
-    args = parser.parse_args(argv)
-
-    try:
-        if args.command == "overrides":
-            print(" ".join(shlex.quote(f) for f in override_flags(args.hf_dir)))
-            return 0
-        return _export(args)
-    except (HFError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def _export(args) -> int:
-    _check_output(Path(args.output), args.overwrite)  # before the trainer's imports and a possibly long restore
-    from absl import logging
-
-    from jaxtrain import checkpoint, train  # heavy: only export needs the trainer
-
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
-    try:
-        config, model_cfg, _, params = train.restore_params(args.workdir, args.step)
-    except checkpoint.CheckpointError as e:  # no checkpoint, or not that step: bad input for this command
-        raise HFError(str(e)) from None
-    out = export_llama(params, model_cfg, args.output, dtype=args.dtype, tokenizer_dir=train.data_dir(config),
-                       max_position_embeddings=config.train.seq_len, overwrite=args.overwrite)
-    print(f"exported {args.workdir} as {out} ({args.dtype or model_cfg.param_dtype})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ A run (process 0 only) appends one JSON object a line to WORKDIR/goodput.jsonl:
     {"event": "checkpoint", "attempt": n, "t": unix, "step": s}   a checkpoint of step s committed
     {"event": "rewind",     "attempt": n, "t": unix, "step": s}   rolled back to step s inside the run
 
-`attempt` is JAXTRAIN_ATTEMPT (set by jaxtrain.supervise; null without it). Every "start" begins a new
+`attempt` is JAXTRAIN_ATTEMPT (set by jaxtrain.tools.supervise; null without it). Every "start" begins a new
 attempt, so plain reruns count too. Productive time is that of the steps in the final lineage: when an
 attempt resumes from step s, the earlier steps after s were recomputed, and their time is badput.
 """

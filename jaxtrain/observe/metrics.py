@@ -1,7 +1,7 @@
 """Metric writers, peak FLOP/s and MFU.
 
 Writers: JSONL and TensorBoard always; MLflow and Weights & Biases when `log.trackers` names them (optional
-extras). Every writer gets the same records; the config they log is redacted (jaxtrain.tracking).
+extras). Every writer gets the same records; the config they log is redacted (jaxtrain.observe.tracking).
 
 MFU = model FLOPs per second achieved / peak FLOP/s of the devices used. Model FLOPs per token are
 `jaxtrain.models.transformer.train_flops_per_token` (6 * N_matmul + causal attention). The peak comes
@@ -12,6 +12,7 @@ is the machine's, not multiplied by the device count.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -25,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import tracking
+from jaxtrain import files
+from jaxtrain.errors import ConfigError
+from jaxtrain.fields import Group
+from jaxtrain.observe import profiling
 
 # Dense bf16 peak FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
@@ -115,7 +119,78 @@ class MultiWriter(MetricWriter):
             w.close()
 
 
+# ===== Reading metrics.jsonl back ========================================================================
+
+def read_records(metrics: Path) -> list[dict]:
+    """A metrics.jsonl's records with an integer step, in file order (a line a kill cut short is skipped)."""
+    records = []
+    with open(metrics) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:  # the line a kill cut short
+                continue
+            if isinstance(r, dict) and isinstance(r.get("step"), int):
+                records.append(r)
+    return records
+
+
+def lineage(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train, eval) records of the final lineage, in step order. A resumed or rolled-back run logs again
+    from an earlier step, so a record at step s ends every earlier record past s: the later record for a
+    step wins, and steps an abandoned attempt logged past the resume point drop out."""
+    train: list[dict] = []
+    evals: list[dict] = []
+    for r in records:
+        is_eval = any(k.startswith("eval_loss") for k in r)
+        # A step's eval record follows its train record, so an eval at s ends only the train records after s.
+        while train and (train[-1]["step"] > r["step"] or (train[-1]["step"] == r["step"] and not is_eval)):
+            train.pop()
+        while evals and evals[-1]["step"] >= r["step"]:
+            evals.pop()
+        if is_eval or "loss" in r:
+            (evals if is_eval else train).append(r)
+    return train, evals
+
+
+def earlier_evals(workdir, up_to: int) -> list[dict]:
+    """The eval records of the final lineage at steps <= `up_to`: what a run resumed at that step evaluated
+    before (for its summary). [] where there is no metrics.jsonl."""
+    metrics = Path(workdir) / "metrics.jsonl"
+    return [r for r in lineage(read_records(metrics))[1] if r["step"] <= up_to] if metrics.is_file() else []
+
+
 TRACKERS = ("mlflow", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+# The config's `log` group. A progress line and a metrics record every `every_steps`. `fingerprints`: also append
+# each step's batch hash to WORKDIR/data_fingerprints.<process>.jsonl, an audit trail that proves a resumed run saw
+# exactly the batches an uninterrupted one would. `trackers`: also log to "mlflow" and/or "wandb" (comma-separated;
+# optional extras). The MLflow/W&B run is named `run_name` (default: the workdir's name) in experiment/project
+# `experiment`. `mlflow_uri` empty = $MLFLOW_TRACKING_URI or sqlite:///WORKDIR/mlflow.db. `wandb_mode`: offline
+# (WORKDIR/wandb, `wandb sync` later), online or disabled; `wandb_api_key` empty = W&B's own login ($WANDB_API_KEY),
+# and is redacted. `profile_steps`: "FIRST,LAST" (or one step) to trace with jax.profiler into WORKDIR/profile.
+LOG_CONFIG = dict(every_steps=10, fingerprints=False, trackers="", experiment="jaxtrain", run_name="",
+                  mlflow_uri="", wandb_mode="offline", wandb_entity="", wandb_api_key="", profile_steps="")
+
+
+def check_log_config(log) -> None:
+    """ConfigError naming the first bad field of the `log` group. Named trackers must be importable now, not after
+    the compile."""
+    g = Group(log, "log")
+    g.positive_int("every_steps")
+    for f in ("trackers", "experiment", "run_name", "mlflow_uri", "wandb_entity", "wandb_api_key"):
+        g.string(f)
+    try:
+        names = parse_trackers(log.trackers)
+    except ValueError as e:
+        raise ConfigError("log.trackers", str(e)) from None
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError("log.trackers", f"{name} is not installed: pip install 'jaxtrain[{name}]'")
+    if "mlflow" in names and not log.experiment:
+        raise ConfigError("log.experiment", "must not be empty with mlflow")
+    g.choice("wandb_mode", WANDB_MODES)
+    profiling.parse_steps(log.profile_steps)
 
 
 def parse_trackers(spec: str) -> list[str]:
@@ -145,7 +220,7 @@ class _TrackerIds:
         except (OSError, ValueError):
             data = {}
         data[name] = value
-        tracking.write_json(self.path, data)
+        files.write_json(self.path, data)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -291,7 +366,7 @@ def peak_flops(cache_dir: str | os.PathLike | None = None, dtype="float32") -> t
     flops = measure_matmul_flops(dtype=dtype)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tracking.write_json(cache, {"flops_by_key": {**cached, key: flops}})
+        files.write_json(cache, {"flops_by_key": {**cached, key: flops}})
     except OSError:
         pass  # a read-only home only costs a re-measure next time
     return flops, f"measured {dtype} matmul"

@@ -1,4 +1,4 @@
-"""NVIDIA GPUs described to XLA without one attached, for ahead-of-time compiles on any host (`jaxtrain.plan
+"""NVIDIA GPUs described to XLA without one attached, for ahead-of-time compiles on any host (`jaxtrain.tools.plan
 --compiler gpu`).
 
 XLA:GPU compiles for a device it is told about: the CUDA PJRT plugin takes a target description (SM count, shared
@@ -9,7 +9,7 @@ assignment (`memory_analysis()`), fusions, collectives and scheduling are XLA:GP
 
 It needs the plugin, not CUDA itself (no nvidia-* wheels): `pip install "jax-cuda12-plugin==$(python -c 'import
 jaxlib; print(jaxlib.__version__)')"`. On a host without a driver jax's CUDA version check must be skipped
-(JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1, which `python -m jaxtrain.plan` sets) or the CPU chosen (JAX_PLATFORMS=cpu).
+(JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1, which `jaxtrain plan` sets) or the CPU chosen (JAX_PLATFORMS=cpu).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ Idle stage-ticks (the bubble) compute on real, finite data (an earlier microbatc
 uninitialised buffers, and their results never reach the output, so their cotangents are exactly zero and
 gradients stay free of NaNs.
 
-Microbatches are split as `jaxtrain.step.split_microbatches` does (row i goes to microbatch i % M, so each
+Microbatches are split as `jaxtrain.parallel.mesh.split_microbatches` does (row i goes to microbatch i % M, so each
 microbatch spans every data shard) and the output is put back in the original row order.
 """
 
@@ -59,10 +59,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import step as step_lib
+from jaxtrain.errors import ConfigError
+from jaxtrain.fields import Group
+from jaxtrain.parallel import mesh as mesh_lib
 
 SCHEDULES = ("gpipe", "circular")
+# The config's `pipeline` group: `stages` (1 = off) splits the layers into that many stages over the mesh's
+# `pipeline` axis (which must divide it); each batch (or gradient-accumulation microbatch) runs as `microbatches`
+# pipeline microbatches; `schedule` "gpipe", or "circular" with `repeats` chunks of layers per stage.
+CONFIG = dict(stages=1, microbatches=1, schedule="gpipe", repeats=1)
+
+
+def check_config(pipeline, *, n_layers: int, microbatch: int, mesh_shape: dict, rules: dict) -> None:
+    """ConfigError naming the first bad field of the `pipeline` group; `microbatch`: rows per accumulation step."""
+    g = Group(pipeline, "pipeline")
+    for f in ("stages", "microbatches", "repeats"):
+        g.positive_int(f)
+    p = pipeline
+    if p.stages % mesh_shape["pipeline"]:
+        raise ConfigError("mesh.pipeline", f"{mesh_shape['pipeline']} does not divide pipeline.stages={p.stages}")
+    if p.stages == 1:
+        return
+    try:
+        check(n_layers, microbatch, p.stages, p.microbatches, p.schedule, p.repeats)
+    except ValueError as e:
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field, reason) from None
+    dp = mesh_lib.data_parallel_size(mesh_shape, rules)
+    if (microbatch // p.microbatches) % dp:
+        raise ConfigError("pipeline.microbatches", f"a pipeline microbatch of {microbatch // p.microbatches} "
+                          f"sequences is not divisible by the data-parallel size {dp}")
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -158,7 +184,7 @@ def _replicas() -> tuple[tuple[str, ...], int]:
     return axes, math.prod(mesh.shape[a] for a in axes)
 
 
-def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of step.split_microbatches
+def _unsplit(x):  # [M, B/M, ...] -> [B, ...], inverse of mesh_lib.split_microbatches
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
@@ -227,7 +253,7 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     # each microbatch's output from the last stage is written back into its slot (after the ring shift, so
     # the write is local to stage 0), where stage 0 reads it for the next repeat; at the end it holds the
     # outputs. The other stages' copies are filled alike but only ever feed idle stage-ticks.
-    micro = jax.tree.map(lambda x: step_lib.split_microbatches(x, M), carry)
+    micro = jax.tree.map(lambda x: mesh_lib.split_microbatches(x, M), carry)
     store = jax.tree.map(
         lambda x: mesh_lib.constrain(jnp.broadcast_to(x[None], (S, *x.shape)), ("stages", None, "batch")), micro)
 

@@ -38,6 +38,9 @@ from collections.abc import Mapping
 import jax
 from absl import logging
 
+from jaxtrain.errors import ConfigError
+from jaxtrain.fields import Group
+
 # Kubernetes pods own their network namespace, so a fixed port cannot collide with another job.
 K8S_PORT = 8476
 # SLURM jobs may share the coordinator's node: derive the port from the job id (as JAX's own SLURM
@@ -58,7 +61,25 @@ class Settings:
     local_device_ids: tuple[int, ...] | None = None
 
 
+# The config's `distributed` group: empty/0/-1 = from JAXTRAIN_* env vars, or auto-detected on Cloud TPU, SLURM and
+# Kubernetes when `auto`; a single process needs nothing.
+CONFIG = dict(coordinator="", num_processes=0, process_id=-1, auto=True, timeout_s=300)
+
+
 # --- Validation ------------------------------------------------------------------------------------
+
+def check_config(d) -> None:
+    """The `distributed` group, checked before jax.distributed starts (so before the other groups)."""
+    for f in ("coordinator", "num_processes", "process_id", "auto", "timeout_s"):
+        if f not in d:
+            raise ConfigError(f"distributed.{f}", "missing")
+    try:
+        check(d.coordinator, d.num_processes, d.process_id)
+    except ValueError as e:
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field, reason) from None
+    Group(d, "distributed").number("timeout_s", lo=0, lo_open=True)
+
 
 def _address_problem(address: str) -> str | None:
     host, sep, port = address.rpartition(":")

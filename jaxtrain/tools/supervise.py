@@ -1,4 +1,4 @@
-"""`python -m jaxtrain.supervise [--max_crash_restarts 3] [--max_preempt_restarts 100] [--backoff_s 1]
+"""`jaxtrain supervise [--max_crash_restarts 3] [--max_preempt_restarts 100] [--backoff_s 1]
 [--workdir DIR] -- <train command ...>`
 
 Runs the training command until it finishes. Exit 75 (preempted, state saved) restarts it against the
@@ -14,7 +14,7 @@ WORKDIR/supervisor.json with --workdir.
 
 from __future__ import annotations
 
-import argparse
+
 import json
 import os
 import signal
@@ -24,8 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtrain import faults
-from jaxtrain import goodput as goodput_lib
+from jaxtrain import errors
+from jaxtrain.observe import goodput as goodput_lib
+from jaxtrain.tools import common
 
 MAX_BACKOFF_S = 300.0
 
@@ -33,12 +34,12 @@ MAX_BACKOFF_S = 300.0
 def classify(rc: int) -> tuple[str, str]:
     """(kind, reason) of a child's exit status; kind is done, fatal, preempt or crash."""
     known = {
-        faults.EXIT_OK: ("done", "finished"),
-        faults.EXIT_BAD_INPUT: ("fatal", "bad config or input"),
-        faults.EXIT_NONFINITE: ("fatal", "non-finite loss"),
-        faults.EXIT_PREEMPTED: ("preempt", "preempted, state saved"),
-        faults.EXIT_HUNG: ("crash", "hung (step watchdog)"),
-        faults.EXIT_CHECKPOINT: ("crash", "checkpoint write failed"),
+        errors.EXIT_OK: ("done", "finished"),
+        errors.EXIT_BAD_INPUT: ("fatal", "bad config or input"),
+        errors.EXIT_NONFINITE: ("fatal", "non-finite loss"),
+        errors.EXIT_PREEMPTED: ("preempt", "preempted, state saved"),
+        errors.EXIT_HUNG: ("crash", "hung (step watchdog)"),
+        errors.EXIT_CHECKPOINT: ("crash", "checkpoint write failed"),
     }
     if rc in known:
         return known[rc]
@@ -138,12 +139,13 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        print("usage: python -m jaxtrain.supervise [options] -- <train command ...>", file=sys.stderr)
-        return faults.EXIT_BAD_INPUT
+        print("usage: jaxtrain supervise [options] -- <train command ...>", file=sys.stderr)
+        return errors.EXIT_BAD_INPUT
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m jaxtrain.supervise")
+    parser = common.Parser(prog="jaxtrain supervise")
     parser.add_argument("--max_crash_restarts", type=int, default=3)
     parser.add_argument("--max_preempt_restarts", type=int, default=100)
     parser.add_argument("--backoff_s", type=float, default=1.0)
@@ -155,6 +157,3 @@ def main(argv: list[str]) -> int:
     return supervise(cmd, max_crash_restarts=args.max_crash_restarts, max_preempt_restarts=args.max_preempt_restarts,
                      backoff_s=args.backoff_s, workdir=args.workdir, log=lambda line: print(line, flush=True))
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,10 +1,4 @@
-"""Sampling from a trained model with a K/V cache, and its command line.
-
-Usage:
-  python -m jaxtrain.generate --workdir DIR --prompt "And God said" [--max_new_tokens 64] [--temperature 0.8]
-      [--top_k 40] [--top_p 1.0] [--seed 0] [--num_samples 1] [--step N]
-
-Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or path).
+"""Sampling from a trained model with a K/V cache (`jaxtrain generate` is its command line).
 
 How it runs: the prompt is prefilled in one jitted call, padded to the cache length so that prompts of
 different lengths share one compile; then one jitted `lax.while_loop` samples the new tokens, stopping
@@ -27,18 +21,18 @@ New token i draws with `fold_in(key(seed), i)`: the same seed gives the same tex
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.fields import Group
 from jaxtrain.models import transformer
 
+# The config's `sample` group: a sample of text printed at the end of a run (max_new_tokens 0 = none).
+CONFIG = dict(prompt="And God said", max_new_tokens=40, temperature=0.8, top_k=40)
 # Cache lengths are rounded up to a multiple of this (up to the window) so nearby lengths share a compile.
 CACHE_BUCKET = 64
 
@@ -154,65 +148,8 @@ def sample(graphdef, params, prompt_ids: list[int], *, window: int, max_new_toke
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_id=stop_id)[0]
 
 
-# ===== Command line ===================================================================================
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's default prints the usage too; our contract is one line
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _parse(argv):
-    parser = _OneLineParser(prog="python -m jaxtrain.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="a training run's workdir")
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=40, help="0: off")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1: off")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt, drawn together")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest that verifies)")
-    args = parser.parse_args(argv)
-    try:
-        check_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, num_samples=args.num_samples)
-    except ValueError as e:
-        parser.error(f"--{e}")
-    if not args.prompt:
-        parser.error("--prompt: empty; the model needs at least one token to continue")
-    if not os.path.isdir(args.workdir):
-        parser.error(f"--workdir: {args.workdir} does not exist")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    from absl import logging  # Orbax logs every file operation at INFO
-    logging.set_verbosity(logging.WARNING)
-    from jaxtrain import checkpoint, config as config_lib, train  # after the flags: bad input fails fast
-    from jaxtrain.data import prepare
-
-    try:
-        tok = prepare.load_tokenizer(train.data_dir(train.load_config(args.workdir)))
-        config, _, graphdef, params = train.restore_params(args.workdir, args.step)
-    except (config_lib.ConfigError, prepare.DataError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    prompt_ids = tok.encode(args.prompt)
-    if not prompt_ids:
-        print("error: --prompt: encodes to no tokens", file=sys.stderr)
-        return 2
-    samples = generate(graphdef, params, prompt_ids, window=config.train.seq_len,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, stop_id=tok.eos_id, num_samples=args.num_samples)
-    for i, ids in enumerate(samples):
-        if len(samples) > 1:
-            print(f"--- sample {i}")
-        print(args.prompt + tok.decode(ids))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def check_config(sample) -> None:
+    g = Group(sample, "sample")
+    g.positive_int("max_new_tokens", allow_zero=True)
+    g.number("temperature", lo=0)
+    g.positive_int("top_k", allow_zero=True)

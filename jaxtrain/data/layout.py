@@ -1,0 +1,74 @@
+"""The prepared-data-dir format, as the trainer and the tools read it.
+
+A prepared dir holds `manifest.json` (settings, inputs, dtype, EOS id, per-shard docs/tokens/sha256), the
+tokenizer (`tokenizer.json` or `tokenizer.model`), and `train-*` / `heldout-*` ArrayRecord shards, each with a
+`.lengths.npy` index. `jaxtrain.data.prepare` writes it; this module is what reading needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jaxtrain import files
+from jaxtrain.data import tokenizer as tok_lib
+from jaxtrain.errors import DataError, TokenizerError
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_SPM = "tokenizer.model"
+LENGTHS_SUFFIX = ".lengths.npy"
+
+
+def default_dir(data_cfg) -> str:
+    """Where the default corpus is prepared when `data.dir` is empty."""
+    return data_cfg.dir or str(Path.home() / ".cache" / "jaxtrain" / "data" /
+                               f"{data_cfg.corpus}_v{data_cfg.vocab_size}_h{data_cfg.heldout_docs}")
+
+
+def load_manifest(data_dir: str) -> dict:
+    path = os.path.join(data_dir, MANIFEST)
+    if not os.path.isdir(data_dir):
+        raise DataError(f"{data_dir}: data dir does not exist; create it with `jaxtrain prepare --output {data_dir}`")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+
+
+def prepared_from_sources(data_dir: str) -> bool:
+    """Whether data_dir holds data made by `prepare --input` (rather than the default corpus)."""
+    return os.path.exists(os.path.join(data_dir, MANIFEST)) and load_manifest(data_dir).get("corpus") == "sources"
+
+
+def verified_tokenizer(data_dir: str) -> str:
+    """Path of the data dir's tokenizer.json, after checking it is the one its shards were made with."""
+    manifest = load_manifest(data_dir)
+    path = os.path.join(data_dir, manifest["tokenizer"]["file"])
+    if not os.path.exists(path):
+        raise DataError(f"{path}: missing; the shards in {data_dir} cannot be decoded without it")
+    if (actual := files.file_hash(path)) != manifest["tokenizer"]["sha256"]:
+        raise DataError(f"{path}: sha256 {actual[:12]} differs from {manifest['tokenizer']['sha256'][:12]}, the "
+                        f"tokenizer the shards were made with (manifest.json); prepare the data again")
+    return path
+
+
+def open_tokenizer(path: str, eos_token: str | None) -> tok_lib.Tokenizer:
+    """tokenizer.load, with an unusable file reported as bad data input."""
+    try:
+        return tok_lib.load(path, eos_token)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
+def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
+    """The data dir's verified tokenizer, with the EOS id its documents end with."""
+    manifest = load_manifest(data_dir)
+    # With the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name.
+    tok = open_tokenizer(verified_tokenizer(data_dir), manifest.get("eos_token"))
+    tok.eos_id = manifest.get("eos_id", tok.eos_id)
+    return tok

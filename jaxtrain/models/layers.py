@@ -1,0 +1,156 @@
+"""Building blocks the model families share: weight matmuls, RMSNorm and rotary embeddings.
+
+Every parameter names its dimensions with logical axes (`out_sharding`), which `jaxtrain.parallel.mesh`
+turns into shardings; `weight` reads one in the compute dtype with the FSDP gather made explicit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.models import cpu_bf16
+from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
+from jaxtrain.parallel.mesh import constrain, split_ways
+
+
+def project(x, w, contract: int = 1, preferred_element_type=None):
+    """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
+    dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free.
+    Not when the sequence is split over devices: merging batch and sequence into one dimension made XLA gather
+    every projection's input whole along the sequence (each device then computed every position)."""
+    if split_ways("seq") > 1:
+        dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
+        y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+    else:
+        k = math.prod(w.shape[:contract])
+        if preferred_element_type is None and cpu_bf16.applies(x, w):
+            y = cpu_bf16.matmul(x.reshape(-1, k), w.reshape(k, -1))
+        else:
+            y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
+        y = y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
+    return checkpoint_name(y, WEIGHT_MATMUL)
+
+
+def project_fused(x, weights, name: str, act_name: str):
+    """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
+    mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...]
+    (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last
+    dimension, which no device has to move. Under tensor parallelism the input's gradient is then one matmul and one
+    all-reduce, not one per weight (Megatron's fused QKV and gate/up projections); without it, one wider matmul
+    instead of several."""
+    ways = split_ways(name)
+    if any(w.shape[1] % ways for w in weights):  # some N_i not split evenly: nothing to join locally
+        return [project(x, w) for w in weights]
+    blocks = [w.reshape(w.shape[0], ways, -1) for w in weights]
+    joined = constrain(jnp.concatenate(blocks, axis=-1), (None, name, None))
+    y = constrain(project(x, joined), ("batch", "seq", act_name, None))
+    parts = split_last(y, tuple(int(c) for c in np.cumsum([b.shape[-1] for b in blocks])[:-1]))
+    return [part.reshape(*x.shape[:-1], *w.shape[1:]) for part, w in zip(parts, weights)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_last(y, cuts: tuple[int, ...]):
+    """jnp.split(y, cuts, axis=-1), whose backward joins 16-bit cotangents as their raw bits. Joined as floats, XLA
+    moved their narrowing converts below the concatenation: it and the fusions feeding it (RoPE's and SwiGLU's
+    backward) wrote f32, twice the bytes (~13 ms of the bf16 bench_cpu step). Same values either way."""
+    return jnp.split(y, cuts, axis=-1)
+
+
+def _split_last_fwd(y, cuts):
+    return split_last(y, cuts), None
+
+
+def _split_last_bwd(cuts, _, grads):
+    dtype = grads[0].dtype
+    if dtype.itemsize != 2:
+        return (jnp.concatenate(grads, axis=-1),)
+    bits = jnp.concatenate([jax.lax.bitcast_convert_type(g, jnp.uint16) for g in grads], axis=-1)
+    return (jax.lax.bitcast_convert_type(bits, dtype),)
+
+
+split_last.defvjp(_split_last_fwd, _split_last_bwd)
+
+
+def weight(param: nnx.Param, dtype):
+    """A layer's weight in `dtype`, gathered whole over the axes FSDP splits it on (its "embed" dimension) and still
+    split over the others (tensor, expert): the FSDP schedule, made explicit. Left to XLA, a projection whose input
+    is split along the sequence could contract over the split d_model instead, regathering the activations along
+    the sequence every layer. The gradient goes straight back to the parameter's own sharding, in its dtype, so
+    the reduction over every batch axis is one reduce-scatter (a plain constraint's transpose would all-reduce
+    the whole gradient over the sequence or expert axis first)."""
+    value = param[...]
+    names = tuple(param.get_metadata()["out_sharding"][-value.ndim:])  # a scanned layer's lead with "layers"
+    return _gathered(value, jnp.dtype(dtype), names, value.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gathered(value, dtype, names, value_dtype):
+    return constrain(value.astype(dtype), tuple(None if n == "embed" else n for n in names))
+
+
+def _gathered_fwd(value, dtype, names, value_dtype):
+    return _gathered(value, dtype, names, value_dtype), None
+
+
+def _gathered_bwd(dtype, names, value_dtype, _, grad):
+    return (constrain(grad.astype(value_dtype), names),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None, ones: bool = False):
+    dtype = jnp.dtype(cfg.param_dtype)
+    value = (jnp.ones(shape, dtype) if ones else
+             jax.random.normal(rngs.params(), shape, dtype) * (cfg.init_std if std is None else std))
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = param(rngs, (cfg.d_model,), ("norm",), cfg, ones=True)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """RoPE's angle per unit of position for each of the head_dim // 2 rotated pairs, f32."""
+    half = head_dim // 2
+    return np.float32(theta) ** (-np.arange(half, dtype=np.float32) / half)
+
+
+def rotary(positions, head_dim: int, theta: float):
+    """RoPE's (cos, sin) at `positions` [B, T]: f32 [B, T, 1, head_dim // 2] each."""
+    angle = positions.astype(jnp.float32)[:, :, None, None] * _frequencies(head_dim, theta)
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def rotary_lookup(positions, head_dim: int, theta: float):
+    """`rotary` for positions that index their row, 0 <= p < T (the data pipeline restarts them at each document),
+    read from a table of positions 0..T-1 built at trace time; a position outside it reads NaN. XLA fuses a sine
+    into every op that reads it, so even computed once per step the sines were recomputed in each of the ~20
+    fusions that apply or differentiate RoPE (~15 ms of the bf16 bench_cpu step); a lookup fuses as a load."""
+    t = positions.shape[1]
+    angle = np.arange(t, dtype=np.float32)[:, None] * _frequencies(head_dim, theta)
+    index = jnp.where(positions < 0, t, positions)  # take would wrap a negative index around
+    return tuple(jnp.take(table, index, axis=0, mode="fill", fill_value=np.nan)[:, :, None, :]
+                 for table in (np.cos(angle), np.sin(angle)))
+
+
+def rope(x, rotary_tables):
+    """Rotary embedding, rotate-half form. x: [B, T, N, D]; rotary_tables: (cos, sin) from `rotary` or
+    `rotary_lookup`."""
+    cos, sin = rotary_tables
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

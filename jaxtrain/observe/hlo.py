@@ -1,0 +1,206 @@
+"""Reading compiled HLO text: computations, instructions, shapes, how often each computation runs, and matmul
+FLOPs. Shared by the planner (`jaxtrain plan`) and the profile summary (`jaxtrain.observe.profiling`)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+               "s2": 0.25, "u2": 0.25, "token": 0}
+
+
+SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+
+
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string, tuples summed: 'f32[2,3]' -> 24, '(f32[2], bf16[4])' -> 16."""
+    total = 0.0
+    for dtype, dims in SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        size = DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def dims(shape: str) -> list[int]:
+    m = SHAPE.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _split_instruction(line: str):
+    """'  %x = (f32[2], s32[]) op(%a, %b), attr=...' -> (name, shape, op, rest) or None."""
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape: up to its matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+        shape, rest = rest[:i + 1], rest[i + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    return m.group(1), shape, op.group(1), rest[op.end():]
+
+
+def operands(instr) -> list[str]:
+    """Operand names: the %names before the op's closing parenthesis."""
+    return re.findall(r"%([\w.\-]+)", instr["rest"].split(")", 1)[0])
+
+
+def parse_hlo(text: str) -> dict:
+    """{"computations": {name: [instr]}, "entry": name, "shapes": {instr name: shape}, "by_name": {name: instr},
+    "users": {name: [(user instr, operand index)]}, "fusion_of": {fused computation: fusion instr}};
+    instr = dict(name, shape, op, rest, comp, root)."""
+    comps, by_name, entry, current = {}, {}, None, None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("//"):
+            continue
+        if not line[0].isspace():
+            header = _COMP_HEADER.match(line)
+            if header and not line.startswith("HloModule"):
+                current = header.group(2)
+                comps[current] = []
+                if header.group(1):
+                    entry = current
+            elif line.startswith("}"):
+                current = None
+            continue
+        if current is None:
+            continue
+        parts = _split_instruction(line)
+        if parts:
+            name, shape, op, rest = parts
+            instr = {"name": name, "shape": shape, "op": op, "rest": rest, "comp": current,
+                     "root": line.lstrip().startswith("ROOT ")}
+            comps[current].append(instr)
+            by_name[name] = instr
+    users: dict[str, list] = {}
+    fusion_of = {}  # fused computation -> the fusion instruction that calls it
+    for instrs in comps.values():
+        for instr in instrs:
+            for i, operand in enumerate(operands(instr)):
+                users.setdefault(operand, []).append((instr, i))
+            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"]) if instr["op"] == "fusion" else None
+            if called:
+                fusion_of[called.group(1)] = instr
+    return {"computations": comps, "entry": entry, "by_name": by_name, "users": users, "fusion_of": fusion_of,
+            "shapes": {name: instr["shape"] for name, instr in by_name.items()}}
+
+
+def numel(shape: str) -> int:
+    return math.prod(dims(shape))
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """'(f32[2]{0}, /*index=1*/bf16[3,4]{1,0})' -> ['f32[2]', 'bf16[3,4]']."""
+    return [f"{d}[{dims}]" for d, dims in SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape))]
+
+
+def called(instr) -> list[tuple[str, str]]:
+    """(computation, role) pairs an instruction calls; role is the attribute (body, condition, calls, ...)."""
+    if instr["op"].endswith("-done") or instr["op"] == "async-update":
+        return []  # the -start already accounts for the wrapped computation
+    out = []
+    for role, target in re.findall(r"\b(calls|to_apply|body|condition|true_computation|false_computation)="
+                                   r"%?([\w.\-]+)", instr["rest"]):
+        out.append((target, role))
+    for role, group in re.findall(r"\b(branch_computations|called_computations)=\{([^}]*)\}", instr["rest"]):
+        out += [(t.strip().lstrip("%"), role) for t in group.split(",") if t.strip()]
+    return out
+
+
+def trip_count(instr, module) -> int | None:
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', instr["rest"])
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", instr["rest"])
+    body = module["computations"].get(cond.group(1), []) if cond else []
+    consts = [int(c) for i in body if i["op"] == "constant" and re.fullmatch(r"s(32|64)\[\]", i["shape"])
+              for c in re.findall(r"^(-?\d+)\)", i["rest"])]
+    has_lt = any(i["op"] == "compare" and "direction=LT" in i["rest"] for i in body)
+    return consts[0] if has_lt and len(consts) == 1 and consts[0] > 0 else None
+
+
+def multiplicities(module) -> tuple[dict, set]:
+    """How many times each computation runs per call of the entry; and the computations reached through a
+    while loop of unknown trip count (counted once)."""
+    callers: dict[str, list] = {}
+    unknown_loops = set()
+    for comp, instrs in module["computations"].items():
+        for instr in instrs:
+            for target, role in called(instr):
+                factor = 1
+                if instr["op"] == "while" and role == "body":
+                    trips = trip_count(instr, module)
+                    if trips is None:
+                        unknown_loops.add(target)
+                    factor = trips or 1
+                callers.setdefault(target, []).append((comp, factor))
+    memo: dict[str, float] = {}
+
+    def mult(comp, seen=()):
+        if comp == module["entry"]:
+            return 1
+        if comp not in memo:
+            memo[comp] = sum(mult(c, seen + (comp,)) * f for c, f in callers.get(comp, []) if c not in seen)
+        return memo[comp]
+
+    out = {c: mult(c) for c in module["computations"]}
+    # Unknown trip counts propagate to what those loop bodies call.
+    flagged = set(unknown_loops)
+    changed = True
+    while changed:
+        changed = False
+        for comp, instrs in module["computations"].items():
+            if comp in flagged:
+                for instr in instrs:
+                    for target, _ in called(instr):
+                        if target not in flagged:
+                            flagged.add(target)
+                            changed = True
+    return out, flagged
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", text)]
+
+
+def instruction_flops(module, instr) -> float:
+    """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module (0 otherwise)."""
+    if instr["op"] not in ("dot", "convolution"):
+        return 0.0
+    out = math.prod(dims(instr["shape"]))
+    names = operands(instr)
+    lhs = dims(module["shapes"].get(names[0], "")) if names else []
+    if instr["op"] == "dot":
+        contract = ints(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr["rest"]).group(1)) \
+            if "lhs_contracting_dims" in instr["rest"] else []
+        k = math.prod(lhs[i] for i in contract if i < len(lhs))
+    else:  # convolution: contracted = kernel elements / output features
+        rhs = dims(module["shapes"].get(names[1], "")) if len(names) > 1 else []
+        k = math.prod(rhs) / max(dims(instr["shape"])[-1:] or [1])
+    return 2.0 * out * k
+
+
+def dot_flops(hlo) -> float:
+    """`instruction_flops` of every dot / convolution in compiled HLO (text or `parse_hlo`'s result), weighted by
+    how often its computation runs (per device)."""
+    module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, _ = multiplicities(module)
+    return sum(instruction_flops(module, instr) * mult.get(comp, 0)
+               for comp, instrs in module["computations"].items() for instr in instrs)

@@ -1,0 +1,182 @@
+"""What a run compiles, and what a tool needs to rebuild a run's model from its workdir.
+
+`build_trainer` makes the mesh, the abstract sharded train state and the jitted steps for a config (no parameter
+is allocated); `restore_params` reads a workdir's checkpoint back for tools (generation, export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import config as config_lib
+from jaxtrain import optim, step as step_lib
+from jaxtrain.errors import CheckpointError, ConfigError
+from jaxtrain.models import transformer
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline as pipeline_parallel
+
+
+def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
+    """(graphdef, abstract state, state shardings, init function), all without allocating a parameter."""
+    abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+
+    def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
+        if params is None:
+            params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
+        # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
+        params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+    abstract_state = jax.eval_shape(init)
+    # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated.
+    opt_names = optax.tree_map_params(optimizer, lambda _, names: names, abstract_state["opt_state"], param_names,
+                                      transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, P))
+    names = {"step": None, "params": param_names, "opt_state": opt_names}
+    shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
+    return graphdef, abstract_state, shardings, init
+
+
+def global_batch(local: dict, sharding: NamedSharding) -> dict:
+    """Process-local numpy rows -> one global jax.Array per key (works the same on one or many hosts)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything compiled for one config on one mesh. `train_step(state, batch)` donates `state`."""
+    mesh: Mesh
+    rules: dict
+    model_cfg: ModelConfig
+    graphdef: object
+    abstract_state: dict  # ShapeDtypeStructs carrying the shardings: the restore target
+    shardings: dict
+    batch_sharding: NamedSharding
+    init: Callable[..., dict]  # init() from the seed, or init(params) around given (sharded) params
+    train_step: Callable
+    eval_step: Callable
+
+    def init_from_host(self, params: dict) -> dict:
+        """A fresh state around host (numpy) params: each process places the shards its devices hold."""
+        placed = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+                              params, self.shardings["params"])
+        return self.init(placed)
+
+    def evaluate(self, params, batches) -> float:
+        """Mean token loss over process-local numpy batches."""
+        sums = [self.eval_step(params, global_batch(b, self.batch_sharding)) for b in batches]
+        loss_sum, count = np.sum(jax.device_get(sums), axis=0)
+        return float(loss_sum / max(count, 1.0))
+
+
+def compiled_to_run_once(jitted, mesh):
+    """`jitted`, compiled on CPU without XLA's backend optimizations: for a function that runs once per run
+    (the init), they cost most of startup (default model, 2 cores: init compile 7.5 s -> 0.8 s) and save
+    nothing. Its values then differ from an optimized compile's by float rounding (a few ulps); every run
+    and every process compiles it the same way, so runs stay bit-identical to each other."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return jitted
+    compiled = {}
+
+    def call(*args):
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        if key not in compiled:
+            compiled[key] = jitted.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
+        return compiled[key](*args)
+
+    return call
+
+
+def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None) -> Trainer:
+    """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them, `dcn` (validate's
+    facts["dcn"]) lays the mesh out across slices or nodes."""
+    platform = (devices or jax.devices())[0].platform  # a deviceless GPU topology's too (jaxtrain.tools.plan)
+    config_lib.check_backend(config, platform)
+    mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
+    model_cfg = config_lib.model_config(config, platform)
+    optimizer = optim.make_optimizer(config.optim, config.train.steps)
+    graphdef, abstract_state, shardings, init = abstract_train_state(model_cfg, optimizer, mesh, rules,
+                                                                     config.train.seed)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    train_step = jax.jit(
+        step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
+                                 config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
+                                 param_shardings=shardings["params"]),
+        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
+                        in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)
+    return Trainer(mesh=mesh, rules=rules, model_cfg=model_cfg, graphdef=graphdef,
+                   abstract_state=ckpt_lib.abstract_with_shardings(abstract_state, shardings),
+                   shardings=shardings, batch_sharding=batch_sharding,
+                   init=compiled_to_run_once(jax.jit(init, out_shardings=shardings), mesh),
+                   train_step=train_step, eval_step=eval_step)
+
+
+def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpointer:
+    c = config.checkpoint
+    order = pipeline_parallel.layer_order(config.model.n_layers, config.pipeline.stages, config.pipeline.repeats)
+    return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
+                                 every_steps=c.every_steps, every_minutes=c.every_minutes,
+                                 local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
+                                 local_keep=c.local_keep, log=print_fn, layer_order=order)
+
+
+def load_config(workdir) -> ml_collections.ConfigDict:
+    """The config a workdir's checkpoints were made with (its config.json over the current schema)."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise ConfigError("workdir", f"{path} not found: not a jaxtrain workdir")
+    config = config_lib.base_config()
+    config.update_from_flattened_dict(_flatten(json.loads(path.read_text())))
+    return config
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def restore_params(workdir, step: int | None = None, devices=None):
+    """(config, model_cfg, graphdef, params) of a workdir's checkpoint: the newest that verifies, or `step`.
+
+    For tools that only need the weights (generation, export). The params land replicated over `devices`
+    (default: the first device), their stacked layers in the model's order. Raises CheckpointError if there is
+    none."""
+    config = load_config(workdir)
+    devices = devices or jax.devices()[:1]
+    if devices[0].platform != "gpu":  # a kernel choice, not the model: GPU-trained weights load anywhere
+        config.model.attention_impl = "xla"
+    # How training ran the layers, not what they are; restoring converts a pipeline's layer order to the model's.
+    config.pipeline.update(stages=1, microbatches=1, schedule="gpipe", repeats=1)
+    mesh_shape = {"data": len(devices), "fsdp": 1, "tensor": 1}
+    trainer = build_trainer(config, mesh_shape, mesh_lib.resolve_rules("dp"), devices=devices)
+    checkpointer = make_checkpointer(config, Path(workdir), print_fn=lambda *a, **k: None)
+    try:
+        if step is None:
+            restored = checkpointer.restore_latest(trainer.abstract_state)
+            if restored is None:
+                raise CheckpointError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+            step, state, _ = restored
+        else:
+            state, _ = checkpointer.restore(step, trainer.abstract_state)
+    finally:
+        checkpointer.close()
+    return config, trainer.model_cfg, trainer.graphdef, state["params"]

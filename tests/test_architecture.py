@@ -1,0 +1,91 @@
+"""The package's layering: import-linter's contracts (pyproject.toml) hold, no import cycle exists among jaxtrain's
+modules (function-local imports included), and the old module paths point to the new ones in one line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_import_linter_contracts_hold():
+    lint = Path(sys.executable).parent / "lint-imports"
+    proc = subprocess.run([str(lint), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "BROKEN" not in proc.stdout and proc.stdout.count("KEPT") >= 6, proc.stdout
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of more than one module: each is an import cycle."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_among_modules():
+    g = grimp.build_graph("jaxtrain", cache_dir=None)
+    # A package's __init__ importing its own submodule is not an edge back up.
+    graph = {m: {t for t in g.find_modules_directly_imported_by(m) if not m.startswith(t + ".")} for m in g.modules}
+    # grimp reads function-local imports too (else this test could not fail on the cycles that they close).
+    assert "jaxtrain.train" in graph["jaxtrain.main"]  # main imports train inside run()
+    assert strongly_connected({**graph, "a": {"b"}, "b": {"a"}}) == [["a", "b"]]  # the finder finds cycles
+    assert strongly_connected(graph) == []
+
+
+@pytest.mark.parametrize("old,command", [("jaxtrain.plan", "plan"), ("jaxtrain.hf", "hf"),
+                                         ("jaxtrain.data.prepare", "prepare"), ("jaxtrain.profiling", "profile")])
+def test_old_commands_exit_2_with_a_pointer(old, command):
+    proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"error: python -m {old} has moved: run `jaxtrain {command} ...` "
+                                        f"(or python -m jaxtrain {command})"]
+
+
+def test_old_modules_name_their_new_place():
+    with pytest.raises(ImportError, match=r"jaxtrain\.mesh has moved to jaxtrain\.parallel\.mesh"):
+        import jaxtrain.mesh  # noqa: F401
+
+
+def test_the_jaxtrain_command_lists_and_dispatches():
+    from jaxtrain.tools import cli
+
+    listing = subprocess.run([sys.executable, "-m", "jaxtrain", "--help"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0
+    assert [line.split()[0] for line in listing.stdout.splitlines() if line.startswith("  ")] == list(cli.COMMANDS)
+    unknown = subprocess.run([sys.executable, "-m", "jaxtrain", "trian"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: trian: unknown command")
+    bad_flag = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", "configs/tiny.py",
+                               "--config.model.nope=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad_flag.returncode == 2
+    assert bad_flag.stderr.splitlines() == ["error: model.nope: unknown key (not in jaxtrain.config.base_config)"]
