@@ -1,4 +1,4 @@
-# Two commands set up a fresh machine:  `make train`  and  `make test`.
+# Two commands set up a fresh machine:  `make train`  and  `make test`  (`make test-fast` skips the slow tests).
 # Both create .venv with the machine's python3 if it is missing and install what they need.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,7 +7,7 @@ CONFIG ?= configs/default.py
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test bench bench-data clean-venv
+.PHONY: train test test-fast bench bench-data clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest tests notebooks --nbmake -q $(PYTEST_ARGS)
+
+# The tests not marked slow (no fresh clone, multi-process or end-to-end CLI runs): for iterating.
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_step.py $(ARGS)

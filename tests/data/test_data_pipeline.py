@@ -3,6 +3,7 @@
 import collections
 import json
 import os
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from jaxtrain import files
 
 VOCAB = 512  # Small vocab keeps preparation fast; tokens stay uint16.
 SEQ = 64  # Many KJV paragraphs are longer than this: packing must split them.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from jaxtrain.observe import metrics
 from jaxtrain.observe import tracking
 from jaxtrain import files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SECRET = "s3cr3t-Value-42"
 DB_PASSWORD = "hunter2-db"
 

@@ -28,7 +28,7 @@ import pytest
 from jaxtrain import train
 from jaxtrain.data import pipeline
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 

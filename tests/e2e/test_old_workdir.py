@@ -12,7 +12,7 @@ from helpers import read_jsonl
 from jaxtrain import train
 from jaxtrain import trainer as trainer_lib
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def test_a_workdir_made_by_the_old_code_resumes(tmp_path, tiny_data_dir):

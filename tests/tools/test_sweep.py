@@ -25,7 +25,7 @@ from jaxtrain import train
 from jaxtrain.tools import sweep
 from jaxtrain.config import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ===== A fake trainer ===================================================================================

@@ -24,7 +24,7 @@ from jaxtrain.observe import hlo as hlo_lib
 from helpers import read_jsonl
 from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def configure(tiny_config, mesh=None, **overrides):

@@ -25,7 +25,7 @@ from jaxtrain import trainer as trainer_lib
 from jaxtrain.data import layout
 from jaxtrain.tools import hf as hf_cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The tiny run config's model: H != KV, so grouped-query attention is exercised.
 TINY = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64)
 

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from jaxtrain.tools import report
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"train": {"steps": 10, "batch_size": 8, "seq_len": 32}, "model": {}, "optim": {}}
 T0 = 1_700_000_000.0  # record times: well before any file's mtime, so summary.json counts as written after
 

@@ -4,6 +4,7 @@ exactly, and the workers never outlive the trainer."""
 import json
 import multiprocessing
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from jaxtrain.data import pipeline
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[2])
 KW = dict(seq_len=64, global_batch=8, seed=3)
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxtrain.tools import plan as plan_lib
 from jaxtrain.observe import hlo as hlo_lib
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # partition id = 4 * data + 2 * fsdp + tensor
 
 

@@ -3,6 +3,7 @@ and JobSet, TPU) with fake environments, every error it names, the arguments `in
 and one real run of 2 local processes x 4 CPU devices that sums a global array across both."""
 
 import os
+from pathlib import Path
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel.distributed import Settings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[2])
 SLURM_PORT = 61440 + 4242 % 4096  # job id 4242
 ENV3 = {"JAXTRAIN_COORDINATOR": "10.0.0.9:999", "JAXTRAIN_NUM_PROCESSES": "3", "JAXTRAIN_PROCESS_ID": "2"}
 SLURM2 = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",

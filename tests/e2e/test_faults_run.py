@@ -19,7 +19,7 @@ from jaxtrain import checkpoint, config as config_lib, errors, train
 from jaxtrain.data import pipeline
 from jaxtrain import trainer as trainer_lib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BAD_STEP = 7
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxtrain import config as config_lib
 from jaxtrain.models import transformer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def gpu_bench(out: Path, *variants: str, budget_s: int = 0) -> subprocess.CompletedProcess:

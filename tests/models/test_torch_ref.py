@@ -3,6 +3,7 @@ from the same init, 3 optimizer steps on the same batches give the same losses a
 
 import dataclasses
 import os
+from pathlib import Path
 import sys
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(str(Path(__file__).resolve().parents[2]), "scripts"))
 import torch_llama  # noqa: E402
 
 from jaxtrain import config as config_lib  # noqa: E402

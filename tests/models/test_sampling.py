@@ -20,7 +20,7 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.tools import generate as generate_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # GQA (8 query heads on 4 K/V heads). init_std 0.3 spreads the logits, so greedy has no near-ties that a
 # 1e-6 difference could flip and sampling settings visibly matter.
 CFG = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,

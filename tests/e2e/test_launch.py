@@ -20,7 +20,7 @@ import yaml
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel.distributed import Settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "scripts" / "launch"
 JOB_ID = 4242
 SLURM_PORT = 61440 + JOB_ID % 4096
