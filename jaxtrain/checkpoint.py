@@ -1,26 +1,13 @@
 """Orbax checkpoints with save policies, an optional fast local tier, integrity checks and fault handling.
 
-Each step directory holds three Orbax items:
-  state/      the train state (StandardSave: sharded jax.Arrays in OCDBT)
-  data/       the data pipeline's state, a small JSON dict (written by the primary process, read by all)
-  integrity/  JSON only: shape, dtype and a sharding-independent checksum per array, and a hash of data/
-
-What Orbax does on its own: a step directory appears atomically (written as `<step>.orbax-checkpoint-tmp`,
-then `commit_success.txt` and a rename); step listing ignores tmp and foreign names; `cleanup_tmp_directories`
-removes leftovers of a killed save; old steps are garbage-collected only after the new step commits, and not at
-all when its write fails. What it does not do: notice a flipped bit in array data (OCDBT checksums its b-tree
-nodes, which inline only small values; larger chunks live unchecked in data files). So restore recomputes the
-checksums, and a checkpoint that fails to load or verify is reported, moved aside (`<step>.corrupt-<unix time>`,
-never deleted) and skipped in favour of the previous one.
-
-Restoring with an abstract target that carries the *current* shardings reshards on the fly, so a run can
-resume on a different mesh or device count. The checksums do not depend on the sharding.
-
-The stacked layers are saved in the order the run keeps them (a circular pipeline keeps them stage-major:
-`jaxtrain.parallel.pipeline.layer_order`), which integrity/ records as `layer_order` (absent: the model's order).
-Restore verifies the checksums on that order, then moves the layers into the restoring run's order, so a run
-can also resume under another pipeline schedule, and tools that read weights get the model's order. Saving
-them converted instead would hold a second copy of the layers on the devices while the save starts.
+Each step directory holds three Orbax items: `state/` (the sharded train state), `data/` (the data pipeline's
+position, JSON) and `integrity/` (shape, dtype and a sharding-independent checksum per array, a hash of data/,
+and the stacked layers' order). Orbax commits a step atomically and garbage-collects old steps only after a
+new one commits, but it does not notice a flipped bit in array data: restore recomputes the checksums, and a
+copy that fails to load or verify is moved aside (`<step>.corrupt-<unix time>`, never deleted) in favour of
+the previous one. Restoring into an abstract target with the current shardings reshards on the fly (another
+mesh or device count), and the layers are moved into the restoring run's pipeline order after verifying.
+docs/reliability.md has the whole story.
 """
 
 from __future__ import annotations

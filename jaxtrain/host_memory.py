@@ -1,21 +1,13 @@
 """Host memory on CPU runs: keep freed heap memory in the process so XLA:CPU stops page-faulting its buffers in
 again on every step.
 
-XLA:CPU allocates a step's outputs and temporaries with posix_memalign and frees them when the step ends. With
-glibc's defaults blocks that large are mmap'd and unmapped again on free, so every step the kernel zero-fills
-fresh pages: on configs/bench_cpu.py ~150,000 minor page faults and ~0.35 s of system CPU time per 1.4 s step.
-`keep_freed_memory` turns that off for the main malloc arena (no mmap'd blocks, no trimming) and makes jax run a
-CPU computation on the calling thread (`jax_cpu_enable_async_dispatch=False`): with async dispatch the step runs,
-and allocates, on a worker thread, whose glibc arena serves blocks over 64 MiB with mmap whatever the settings.
-The faults stop after the first steps and the step is ~12% faster (BUILD.md, performance). The prices: the process
-keeps its high-water mark of host memory (on bench_cpu 1,425 MiB resident against 1,370-1,400 with the defaults),
-and on CPU a step call returns when the step is done instead of at once. Limiting glibc to one arena
-would also have done it, but it serializes every thread's malloc: the Rust tokenizer ran 3.4x slower.
-
-Call it before jax starts its backend (the dispatch setting is read then): `train.run` and the benchmark scripts
-do. Only for CPU runs, decided without starting jax: JAX_PLATFORMS / JAX_PLATFORM_NAME if set (the first
-platform listed), else whether a GPU or TPU plugin is installed. JAXTRAIN_KEEP_FREED_MEMORY=1 forces it, =0
-leaves the defaults. The malloc settings need glibc; elsewhere (macOS, musl) only the dispatch setting applies.
+XLA:CPU allocates a step's buffers and frees them after it; with glibc's defaults blocks that large are mmap'd
+and unmapped again, so the kernel zero-fills fresh pages every step. `keep_freed_memory` stops that for the main
+malloc arena and makes jax run CPU computations on the calling thread (an async worker's own arena would mmap
+large blocks whatever the settings); the step is ~12% faster and the process keeps its high-water mark of
+memory (docs/performance.md). Call it before jax starts its backend. Only for CPU runs, decided without
+starting jax: JAX_PLATFORMS / JAX_PLATFORM_NAME if set, else whether a GPU or TPU plugin is installed.
+JAXTRAIN_KEEP_FREED_MEMORY=1 forces it, =0 leaves the defaults. The malloc settings need glibc.
 """
 
 from __future__ import annotations

@@ -252,9 +252,9 @@ def run(config, print_fn=print, writers=()) -> dict:
     text = ""
     if config.sample.max_new_tokens:
         ids = sampling.sample(trainer.graphdef, state["params"], tok.encode(config.sample.prompt),
-                              window=train_cfg.seq_len, max_new_tokens=config.sample.max_new_tokens,
-                              temperature=config.sample.temperature, top_k=config.sample.top_k,
-                              seed=train_cfg.seed, stop_id=tok.eos_id)
+                               window=train_cfg.seq_len, max_new_tokens=config.sample.max_new_tokens,
+                               temperature=config.sample.temperature, top_k=config.sample.top_k,
+                               seed=train_cfg.seed, stop_id=tok.eos_id)
         text = config.sample.prompt + tok.decode(ids)
         say(f"sample: {text}")
 

@@ -1,24 +1,15 @@
 """Input pipeline: ArrayRecord documents -> packed, batched numpy dicts, as a pure function of position.
 
-The train split is one endless token stream: epoch 0's documents in a seeded order, then epoch 1's in
-a new order, and so on. Row r of a run is the `seq_len` tokens starting at token `r * seq_len` of that
-stream, and global batch k holds rows k*B .. k*B+B-1; each process builds only its own contiguous
-block of rows. So
+The train split is one endless token stream (each epoch's documents in a seeded order). Row r is the `seq_len`
+tokens from token `r * seq_len`, global batch k holds rows k*B .. k*B+B-1, and each process builds only its
+own block of rows. So the batch at step k is the same on 1 host or 64, and the iterator state is one number,
+the next token offset: a checkpoint restores on any process count, batch size or sequence length without
+repeating or skipping a token (elastic resume).
 
-  * the batch at step k is the same on 1 host or 64 (the global batch does not depend on the process
-    count, and a run on 2 processes equals one on 1 process);
-  * the iterator state is a single number, the next token offset. It is the same on every process, so
-    a checkpoint restores on any process count, batch size or sequence length without repeating or
-    skipping a single token (elastic resume).
-
-Every batch is process-local: {"tokens", "segment_ids", "positions"}, each int32[B // processes, seq_len].
-segment_ids number the documents within a row from 1; positions restart at 0 at each document start in
-a row. Documents are never padded or dropped: a long one continues in the next row, where it is
-segment 1 with positions from 0 again (it cannot attend to the previous row).
-
-Grain supplies the reading (ArrayRecordDataSource) and the prefetching iterator (MapDataset ->
-to_iter_dataset, optionally in worker processes: mp_prefetch); the packing itself is random access, which
-is what makes it position-addressable.
+A batch is {"tokens", "segment_ids", "positions"}, each int32[B // processes, seq_len]: segment ids number the
+documents of a row from 1, and positions restart at each document. Documents are never padded or dropped.
+Grain reads (ArrayRecordDataSource) and prefetches (optionally in worker processes); the packing itself is
+random access, which is what makes it position-addressable (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Prepares text as tokenized ArrayRecord shards: the default corpus (KJV Bible), or your own files and datasets.
 
-Layout of a prepared data dir:
-  tokenizer.json (or tokenizer.model)         byte-level BPE trained on train docs, or the one given
-  train-0000i-of-0000N.array_record           one record per document
-  train-0000i-of-0000N.array_record.lengths.npy   tokens per record (the pipeline's index)
-  heldout-0000i-of-0000N.array_record         held-out documents (+ .lengths.npy)
-  manifest.json                               settings, inputs (sha256), dtype, EOS id, per-shard docs/tokens/sha256
-
-A record is one document's token ids followed by the tokenizer's EOS id, as little-endian
-uint16 bytes (int32 when the vocab does not fit 16 bits).
-
-With --input, the inputs are cut into shards of about 256 MB of text, each tokenized by a worker process
-and written to a sibling work dir `.<name>.partial`; the finished dir is renamed into place as a whole. An
-interrupted run resumes there, redoing only unfinished shards; a rerun on the same inputs touches nothing.
-
-Its command line is `jaxtrain prepare` (jaxtrain.tools.prepare).
+It writes the format `jaxtrain.data.layout` reads: a record per document (its token ids and the EOS id, as
+little-endian uint16, or int32 when the vocab does not fit 16 bits), a lengths index beside each shard, the
+tokenizer and manifest.json. With inputs, they are cut into shards of about 256 MB of text, each tokenized
+by a worker process into a sibling work dir `.<name>.partial`; the finished dir is renamed into place whole.
+An interrupted run resumes there, redoing only unfinished shards; a rerun on the same inputs touches nothing.
+Its command line is `jaxtrain prepare` (jaxtrain.tools.prepare); docs/data.md has the formats.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Hugging Face Llama interop: a checkpoint out as a `LlamaForCausalLM` directory, such a directory back in as params.
 
-Weight names (per layer i; the leading `layers` axis of jaxtrain's stacked blocks is split into one tensor per
-layer). HF linear weights are [out, in], jaxtrain kernels [in, out] with heads as their own axes:
-
-  embed                      [V, d]          model.embed_tokens.weight                 [V, d]
-  blocks.attn_norm.scale     [L, d]          model.layers.i.input_layernorm.weight     [d]
-  blocks.attn.wq             [L, d, H, hd]   model.layers.i.self_attn.q_proj.weight    [H*hd, d]
-  blocks.attn.wk / wv        [L, d, KV, hd]  model.layers.i.self_attn.{k,v}_proj.weight [KV*hd, d]
-  blocks.attn.wo             [L, H, hd, d]   model.layers.i.self_attn.o_proj.weight    [d, H*hd]
-  blocks.mlp_norm.scale      [L, d]          model.layers.i.post_attention_layernorm.weight [d]
-  blocks.mlp.w_gate / w_up   [L, d, F]       model.layers.i.mlp.{gate,up}_proj.weight  [F, d]
-  blocks.mlp.w_down          [L, F, d]       model.layers.i.mlp.down_proj.weight       [d, F]
-  final_norm.scale           [d]             model.norm.weight                         [d]
-  unembed (untied only)      [d, V]          lm_head.weight                            [V, d]
-
-Both sides apply rotate-half RoPE with frequencies theta^(-2j/hd) to each head, so q/k need no permutation
-(the permutation in HF's conversion scripts is for Meta's interleaved checkpoints).
-
-Commands: `jaxtrain hf export` and `jaxtrain hf overrides` (jaxtrain.tools.hf).
-Needs only numpy and safetensors: no torch or transformers.
+LAYER_NAMES and TOP_NAMES map jaxtrain's parameters to HF's tensors. The stacked blocks' leading `layers`
+axis becomes one tensor per layer (`model.layers.i.*`); HF linear weights are [out, in], jaxtrain kernels
+[in, out] with heads as their own axes (e.g. `blocks.attn.wq` [L, d, H, hd] <-> `self_attn.q_proj.weight`
+[H*hd, d]). Both sides apply rotate-half RoPE with frequencies theta^(-2j/hd), so q/k need no permutation.
+Needs only numpy and safetensors. Commands: `jaxtrain hf export|overrides` (jaxtrain.tools.hf; docs/huggingface.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Mixture-of-experts feed-forward layer (GShard / Switch style): top-k routing with a capacity per expert.
 
-`MoE(cfg, rngs)(x) -> (y, stats)`, x and y [B, T, d_model] in the compute dtype, stats the routing counts of each
-batch row (`route`), which `summarize` turns into the f32 scalars {"load_balance_loss", "dropped_fraction"} of any
-set of rows: per row, so that a pipelined model, which routes each microbatch on its own, still gets the loss of
-the whole batch. Choices:
-
-- Experts are SwiGLU MLPs like `transformer.MLP`, stacked on a leading "experts" axis ([E, d, f], [E, f, d]),
-  which the rules put on the `expert` mesh axis.
-- The router runs in float32: probs = softmax(x @ w_router); each token takes its top `moe_top_k` experts, and
-  its gate weights are those probs renormalised to sum to 1 (Mixtral).
-- A group is one batch row (sequence), or `moe_group_tokens` consecutive tokens of it, so dispatch stays inside a
-  data shard (and, with groups that fit one, a sequence shard). Each expert takes at most
-  C = ceil(moe_capacity_factor * G * k / E) tokens of a group of G, clamped to [1, G] (an expert sees a token at
-  most once). `capacity` rounds the product to 6 decimals first, so float noise (1.1 * 10 = 11.000000000000002)
-  does not add a slot.
-- Filling capacity: every token's first choice goes before any second choice, and within one choice rank
-  earlier tokens go first. An assignment past its expert's capacity is dropped: the token gets nothing from that
-  expert (the residual connection outside carries it), and its gate weight is not given to the kept ones.
-- Dispatch and combine are one-hot tensors [B, N, G, E, C] (N groups of G) used in einsums, so every shape is
-  static and the expert computation is dense [E, B, N, C, d]. With experts on the `expert` mesh axis and the
-  batch split over data axes that include `expert`, XLA inserts the all-to-alls between the token and the expert
-  layouts.
-- load_balance_loss (Switch Transformer) = E * sum_e f_e * P_e: f_e is the fraction of the B*T*k assignments
-  (before capacity) that chose expert e, P_e the mean router probability of e over all tokens. It is 1 when
-  routing is perfectly balanced; only P_e carries a gradient. dropped_fraction = dropped assignments / (B*T*k).
-- Every token counts, padding included (the layer is not given the segment ids).
+`MoE(cfg, rngs)(x) -> (y, stats)`: stats are each batch row's routing counts (`route`), which `summarize` turns
+into {"load_balance_loss", "dropped_fraction"} of any set of rows, so a pipelined model, which routes each
+microbatch on its own, still gets the whole batch's loss. Experts are SwiGLU MLPs stacked on an "experts" axis.
+The router runs in float32; each token takes its top `moe_top_k` experts with their probabilities renormalised
+(Mixtral). Within a routing group of G tokens (a row, or `moe_group_tokens` of it) an expert takes at most
+C = ceil(capacity_factor * G * k / E) tokens, first choices before second ones; the rest are dropped (the
+residual carries them). Dispatch and combine are one-hot einsums with static shapes, so with experts on the
+`expert` mesh axis XLA inserts the all-to-alls. load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only
+P_e carries a gradient). Every token counts, padding included (docs/parallelism.md).
 """
 
 from __future__ import annotations

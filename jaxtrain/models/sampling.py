@@ -1,22 +1,12 @@
 """Sampling from a trained model with a K/V cache (`jaxtrain generate` is its command line).
 
-How it runs: the prompt is prefilled in one jitted call, padded to the cache length so that prompts of
-different lengths share one compile; then one jitted `lax.while_loop` samples the new tokens, stopping
-early once every sample has produced the stop id. Both compiles are cached per (model, cache length,
-samples, max_new_tokens); the sampling settings are traced values and never recompile.
-
-Past the window: `window` (the trained seq_len) bounds the cache. A prompt longer than it keeps its last
-`window` tokens. Once prompt + new tokens outgrow it, the cache becomes a sliding window: each new token
-attends to the newest `window` tokens, itself included, which is the most a token ever saw in training.
-Positions keep counting past seq_len; RoPE depends only on relative distance, and that never exceeds
-window - 1, so the model stays in the range it was trained on. Unlike re-encoding the last `window`
-tokens from scratch (the old recompute loop), cached keys keep what their token saw when it was computed,
-so in deeper layers some information from before the window still flows in (as in Mistral's sliding
-window attention).
-
-Sampling: temperature 0 is greedy. Otherwise softmax(logits / temperature), restricted to the top_k most
-likely ids (0: all), then to the smallest most-likely set whose probability reaches top_p (1.0: all).
-New token i draws with `fold_in(key(seed), i)`: the same seed gives the same text.
+The prompt is prefilled in one jitted call, padded to the cache length so prompts of different lengths share a
+compile; one jitted `lax.while_loop` then samples the new tokens, stopping once every sample has produced the
+stop id. Sampling settings are traced values and never recompile. `window` (the trained seq_len) bounds the
+cache: past it the cache slides, each new token attending to the newest `window` tokens, and RoPE never sees a
+distance longer than training did. Temperature 0 is greedy; otherwise softmax(logits / temperature) restricted
+to the top_k ids, then to the smallest set whose probability reaches top_p. New token i draws with
+`fold_in(key(seed), i)`: the same seed gives the same text (docs/experiments.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Where a profiled step's time goes: wall time per compiled op, read from a `log.profile_steps` trace.
 
-`--config.log.profile_steps=FIRST,LAST` traces those steps with jax.profiler into WORKDIR/profile (an XPlane file
-for TensorBoard's profile plugin and a Perfetto trace, `perfetto_trace.json.gz`), saves the compiled train step's
-HLO beside it (`train_step.hlo.txt`) and writes this module's table to `summary.txt`. The same table for any such
-directory:
-
-    jaxtrain profile WORKDIR/profile [--steps N] [--top 30]
-
-XLA:CPU records one trace event per HLO instruction it runs. Ops that run at the same time share the cores, so
-each instant's wall time is split evenly between the ops running then: the per-op times add up to the time the
-steps kept the device busy, instead of counting overlapped time twice. Matmuls (dots, and fusions holding dots)
-also get their FLOP rate, from the HLO's shapes, and every op the rate at which it moved its operands and result
-(GB/s; an upper bound for an op that reads part of an operand): a pass far below the memory bandwidth is
-compute-bound (an exponential) or badly laid out (a transpose). The trace holds every device of the process,
-so with several (8 fake CPU devices, a GPU host's 8) the times and rates are all of them together. GPU traces
-name their kernels differently; this reading is tested on CPU only.
+`--config.log.profile_steps=FIRST,LAST` traces those steps into WORKDIR/profile, saves the compiled step's HLO
+beside the trace and writes this module's table to summary.txt; `jaxtrain profile WORKDIR/profile` prints it
+again. XLA:CPU records one event per HLO instruction it runs; ops running at the same time share the cores, so
+each instant's wall time is split evenly between them and the per-op times add up to the busy time. Matmuls
+also get their FLOP rate, and every op the rate at which it moved its operands and result. Tested on CPU only:
+GPU traces name their kernels differently (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What a run was: WORKDIR/run.json, and the redaction of secrets from everything a run logs.
 
-run.json (process 0 writes it; rewritten atomically at the start and end of every invocation):
-
-    config      the full resolved config, secrets redacted
-    git         {"commit", "dirty"} of the jaxtrain checkout that ran (null fields outside a git checkout)
-    packages    versions of jax, jaxlib, flax, optax, orbax-checkpoint, grain, ... ; "python"
-    devices     {"platform", "kind", "count"}; "processes"; "seed"
-    start_time / start_unix   when the first invocation of this workdir started (ISO 8601 UTC / unix seconds)
-    end_time / end_unix       when the latest one ended (null while it runs)
-    status      the latest invocation's: running, finished, stopped (train.stop_at), preempted, failed, interrupted
-    attempts    one entry per invocation: start/end, status, the step it started from and reached, error
-
-A value is redacted when its key looks secret (a word of it is token, key, password, passwd, secret or
-credential(s), e.g. `wandb_api_key`; `max_new_tokens` is not), and a password inside a URL
-(`postgresql://user:PASS@host`) is redacted wherever it appears.
+run.json (process 0 rewrites it atomically at the start and end of every invocation) holds the resolved config
+(redacted), the git commit, package versions, devices, processes and seed, when the workdir's first invocation
+started and its latest ended, the latest status (running, finished, stopped, preempted, failed, interrupted)
+and one attempt per invocation (docs/experiments.md). A value is redacted when a word of its key is token,
+key, password, passwd, secret or credential(s) (`wandb_api_key`; not `max_new_tokens`), and a password in a
+URL (`postgresql://user:PASS@host`) is redacted wherever it appears.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Multi-process start-up: decides how to call `jax.distributed.initialize`, then calls it once.
 
-Each of coordinator ("host:port"), process count and process id comes from the first of these that
-sets it; a cluster fills only the fields that the layers above it left unset:
-  1. explicit arguments (the config group `distributed`: coordinator, num_processes, process_id);
-  2. JAXTRAIN_COORDINATOR, JAXTRAIN_NUM_PROCESSES, JAXTRAIN_PROCESS_ID;
-  3. with auto=True, the first cluster detected, in this order:
-     tpu         TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES (comma-separated hosts of one slice),
-                 TPU_WORKER_ID, MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID. Multi-host when
-                 hosts x slices > 1; then JAX's own TPU detection finds the coordinator. GKE sets these;
-                 on a plain TPU VM (where they live only in the metadata server) the launcher exports them.
-     slurm       SLURM_JOB_ID, SLURM_PROCID, SLURM_STEP_NUM_TASKS (set only in tasks started by srun: a
-                 batch script or salloc shell is one process whatever SLURM_NTASKS says), SLURM_STEP_NODELIST
-                 or SLURM_JOB_NODELIST (first host = coordinator), SLURM_LOCALID and SLURM_GPUS_PER_TASK
-                 (local_device_ids, see `_slurm`).
-     kubernetes  JobSet: JOBSET_NAME, REPLICATED_JOB_NAME, JOB_INDEX, JOB_COMPLETION_INDEX, and
-                 REPLICATED_JOB_REPLICAS when JOB_INDEX > 0 (the launcher maps them from the pod's jobset.sigs.k8s.io
-                 annotations). One replicated job of trainer pods: process id = JOB_INDEX x pods per job +
-                 JOB_COMPLETION_INDEX; coordinator <JOBSET_NAME>-<REPLICATED_JOB_NAME>-0-0.<JOBSET_NAME>
-                 (JobSet's default subdomain; set JAXTRAIN_COORDINATOR if network.subdomain differs).
-                 Indexed Job: JOB_COMPLETION_INDEX is the process id; pods cannot see their headless
-                 service's name, so JAXTRAIN_COORDINATOR is required. Kubernetes never tells a pod how many
-                 pods there are: JAXTRAIN_NUM_PROCESSES is required on both.
-  JAXTRAIN_COORDINATOR_PORT overrides the port of a derived coordinator: slurm 61440 + SLURM_JOB_ID % 4096,
-  kubernetes 8476.
-  JAX_LOCAL_DEVICE_IDS (JAX's own, e.g. "0,1") restricts this process's GPUs on any path.
-A count of 1, or nothing set and nothing detected, means a single process: nothing to initialise.
+Each of coordinator ("host:port"), process count and process id comes from the first of these that sets it:
+the config's `distributed` group; JAXTRAIN_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID; then, with auto=True, the
+first cluster detected: Cloud TPU (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_*), SLURM (inside srun:
+SLURM_PROCID, SLURM_STEP_NUM_TASKS, the node list's first host as coordinator) or Kubernetes (JobSet or an
+Indexed Job; Kubernetes never tells a pod the pod count, so JAXTRAIN_NUM_PROCESSES is required there).
+JAXTRAIN_COORDINATOR_PORT overrides a derived coordinator's port (SLURM 61440 + job id % 4096, Kubernetes
+8476). A count of 1, or nothing set and nothing detected, is a single process. Every variable each path reads
+is listed in BUILD.md (Multi-host).
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Device mesh and logical axis rules.
 
-Parameters and activations name their dimensions with *logical* axes ("embed", "mlp", "batch", ...).
-A rule table maps each logical axis to zero or more *mesh* axes; XLA then inserts the collectives.
+Parameters and activations name their dimensions with *logical* axes ("embed", "mlp", "batch", ...). A rule
+table maps each to zero or more *mesh* axes, and XLA inserts the collectives. The mesh axes, outermost first:
+`data` (pure replicas), `pipeline` (stages of the layer stack), `fsdp` (replicas that also shard params, grads
+and optimizer state: ZeRO-3), `expert` (MoE experts; a batch axis for the rest), `sequence` (activations split
+along the sequence) and `tensor` (Megatron over heads / mlp / vocab). A preset picks the active ones; a mesh
+axis larger than 1 that the rules leave unused is a config error, not silently wasted devices.
 
-The mesh axes have fixed meanings (listed outermost first, as they are laid out over the devices):
-  data      pure replicas (gradients all-reduced; put it on the slowest links)
-  pipeline  pipeline stages: the layer stack is split into contiguous stages (jaxtrain.parallel.pipeline)
-  fsdp      replicas that also shard params, grads and optimizer state (ZeRO-3)
-  expert    mixture-of-experts experts are split over it; for everything else it is one more batch axis
-  sequence  sequence (context) parallelism: activations split along the sequence; attention gathers K/V
-  tensor    Megatron-style model parallelism over heads / mlp / vocab
-A preset picks which of them are active (every preset maps pipeline, expert and sequence). A mesh axis
-larger than 1 that the preset does not use is a config error rather than silently wasted devices.
-
-Hybrid meshes (TPU multislice, GPU multi-node): `mesh.dcn_<axis>` says how many of an axis's `mesh.<axis>`
-ways cross the slow data-center network (DCN) between granules; the rest stay on the fast interconnect
-(ICI / NVLink) inside one. Granules are TPU slices (`slice_index`), else processes (on GPU: run one process
-per node), and their count must equal the product of the dcn sizes. Each granule holds an ICI block of the
-mesh, laid out for its topology by `mesh_utils.create_device_mesh`; along each axis the DCN index is the
-outer factor. Which axes belong where: `data` on DCN first (one gradient all-reduce per step, overlappable),
-then `fsdp` across a few granules if the model does not fit one (its all-gathers run every layer); keep
-`tensor` on ICI (it all-reduces activations inside every layer).
+Hybrid meshes (TPU multislice, GPU multi-node): `mesh.dcn_<axis>` ways of an axis cross the slow network
+between granules (TPU slices, else processes), the rest stay inside one; each granule holds an ICI block laid
+out by `mesh_utils.create_device_mesh`. BUILD.md says which axes belong where.
 """
 
 from __future__ import annotations

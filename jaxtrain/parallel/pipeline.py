@@ -1,53 +1,15 @@
-"""Pipeline parallelism over the `pipeline` mesh axis, in plain jit/GSPMD style (as MaxText does it).
+"""Pipeline parallelism over the `pipeline` mesh axis, in plain jit/GSPMD style.
 
-The stacked layers ([n_layers, ...] leaves) are split into `stages`; the batch into `microbatches`. A
-stage-major buffer [stages, microbatch, ...] holds what every stage works on. Each *tick* runs all stages at
-once (`jax.vmap` over the stage axis, each stage a `lax.scan` over its layers), then shifts the outputs one
-stage along (`jnp.roll` on the stage axis). With the stage axis sharded over the `pipeline` mesh axis
-(logical name "stages"), every device runs only its own stage and XLA lowers the roll to a
-collective-permute. The ticks are a `lax.scan`, so autodiff gives the backward pass (and its reverse
-permutes); the result equals running every layer in order on the whole batch.
-
-Schedules (S stages, M microbatches, R repeats, L layers):
-  gpipe     stage s runs the contiguous layers [s*L/S, (s+1)*L/S). M + S - 1 ticks; any M >= 1 works (M >= S keeps
-            the bubble down).
-  circular  interleaved: the layers form S*R chunks of K = L/(S*R); chunk c runs on stage c % S, so a microbatch
-            goes round the ring R times. R*M + S - 1 ticks. Needs M >= S when R > 1 (a microbatch leaving the
-            last stage must find stage 0 free; when M > S it waits M - S ticks on stage 0's device).
-  Fraction of stage-ticks idle (the bubble): (S - 1) / (R*M + S - 1), see `bubble_fraction`.
-
-Layer order: `run` takes the stacked layers stage-major (`layer_order`): position (s*R + r)*K + k holds layer
-(r*S + s)*K + k, the k-th layer of the chunk stage s runs in repeat r. A leaf [L, ...] sharded on its dim 0 over
-`pipeline` then holds on each device exactly its stages' chunks, and the reshape to [S, R, K, ...] moves nothing.
-For gpipe (R = 1) that is the model's order. For circular it is not: the training state keeps its stacked layers
-in this order (`train.abstract_train_state`'s init puts them there), checkpoints record the order they hold
-and restore converts (`jaxtrain.checkpoint`), and decoding reads the layers through it. In the model's order the
-stage weights would have to be re-laid out over the pipeline axis on every step, and their gradients back: an
-all-to-all of all the layer weights twice a step (`configs/plan_1b.py` at 16 layers, data 2 x pipeline 4,
-2 repeats: a 1.41 GiB all-to-all and 1.41 GiB more permutes per device and step; BUILD.md, performance).
-
-Memory: the backward pass keeps each tick's stage inputs (and whatever `layer_fn` saves; wrap it in
-`jax.checkpoint` to trade compute for memory), i.e. activations for R*M + S - 1 stage-microbatches per
-device, as GPipe does; there is no 1F1B-style early backward under a single jit.
-
-Sharding: stage-major buffers are constrained to ("stages", "batch") and stage params to ("stages",) on their
-leading dims (the leaf to ("layers",) first); their other dims are left unconstrained, so that fsdp, tensor
-or sequence shardings set inside `layer_fn` survive. The vmap over stages passes the stage mesh axes as
-`spmd_axis_name`, so constraints inside `layer_fn` keep the stage dim on its shard. The final carry is read
-from stage 0's device and broadcast over the pipeline axis once per call. Gradients: each tick adds to the
-weight gradient of the chunk each stage ran; summed over a microbatch's rows split over `data`, XLA would
-all-reduce it over `data` on every tick. So each pure data-parallel replica (mesh.replica_axes) gets its own
-copy of the stage weights ([S, R, D, K, ...], a broadcast sharded over the replica axes) and runs its rows
-with it (a vmap over the replicas): the copies' gradients stay local through the loop and are summed once.
-No 1F1B schedule: under one jit the backward pass is the transpose of the whole tick loop, so its activation
-memory is GPipe's whatever the order; the circular schedule is the one that shrinks the bubble.
-
-Idle stage-ticks (the bubble) compute on real, finite data (an earlier microbatch), never on
-uninitialised buffers, and their results never reach the output, so their cotangents are exactly zero and
-gradients stay free of NaNs.
-
-Microbatches are split as `jaxtrain.parallel.mesh.split_microbatches` does (row i goes to microbatch i % M, so each
-microbatch spans every data shard) and the output is put back in the original row order.
+The stacked layers are split into `stages` and the batch into `microbatches`; a stage-major buffer holds what
+every stage works on. Each tick runs all stages at once (a vmap over the stage axis, each stage a scan over its
+layers), then shifts the outputs one stage along with a roll that XLA lowers to a collective-permute. The ticks
+are a scan, so autodiff gives the backward pass; the result equals every layer run in order on the whole batch.
+`gpipe`: stage s runs layers [s*L/S, (s+1)*L/S), M + S - 1 ticks. `circular`: S*R chunks of layers, chunk c on
+stage c % S, R*M + S - 1 ticks; the training state then keeps the layers stage-major (`layer_order`) so that no
+weight moves between stages. Each data replica runs its rows on its own copy of the stage weights, so layer
+gradients cross `data` once a step. Idle stage-ticks compute on real data whose results never reach the
+output, so gradients stay free of NaNs. No 1F1B: under one jit activation memory is GPipe's whatever the
+order (docs/parallelism.md).
 """
 
 from __future__ import annotations
