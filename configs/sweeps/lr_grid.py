@@ -1,7 +1,7 @@
 """Grid over the peak learning rate: `jaxtrain sweep --config configs/tiny.py --sweep configs/sweeps/lr_grid.py`
 
 Three ordinary runs in runs/sweeps/tiny_lr_grid/trial_000{0,1,2}, compared on their final eval_loss.
-The format of this file is documented in jaxtrain/sweep.py.
+The format of this file is documented in docs/experiments.md (Sweeps).
 """
 
 

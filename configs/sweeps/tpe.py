@@ -3,7 +3,7 @@
     jaxtrain sweep --config configs/tiny.py --sweep configs/sweeps/tpe.py --workers 2
 
 The bounds suit configs/tiny.py (20 steps) and configs/default.py (150 steps): warmup stays below both.
-The format of this file is documented in jaxtrain/sweep.py.
+The format of this file is documented in docs/experiments.md (Sweeps).
 """
 
 from jaxtrain.tools.sweep import integer, loguniform, uniform

@@ -39,9 +39,9 @@ def _plan(argv):
 
 
 def _sweep(argv):
-    from jaxtrain.tools import sweep
+    from jaxtrain.tools.sweep import cli as sweep_cli
 
-    return sweep.main(argv)
+    return sweep_cli.main(argv)
 
 
 def _report(argv):

@@ -17,13 +17,17 @@ from pathlib import Path
 
 import optuna
 import pytest
+from helpers import read_jsonl
 from optuna.trial import TrialState
 
-from helpers import read_jsonl
-from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain import train
-from jaxtrain.tools import sweep
 from jaxtrain.config import ConfigError
+from jaxtrain.errors import SweepError
+from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.tools import sweep
+from jaxtrain.tools.sweep import spec as sweep_spec
+from jaxtrain.tools.sweep import study as sweep_study
+from jaxtrain.tools.sweep import trials as sweep_trials
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,11 +109,11 @@ def recipe(name):
 def test_sample_sweep_files_load_and_check():
     for config in (recipe("tiny"), recipe("default")):
         for name in ("lr_grid", "tpe"):
-            spec = sweep.load(REPO / "configs" / "sweeps" / f"{name}.py")
-            sweep.check(config, spec)
-    grid = sweep.load(REPO / "configs" / "sweeps" / "lr_grid.py")
+            spec = sweep_spec.load(REPO / "configs" / "sweeps" / f"{name}.py")
+            sweep_spec.check(config, spec)
+    grid = sweep_spec.load(REPO / "configs" / "sweeps" / "lr_grid.py")
     assert (grid.sampler, grid.trials, grid.space["optim.lr"].choices) == ("grid", 3, (1e-3, 3e-3, 1e-2))
-    tpe = sweep.load(REPO / "configs" / "sweeps" / "tpe.py", trials=4)
+    tpe = sweep_spec.load(REPO / "configs" / "sweeps" / "tpe.py", trials=4)
     assert (tpe.sampler, tpe.pruner, tpe.trials) == ("tpe", "median", 4)
 
 
@@ -146,38 +150,38 @@ BAD_SPECS = {
 def test_bad_sweep_rejected_with_the_field(case, tmp_path):
     raw, message = BAD_SPECS[case]
     with pytest.raises(ConfigError) as e:
-        sweep.check(recipe("tiny"), sweep.load(raw))
+        sweep_spec.check(recipe("tiny"), sweep_spec.load(raw))
     assert message in str(e.value), str(e.value)
     assert len(str(e.value).splitlines()) == 1
 
 
 def test_bad_sweep_files(tmp_path):
-    with pytest.raises(sweep.SweepError, match="file not found"):
-        sweep.load(tmp_path / "missing.py")
-    with pytest.raises(sweep.SweepError, match=r"no get_sweep\(\) function"):
-        sweep.load(write_sweep(tmp_path / "s.py", "def get_config():\n    return {}\n"))
-    with pytest.raises(sweep.SweepError, match="must return a dict"):
-        sweep.load(write_sweep(tmp_path / "s2.py", "def get_sweep():\n    return 3\n"))
-    with pytest.raises(sweep.SweepError, match="SyntaxError"):
-        sweep.load(write_sweep(tmp_path / "s3.py", "def get_sweep(:\n"))
+    with pytest.raises(SweepError, match="file not found"):
+        sweep_spec.load(tmp_path / "missing.py")
+    with pytest.raises(SweepError, match=r"no get_sweep\(\) function"):
+        sweep_spec.load(write_sweep(tmp_path / "s.py", "def get_config():\n    return {}\n"))
+    with pytest.raises(SweepError, match="must return a dict"):
+        sweep_spec.load(write_sweep(tmp_path / "s2.py", "def get_sweep():\n    return 3\n"))
+    with pytest.raises(SweepError, match="SyntaxError"):
+        sweep_spec.load(write_sweep(tmp_path / "s3.py", "def get_sweep(:\n"))
 
 
 def test_sweep_file_forms(tmp_path):
     """Nested space dicts, a ConfigDict, and grid sizes (trials capped at the grid)."""
     import ml_collections
 
-    spec = sweep.load({"space": {"optim": {"lr": [1e-3, 2e-3], "warmup_steps": sweep.integer(0, 4, step=2)}},
+    spec = sweep_spec.load({"space": {"optim": {"lr": [1e-3, 2e-3], "warmup_steps": sweep.integer(0, 4, step=2)}},
                        "sampler": "grid", "trials": 100})
     assert list(spec.space) == ["optim.lr", "optim.warmup_steps"] and spec.trials == 6
     assert spec.grid_points()[:2] == [{"optim.lr": 1e-3, "optim.warmup_steps": 0},
                                       {"optim.lr": 1e-3, "optim.warmup_steps": 2}]
     assert sweep.uniform(0.0, 0.3, step=0.1).grid() == [0.0, 0.1, 0.2, 0.3]
     c = ml_collections.ConfigDict({"space": {"model": {"d_ff": [64, 128]}}, "sampler": "grid"})
-    assert sweep.load(c).space["model.d_ff"].choices == (64, 128)
+    assert sweep_spec.load(c).space["model.d_ff"].choices == (64, 128)
 
 
 def test_storage_urls_are_redacted():
-    shown = sweep.describe_storage(Path("x"), "postgresql://alice:s3cret@db.example:5432/optuna")
+    shown = sweep_study.describe_storage(Path("x"), "postgresql://alice:s3cret@db.example:5432/optuna")
     assert "s3cret" not in shown and "alice" in shown
 
 
@@ -211,18 +215,18 @@ def test_random_sweep_resumes_without_redoing_trials(tiny_config, fake_train, tm
 
 def test_trial_left_running_by_a_killed_worker_is_retried_in_its_workdir(tiny_config, fake_train, tmp_path):
     config = tiny_config(**{"train.steps": 6, "eval.every_steps": 2})
-    spec = sweep.load({"space": {"optim.lr": [1e-3, 1e-2]}, "sampler": "grid", "name": "kill"})
+    spec = sweep_spec.load({"space": {"optim.lr": [1e-3, 1e-2]}, "sampler": "grid", "name": "kill"})
     sweep_dir = tmp_path / "sw"
     sweep_dir.mkdir()
     # What a worker killed mid-trial leaves: a RUNNING trial owned by a dead pid, and a workdir with a
     # checkpoint at step 3 and metrics up to step 4 (logged after that checkpoint).
-    study = sweep.open_study(spec, config, sweep_dir)
-    trial, params = sweep._claim(study, spec, sweep_dir)
+    study = sweep_study.open_study(spec, config, sweep_dir)
+    trial, params = sweep_study.claim(study, spec, sweep_dir)
     dead = subprocess.Popen(["true"])
     dead.wait()
     trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}")
     with pytest.raises(KeyboardInterrupt):  # "checkpoints" step 3, logs step 4's eval, then dies
-        FakeTrain(interrupt_at=4)(sweep.trial_config(config, params, sweep_dir / "trial_0000"))
+        FakeTrain(interrupt_at=4)(sweep_spec.trial_config(config, params, sweep_dir / "trial_0000"))
 
     results = sweep.run(config, spec, sweep_dir, print_fn=quiet)
     assert [c["workdir"].name for c in fake_train.calls] == ["trial_0000", "trial_0002"]
@@ -268,11 +272,11 @@ def test_failed_trial_is_recorded_and_the_sweep_goes_on(tiny_config, monkeypatch
 def test_changed_sweep_is_refused(tiny_config, fake_train, tmp_path):
     config = tiny_config(**{"train.steps": 2, "eval.every_steps": 2})
     sweep.run(config, {"space": {"optim.lr": [1e-3]}, "sampler": "grid", "name": "s"}, tmp_path / "sw", print_fn=quiet)
-    with pytest.raises(sweep.SweepError, match="different sweep.space"):
+    with pytest.raises(SweepError, match="different sweep.space"):
         sweep.run(config, {"space": {"optim.lr": [1e-2]}, "sampler": "grid", "name": "s"}, tmp_path / "sw",
                   print_fn=quiet)
     config.optim.b1 = 0.8
-    with pytest.raises(sweep.SweepError, match="different config.optim.b1"):
+    with pytest.raises(SweepError, match="different config.optim.b1"):
         sweep.run(config, {"space": {"optim.lr": [1e-3]}, "sampler": "grid", "name": "s"}, tmp_path / "sw",
                   print_fn=quiet)
 
@@ -307,7 +311,7 @@ def test_pruning_writer_with_a_fake_trial():
             return len(self.reports) >= self.prune_after
 
     trial = Trial(prune_after=2)
-    writer = sweep.PruningWriter(trial, "eval_loss", reported={0})
+    writer = sweep_trials.PruningWriter(trial, "eval_loss", reported={0})
     writer.write_scalars(0, {"eval_loss": 5.0})  # a retry: step 0 was reported before
     writer.write_scalars(1, {"loss": 4.0, "lr": 1e-3})  # train records: not the metric
     writer.write_scalars(2, {"eval_loss": 4.5, "eval_loss/other": 9.0})
@@ -421,7 +425,7 @@ def test_real_killed_trial_resumes_from_its_checkpoint(tiny_config, tmp_path):
     spec = {"space": {"optim.lr": [3e-3]}, "sampler": "grid", "name": "killed"}
     sweep_dir = tmp_path / "sw"
     proc = subprocess.run([sys.executable, "-c", KILLED_WORKER], cwd=REPO, capture_output=True, timeout=600,
-                          input=pickle.dumps({"config": config, "spec": sweep.load(spec), "sweep_dir": sweep_dir}),
+                          input=pickle.dumps({"config": config, "spec": sweep_spec.load(spec), "sweep_dir": sweep_dir}),
                           check=False)
     assert proc.returncode == 9, proc.stderr[-3000:]
     assert (sweep_dir / "trial_0000" / "checkpoints" / "2").is_dir()
