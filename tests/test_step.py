@@ -13,7 +13,8 @@ from flax import nnx
 from jaxtrain import config as config_lib
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain import optim
-from jaxtrain.tools import plan
+from jaxtrain.tools.plan.collectives import collectives
+from jaxtrain.tools.plan.planner import per_device_bytes
 from jaxtrain.config import base_config
 from jaxtrain.data import pipeline
 from jaxtrain.models import transformer
@@ -76,10 +77,9 @@ def test_microbatches_equal_one_big_batch(tiny_config, tiny_data_dir):
             global_batch = trainer_lib.global_batch(batch, trainer.batch_sharding)
             text = trainer.train_step.lower(state, global_batch).compile().as_text()
             mesh_shape = {a: trainer.mesh.shape[a] for a in mesh_lib.AXES}
-            over_data = [op for op in plan.collectives(text, mesh_shape) if "data" in op["axes"]]
+            over_data = [op for op in collectives(text, mesh_shape) if "data" in op["axes"]]
             assert {op["kind"] for op in over_data} == {"all-reduce"}
-            assert sum(op["bytes"] for op in over_data) == pytest.approx(plan._per_device_bytes(state["params"]),
-                                                                         rel=0.01)
+            assert sum(op["bytes"] for op in over_data) == pytest.approx(per_device_bytes(state["params"]), rel=0.01)
         state, metrics = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
         results[n] = before, jax.device_get(state), jax.device_get(metrics)
 

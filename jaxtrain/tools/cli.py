@@ -33,9 +33,9 @@ def _hf(argv):
 
 
 def _plan(argv):
-    from jaxtrain.tools import plan
+    from jaxtrain.tools.plan import cli as plan_cli
 
-    return plan.main(["jaxtrain plan", *argv])
+    return plan_cli.main(["jaxtrain plan", *argv])
 
 
 def _sweep(argv):

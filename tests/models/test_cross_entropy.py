@@ -11,7 +11,7 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.tools import plan
+from jaxtrain.tools.plan.collectives import collectives
 from jaxtrain.models import cross_entropy
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.observe import hlo as hlo_lib
@@ -126,7 +126,7 @@ def test_chunks_do_not_multiply_the_gradient_traffic(tiny_config):
     across chunks and reduced once, so the all-reduced bytes equal the unfused step's (not 8x the head's)."""
     def reduced_bytes(chunk_tokens):
         text, mesh_shape = compiled_text(tiny_config, chunk_tokens, {"data": 8})
-        return sum(op["bytes"] for op in plan.collectives(text, mesh_shape) if op["kind"] == "all-reduce")
+        return sum(op["bytes"] for op in collectives(text, mesh_shape) if op["kind"] == "all-reduce")
 
     head_bytes = 32 * 512 * 4
     plain, chunked = reduced_bytes(0), reduced_bytes(4)
@@ -140,7 +140,7 @@ def test_head_gradient_crosses_sequence_as_its_fsdp_shard(tiny_config):
     text, mesh_shape = compiled_text(tiny_config, 4, {"data": 2, "fsdp": 2, "sequence": 2},
                                      **{"model.tie_embeddings": False})
     module = hlo_lib.parse_hlo(text)
-    shapes = [module["by_name"][op["name"]]["shape"] for op in plan.collectives(module, mesh_shape)
+    shapes = [module["by_name"][op["name"]]["shape"] for op in collectives(module, mesh_shape)
               if op["kind"] == "all-reduce" and op["axes"] == ("sequence",)]
     assert any("f32[16,512]" in shape for shape in shapes), shapes
     assert not any("f32[32,512]" in shape for shape in shapes), shapes

@@ -44,9 +44,9 @@ def test_unknown_remat_policy_is_a_config_error(tiny_config):
 
 def _dot_flops(tiny_config, devices, **overrides):
     """All devices' matmul FLOPs in the compiled train step (jaxtrain.tools.plan counts them in the HLO)."""
-    from jaxtrain.tools import plan as plan_lib  # noqa: PLC0415
+    from jaxtrain.tools.plan import planner  # noqa: PLC0415
 
-    return plan_lib.plan(tiny_config(**overrides), devices, "cpu", peak_flops=1e12)["flops"]["hlo_dots_total"]
+    return planner.plan(tiny_config(**overrides), devices, "cpu", peak_flops=1e12)["flops"]["hlo_dots_total"]
 
 
 def test_dots_policy_saves_weight_matmuls_under_a_vmap_over_weight_copies(tiny_config):

@@ -15,7 +15,8 @@ from flax import nnx
 from jaxtrain import config as config_lib
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
-from jaxtrain.tools import plan
+from jaxtrain.tools.plan.collectives import collectives
+from jaxtrain.tools.plan.planner import per_device_bytes
 from jaxtrain import step as step_lib
 from jaxtrain import train
 from jaxtrain.models import transformer
@@ -100,7 +101,7 @@ def test_sequence_parallel_splits_the_matmuls_and_moves_only_keys_and_values(tin
     m = trainer.model_cfg
     model_flops = transformer.train_flops_per_token(m, 32) * 8 * 32
     assert hlo_lib.dot_flops(text) * 8 < 1.3 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
-    gathers = [op for op in plan.collectives(text, facts["mesh_shape"]) if op["kind"] == "all-gather"]
+    gathers = [op for op in collectives(text, facts["mesh_shape"]) if op["kind"] == "all-gather"]
     assert {op["axes"] for op in gathers} == {("sequence",)}
     rows = 8 // 2  # per data shard
     kv_bytes = m.n_layers * 2 * rows * 32 * m.n_kv_heads * m.head_dim * 4  # f32 K and V of every layer, whole
@@ -187,10 +188,10 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
     # The layers' share runs 7 ticks for 4 microbatches (the bubble); the head's is done once.
     assert hlo_lib.dot_flops(text) * 8 < 1.5 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
-    over_data = [op for op in plan.collectives(text, facts["mesh_shape"]) if "data" in op["axes"]]
+    over_data = [op for op in collectives(text, facts["mesh_shape"]) if "data" in op["axes"]]
     assert {(op["kind"], op["axes"]) for op in over_data} == {("all-reduce", ("data",))}
     # Every gradient shard once; the tied table twice (XLA reduces its lookup and head parts one after the other).
-    once = plan._per_device_bytes(state["params"]) + 1024 * 32 * 4
+    once = per_device_bytes(state["params"]) + 1024 * 32 * 4
     assert sum(op["bytes"] for op in over_data) == pytest.approx(once, rel=0.01)
 
 

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain.tools import plan as plan_lib
+from jaxtrain.tools.plan.collectives import collectives
+from jaxtrain.tools.plan.planner import plan
+from jaxtrain.tools.plan.replica_groups import groups_to_axes, parse_replica_groups
+from jaxtrain.tools.plan.report import format_report
 from jaxtrain.observe import hlo as hlo_lib
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,34 +24,34 @@ MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # partition id = 4 * data + 2 * fsdp
 # ===== replica groups =================================================================================
 
 def test_replica_groups_explicit_form():
-    assert plan_lib.parse_replica_groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
-    assert plan_lib.parse_replica_groups("{}", 4) == [[0, 1, 2, 3]]  # empty = everyone
-    groups = plan_lib.parse_replica_groups("{{0,4},{1,5},{2,6},{3,7}}")
-    assert plan_lib.groups_to_axes(groups, MESH) == (("data",), True)
+    assert parse_replica_groups("{{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert parse_replica_groups("{}", 4) == [[0, 1, 2, 3]]  # empty = everyone
+    groups = parse_replica_groups("{{0,4},{1,5},{2,6},{3,7}}")
+    assert groups_to_axes(groups, MESH) == (("data",), True)
 
 
 def test_replica_groups_iota_form():
     # [groups, size] <= iota over the reshape dims, transposed.
-    assert plan_lib.parse_replica_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert plan_lib.parse_replica_groups("[4,2]<=[4,2]T(1,0)") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert parse_replica_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_replica_groups("[4,2]<=[4,2]T(1,0)") == [[0, 2], [4, 6], [1, 3], [5, 7]]
     cases = {"[4,2]<=[8]": ("tensor",), "[4,2]<=[4,2]T(1,0)": ("fsdp",), "[4,2]<=[2,2,2]T(2,1,0)": ("data",),
              "[2,4]<=[8]": ("fsdp", "tensor"), "[2,4]<=[2,2,2]T(1,0,2)": ("data", "tensor"),
              "[1,8]<=[8]": ("data", "fsdp", "tensor")}
     for text, axes in cases.items():
-        assert plan_lib.groups_to_axes(plan_lib.parse_replica_groups(text), MESH) == (axes, True), text
+        assert groups_to_axes(parse_replica_groups(text), MESH) == (axes, True), text
 
 
 def test_replica_groups_mesh_form_and_partial_axes():
     # Newer XLA prints its own mesh: groups along the named axes, optionally over permuted device ids.
-    groups = plan_lib.parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}")
+    groups = parse_replica_groups("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}")
     assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert plan_lib.groups_to_axes(groups, MESH) == (("data", "fsdp"), True)
-    groups = plan_lib.parse_replica_groups("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
-                                           "{'axis_0'}")
-    assert plan_lib.groups_to_axes(groups, MESH) == (("tensor",), True)
-    assert plan_lib.parse_replica_groups("mesh['a'=8] {'a':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups_to_axes(groups, MESH) == (("data", "fsdp"), True)
+    groups = parse_replica_groups("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
+                                  "{'axis_0'}")
+    assert groups_to_axes(groups, MESH) == (("tensor",), True)
+    assert parse_replica_groups("mesh['a'=8] {'a':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     # Pairs inside a 4-wide tensor axis: on 'tensor', but not all of it.
-    assert plan_lib.groups_to_axes([[0, 1], [2, 3]], {"data": 1, "fsdp": 1, "tensor": 4}) == (("tensor",), False)
+    assert groups_to_axes([[0, 1], [2, 3]], {"data": 1, "fsdp": 1, "tensor": 4}) == (("tensor",), False)
 
 
 # ===== HLO text ========================================================================================
@@ -101,7 +104,7 @@ def _by_kind(ops):
 
 
 def test_collectives_in_hlo_text():
-    ops = _by_kind(plan_lib.collectives(HLO, MESH))
+    ops = _by_kind(collectives(HLO, MESH))
     assert set(ops) == {("all-reduce", ("tensor",)), ("all-gather", ("data", "fsdp", "tensor")),
                         ("collective-permute", ("data",)), ("reduce-scatter", ("fsdp",))}
     loop = ops["all-reduce", ("tensor",)]  # inside the while body: x the known trip count
@@ -115,16 +118,16 @@ def test_collectives_in_hlo_text():
     # 2 * output elements * contracted size, entry computation once.
     assert hlo_lib.dot_flops(HLO) == 2 * 4 * 8 * 16
     # A replica_groups form the parser does not know is still counted, on axes "?", not silently "all".
-    ops = _by_kind(plan_lib.collectives(HLO.replace("replica_groups=[4,2]<=[8]", "replica_groups=new<8>"), MESH))
+    ops = _by_kind(collectives(HLO.replace("replica_groups=[4,2]<=[8]", "replica_groups=new<8>"), MESH))
     assert ops["all-reduce", ("?",)]["bytes"] == 3 * 64 and ("all-reduce", ("tensor",)) not in ops
 
 
 def test_trip_count_from_the_loop_condition():
     text = HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
-    loop = _by_kind(plan_lib.collectives(text, MESH))["all-reduce", ("tensor",)]
+    loop = _by_kind(collectives(text, MESH))["all-reduce", ("tensor",)]
     assert (loop["count"], loop["trip_count_unknown"]) == (5, False)  # i < 5 from 0
     text = text.replace("direction=LT", "direction=NE")  # not a counted loop: once, and flagged
-    loop = _by_kind(plan_lib.collectives(text, MESH))["all-reduce", ("tensor",)]
+    loop = _by_kind(collectives(text, MESH))["all-reduce", ("tensor",)]
     assert (loop["count"], loop["trip_count_unknown"]) == (1, True)
 
 
@@ -140,7 +143,7 @@ def plans(tiny_config):
     out = {}
     for name, mesh in PRESETS.items():
         config = tiny_config(**{f"mesh.{k}": v for k, v in mesh.items()}, **{"model.tie_embeddings": False})
-        out[name] = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
+        out[name] = plan(config, 8, "cpu", peak_flops=1e12)
     return out
 
 
@@ -235,7 +238,7 @@ def test_flops_and_report(plans, tmp_path):
     assert 1.0 <= flops["hlo_dots_vs_model"] < 2.0
     speed = result["speed"]
     assert speed["ideal_step_s"] == pytest.approx(flops["model_per_step"] / (1e12 * 8 * 0.5))
-    text = plan_lib.format_report(result)
+    text = format_report(result)
     for needle in ("memory per device", "optimizer state", "collectives per step", "fake CPU devices", "tensor"):
         assert needle in text
     json.loads(json.dumps(result))  # the --json figures
@@ -294,7 +297,7 @@ def test_analytic_collectives_match_the_compiled_ones(tiny_config, case):
     2%, and nothing is predicted that the compiled step does not do. FSDP (the weights gathered once where remat
     "none" keeps them, the lookup table never again in the backward) likewise."""
     config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 1, **ANALYTIC_CASES[case]})
-    result = plan_lib.plan(config, 8, "cpu", peak_flops=1e12)
+    result = plan(config, 8, "cpu", peak_flops=1e12)
     for row in result["collectives"]:
         name = f"{row['kind']} over {row['axes']}"
         assert row["count"] or not row["analytic_bytes"], f"predicted, not compiled: {name}"

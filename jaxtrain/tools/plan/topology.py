@@ -1,4 +1,4 @@
-"""NVIDIA GPUs described to XLA without one attached, for ahead-of-time compiles on any host (`jaxtrain.tools.plan
+"""NVIDIA GPUs described to XLA without one attached, for ahead-of-time compiles on any host (`jaxtrain plan
 --compiler gpu`).
 
 XLA:GPU compiles for a device it is told about: the CUDA PJRT plugin takes a target description (SM count, shared

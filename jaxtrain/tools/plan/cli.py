@@ -1,0 +1,117 @@
+"""`jaxtrain plan --config configs/X.py [--devices N] [--backend cpu|gpu|tpu] [--device_kind KIND]
+[--compiler auto|cpu|gpu] [--peak_tflops T] [--mfu F] [--json PATH] [--hlo PATH] [--config.a.b=v ...]`
+
+The command: it compiles the train step for N devices without training and prints the report (docs/planning.md).
+N fake CPU devices need `XLA_FLAGS=--xla_force_host_platform_device_count=N` before jax is imported, so this
+module imports nothing that imports jax: `--devices` is read from the raw arguments and the environment set
+first, then absl parses the flags (the config file imports jax) and the planner runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+from jaxtrain.errors import ConfigError, PlanError
+from jaxtrain.tools.plan import topology as gpu_topology
+from jaxtrain.tools.plan.planner import plan
+from jaxtrain.tools.plan.report import format_report
+
+
+def _prescan_devices(argv: list[str]) -> int | None:
+    """--devices from the raw arguments (before absl parses them, which imports jax through the config)."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg in ("--devices", "-devices"):
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif arg.startswith(("--devices=", "-devices=")):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            n = int(value)
+        except ValueError:
+            raise PlanError(f"devices: must be an integer >= 1, got {value!r}") from None
+        if n < 1:
+            raise PlanError(f"devices: must be an integer >= 1, got {n}")
+        return n
+    return None
+
+
+def _force_host_devices(n: int) -> None:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        devices = _prescan_devices(argv)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if devices is not None:
+        _force_host_devices(devices)  # before jax is imported (the config file imports it)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
+    # A CPU host with the CUDA plugin (for --compiler gpu) has no driver: skip jax's check of its CUDA libraries.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+    from absl import app, flags, logging  # noqa: PLC0415
+
+    from jaxtrain import main as main_cli  # noqa: PLC0415 (defines --config)
+
+    flags.DEFINE_integer("devices", None, "Devices to plan for (fake CPU devices). Default: the mesh's "
+                         "product when no axis is -1, else 1.")
+    flags.DEFINE_string("backend", None, "Target platform for dtypes and peak: cpu, gpu or tpu "
+                        "(default: this machine's).")
+    flags.DEFINE_string("device_kind", None, "Target device for the peak FLOP/s and memory, e.g. H100, "
+                        "'TPU v5p' (default: H100 on gpu, TPU v5p on tpu, the measured machine on cpu).")
+    flags.DEFINE_enum("compiler", "auto", ["auto", "cpu", "gpu"], "Which XLA compiles the step: cpu (fake CPU "
+                      "devices), gpu (XLA:GPU for described GPUs of --device_kind, no GPU needed: the CUDA PJRT plugin "
+                      "must be installed, BUILD.md), auto (gpu for --backend gpu when the plugin is installed).")
+    flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per device, overriding --device_kind's.")
+    flags.DEFINE_float("mfu", 0.5, "Model FLOPs utilisation for the ideal step time.")
+    flags.DEFINE_string("json", None, "Also write the figures as JSON to this path.")
+    flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this path.")
+    FLAGS = flags.FLAGS
+
+    def run(argv_rest):
+        del argv_rest
+        if not FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)
+        config = main_cli.CONFIG_FLAG.value
+        if config is None:
+            print("error: --config: required (e.g. --config configs/bench_cpu.py)", file=sys.stderr)
+            sys.exit(2)
+        from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415
+
+        n = devices
+        try:
+            if n is None:
+                sizes = [config.mesh[a] for a in mesh_lib.AXES]
+                n = math.prod(sizes) if all(isinstance(x, int) and x > 0 for x in sizes) else 1
+                _force_host_devices(n)  # jax is imported, but its CPU backend has not started yet
+            import jax  # noqa: PLC0415
+            backend = FLAGS.backend or {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
+                                                                          jax.default_backend())
+            compiler = FLAGS.compiler
+            if compiler == "auto":
+                compiler = "gpu" if backend == "gpu" and gpu_topology.available() else "cpu"
+            result = plan(config, n, backend, device_kind=FLAGS.device_kind, mfu=FLAGS.mfu,
+                          peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo,
+                          compiler=compiler)
+        except ConfigError as e:
+            print(f"error: {e}".splitlines()[0], file=sys.stderr)
+            sys.exit(2)
+        print(format_report(result))
+        if FLAGS.json:
+            path = Path(FLAGS.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1, default=str))
+            print(f"json: {path}")
+        sys.exit(0)
+
+    app.run(run, argv=argv, flags_parser=main_cli.parse_flags)

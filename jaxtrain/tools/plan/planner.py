@@ -1,0 +1,258 @@
+"""The plan itself: the train step compiled ahead of time for N devices, and every figure read back from it.
+
+`plan()` builds the trainer a run would build (`trainer.build_trainer`, shapes only, nothing allocated), lowers
+its step with an abstract batch and compiles it, on fake CPU devices or, with `compiler="gpu"`, by XLA:GPU for
+described GPUs (`topology.py`). It reads the per-device bytes from the shardings and `memory_analysis()`, the
+FLOPs from `cost_analysis()` and the HLO, and the collectives from the HLO text, and sets the analytic estimate
+beside them. The device tables say what a target device holds and computes. jax is imported inside the
+functions: the command sets XLA's flags first.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.observe import hlo as hlo_lib
+from jaxtrain.tools.plan import topology as gpu_topology
+from jaxtrain.tools.plan.analytic import analytic
+from jaxtrain.tools.plan.collectives import collectives, summarize_collectives
+from jaxtrain.tools.plan.roofline import roofline
+
+BACKENDS = ("cpu", "gpu", "tpu")
+DEFAULT_DEVICE_KIND = {"gpu": "H100", "tpu": "TPU v5p"}
+# Device memory per device in GiB (vendor figures; the A100 is its 80 GB model), for the "fits" line.
+HBM_GIB = {"h100": 80 * 1e9 / 2**30, "h200": 141 * 1e9 / 2**30, "b200": 192 * 1e9 / 2**30,
+           "a100": 80 * 1e9 / 2**30, "l4": 24 * 1e9 / 2**30, "tpu v4": 32, "tpu v5 lite": 16, "tpu v5e": 16,
+           "tpu v5p": 95, "tpu v5": 95, "tpu v6 lite": 32, "tpu v6e": 32}
+
+
+def per_device_bytes(tree) -> float:
+    """Max over devices of the summed bytes of the shards each device holds."""
+    import jax  # noqa: PLC0415
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        itemsize = leaf.dtype.itemsize
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            n = math.prod(len(range(*s.indices(dim))) for s, dim in zip(index, leaf.shape))
+            per_device[device] = per_device.get(device, 0) + n * itemsize
+    return float(max(per_device.values(), default=0))
+
+
+def _memory_analysis(compiled) -> dict | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (unimplemented on some backends)
+        return None
+    if stats is None:
+        return None
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    out = {}
+    for key in ("argument", "output", "alias", "temp", "generated_code"):
+        value = getattr(stats, f"{key}_size_in_bytes", None)
+        if value is not None:
+            out[key] = float(value)
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    if {"argument", "output", "alias", "temp"} <= out.keys():
+        out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    if peak:
+        out["peak_reported"] = float(peak)
+    return out or None
+
+
+def _cost_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001
+        return None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    flops = cost.get("flops") if hasattr(cost, "get") else None
+    return float(flops) if flops is not None and flops >= 0 else None
+
+
+def device_memory(backend: str, device_kind: str | None) -> float | None:
+    """Bytes of memory of one target device (HBM_GIB), or None (cpu, unknown kind)."""
+    if backend == "cpu" and not device_kind:
+        return None
+    kind = (device_kind or DEFAULT_DEVICE_KIND[backend]).lower()
+    for name, gib in sorted(HBM_GIB.items(), key=lambda kv: -len(kv[0])):
+        if name in kind:
+            return gib * 2**30
+    return None
+
+
+def peak_per_device(backend: str, device_kind: str | None, num_devices: int,
+                    dtype: str = "float32") -> tuple[float, str]:
+    """Peak FLOP/s of one target device and where it comes from. On cpu: this machine's measured matmul peak in
+    the compute `dtype` (metrics.peak_flops, cached), shared by the fake devices, so divided by their count."""
+    from jaxtrain.observe import metrics  # noqa: PLC0415
+    if backend == "cpu" and not device_kind:
+        flops, source = metrics.peak_flops(dtype=dtype)
+        return flops / num_devices, f"this machine's peak, {source}, shared by the fake devices"
+    kind = (device_kind or DEFAULT_DEVICE_KIND[backend]).lower()
+    for name, flops in sorted(metrics.PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name in kind:
+            return flops, f"{name}: dense bf16, metrics.PEAK_FLOPS"
+    raise ConfigError("device_kind", f"unknown {device_kind!r}; known: {', '.join(sorted(metrics.PEAK_FLOPS))}")
+
+
+def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | None = None, mfu: float = 0.5,
+         peak_flops: float | None = None, hlo_path: str | None = None, compiler: str = "cpu") -> dict:
+    """Compiles `config`'s train step for `num_devices` fake CPU devices with `backend`'s dtypes, and returns
+    every figure of the report (bytes are per device). Raises errors.ConfigError on bad input.
+
+    The calling process must see at least `num_devices` CPU devices (XLA_FLAGS, before jax is imported).
+    `compiler="gpu"` (with backend "gpu") compiles with XLA:GPU instead, for `num_devices` described GPUs of
+    `device_kind` (`jaxtrain.tools.plan.topology`: needs the CUDA PJRT plugin, not a GPU): the memory, fusions and
+    collectives are then the GPU compiler's own.
+    `peak_flops`: peak FLOP/s per device, overriding the `backend` / `device_kind` lookup. `hlo_path`: also
+    write the compiled HLO text there (to read the collectives' op names and shapes)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxtrain import config as config_lib, optim  # noqa: PLC0415
+    from jaxtrain.parallel import mesh as mesh_lib
+    from jaxtrain.parallel import pipeline as pipeline_parallel
+    from jaxtrain.models import transformer  # noqa: PLC0415
+    from jaxtrain.trainer import build_trainer
+
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ConfigError("devices", f"must be an integer >= 1, got {num_devices!r}")
+    if backend not in BACKENDS:
+        raise ConfigError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
+    if not 0 < mfu <= 1:
+        raise ConfigError("mfu", f"must be in (0, 1], got {mfu!r}")
+    if compiler == "gpu":
+        if backend != "gpu":
+            raise ConfigError("compiler", f"gpu compiles for a gpu target; --backend is {backend!r}")
+        try:
+            devices = gpu_topology.devices(device_kind, num_devices)
+        except (ModuleNotFoundError, ValueError) as e:
+            raise ConfigError("compiler", str(e)) from None
+        compiled_on = f"{num_devices} described {gpu_topology.spec_for(device_kind)[0].upper()} GPU(s), by XLA:GPU"
+    elif compiler == "cpu":
+        devices = jax.devices("cpu")[:num_devices]
+        if len(devices) < num_devices:
+            raise ConfigError("devices", f"{num_devices} requested but this process has {len(devices)} CPU "
+                              f"device(s); set XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
+                              f"before jax is imported (the CLI does)")
+        compiled_on = f"{num_devices} fake CPU devices"
+    else:
+        raise ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
+    facts = config_lib.validate(config, num_devices)
+    config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
+    model_cfg = config_lib.model_config(config, backend)
+    if peak_flops is None:  # an unknown device kind fails before the compile
+        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)
+    else:
+        peak_dev, peak_source = float(peak_flops), "--peak_tflops"
+    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+
+    # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
+    # platform it compiles for) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the
+    # analytic counts the target's kernel).
+    config = copy.deepcopy(config)
+    config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
+    if compiler == "cpu":
+        config.model.attention_impl = "xla"
+    trainer = build_trainer(config, mesh_shape, rules, devices=devices)
+    assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl=config.model.attention_impl), \
+        (trainer.model_cfg, model_cfg)
+
+    t = config.train
+    abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
+                      for k in ("tokens", "segment_ids", "positions")}
+    t0 = time.perf_counter()
+    compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    state = trainer.abstract_state
+    sharded = {"params": per_device_bytes(state["params"]), "optimizer": per_device_bytes(state["opt_state"]),
+               "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
+    sharded["gradients"] = sharded["params"]
+
+    # Analytic inventory: every parameter's shape and logical names (the model's own annotations).
+    abstract_params = nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, t.seed)))
+    names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    shapes = nnx.to_pure_dict(abstract_params)
+    is_names = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)  # noqa: E731
+    inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
+                  "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize}
+                 for n, x in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes))]
+    optimizer = optim.make_optimizer(config.optim, t.steps)
+    counters = sum(1 for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
+                   if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
+    est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
+                   microbatches=t.microbatches, opt_counters=counters, pipeline=dict(config.pipeline))
+
+    memory = _memory_analysis(compiled)
+    text = compiled.as_text() or ""
+    if hlo_path:
+        Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(hlo_path).write_text(text)
+    module = hlo_lib.parse_hlo(text)
+    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if text else []
+    coll_rows = summarize_collectives(ops)
+    analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
+    for row in coll_rows:
+        row["analytic_bytes"] = analytic_by_key.pop((row["kind"], row["axes"]), None)
+    for (kind, axes), nbytes in analytic_by_key.items():  # predicted but not in the compiled program
+        coll_rows.append({"kind": kind, "axes": axes, "count": 0, "bytes": 0.0, "wire_bytes": 0.0,
+                          "partial": False, "trip_count_unknown": False, "analytic_bytes": nbytes})
+
+    n_params = sum(math.prod(p["shape"]) for p in inventory)
+    tokens = t.batch_size * t.seq_len
+    model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
+    cost = _cost_flops(compiled)
+    dots = hlo_lib.dot_flops(module) if text else None
+    step_s = model_flops / (peak_dev * num_devices * mfu)
+    roof = None
+    if compiler == "gpu" and text:
+        roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
+        roof["mfu"] = model_flops / num_devices / (peak_dev * roof["seconds"]) if roof["seconds"] else None
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    rows = [
+        ("params", sharded["params"], est["params"]),
+        ("optimizer", sharded["optimizer"], est["optimizer"]),
+        ("gradients", sharded["gradients"], est["gradients"]),
+        ("arguments", (memory or {}).get("argument"), est["arguments"]),
+        ("temporaries", (memory or {}).get("temp"), est["temporaries"]),
+    ]
+    return {
+        "config": {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size,
+                   "seq_len": t.seq_len, "microbatches": t.microbatches, "remat": model_cfg.remat,
+                   "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype,
+                   "attention_impl": model_cfg.attention_impl, "compiled_attention": config.model.attention_impl},
+        "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
+                   "num_devices": num_devices, "compiler": compiler, "compiled_on": compiled_on,
+                   "peak_flops_per_device": peak_dev, "peak_source": peak_source,
+                   "memory_bytes": device_memory(backend, device_kind)},
+        "model": {"params": n_params, "tokens_per_step": tokens, "layers": model_cfg.n_layers},
+        "compile_s": compile_s,
+        "memory": {"sharding": sharded, "compiled": memory, "analytic": est,
+                   "rows": [{"name": n, "compiled": c, "analytic": a, "ratio": ratio(a, c)} for n, c, a in rows]},
+        "flops": {"model_per_step": model_flops, "cost_analysis_per_device": cost,
+                  "cost_analysis_total": cost * num_devices if cost is not None else None,
+                  "hlo_dots_total": dots * num_devices if dots is not None else None,
+                  "cost_analysis_vs_model": ratio(cost * num_devices if cost is not None else None, model_flops),
+                  "hlo_dots_vs_model": ratio(dots * num_devices if dots is not None else None, model_flops)},
+        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
+        "pipeline": {"stages": config.pipeline.stages, "microbatches": config.pipeline.microbatches,
+                     "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats,
+                     "bubble": pipeline_parallel.bubble_fraction(config.pipeline.stages, config.pipeline.microbatches,
+                                                                 config.pipeline.repeats)},
+        "collectives": [dict(r, axes=list(r["axes"]), ratio=ratio(r.get("analytic_bytes"), r["bytes"]))
+                        for r in coll_rows],
+    }

@@ -1,0 +1,91 @@
+"""A roofline bound of one device's step, read from a compiled program (the report's XLA:GPU section).
+
+Every kernel outside the collectives takes max(FLOPs / peak, bytes / memory bandwidth), and they run one after
+another, weighted by how often their computation runs. Autotuning, launch gaps and overlap are left out, so the
+figure is an optimistic bound on MFU, not a prediction of the step time.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jaxtrain.observe import hlo as hlo_lib
+
+# Kernels: the ops that launch work in a non-fused computation. Collectives are left out (async on GPUs, they
+# overlap the compute; their bytes are in the collectives table). Scalar ops of loop bodies and conditions cost
+# nothing measurable and are left out too.
+_KERNEL_OPS = {"fusion", "custom-call", "copy", "transpose", "reduce", "dot", "convolution", "scatter", "gather",
+               "dynamic-update-slice", "dynamic-slice", "broadcast", "concatenate", "slice", "pad", "sort",
+               "select-and-scatter", "reduce-window"}
+
+
+def _flops_within(module, comp: str, seen=()) -> float:
+    """Dot / convolution FLOPs of a fused computation and what it calls."""
+    total = 0.0
+    for instr in module["computations"].get(comp, []):
+        total += hlo_lib.instruction_flops(module, instr)
+        for target, _ in hlo_lib.called(instr):
+            if target not in seen:
+                total += _flops_within(module, target, seen + (comp,))
+    return total
+
+
+def _fusion_bytes(module, fusion, comp: str) -> float:
+    """Bytes a fusion reads and writes: a parameter only sliced inside (a layer of a stacked weight) counts its
+    slices, and a buffer updated in place (dynamic-update-slice into a scan's stacked outputs) counts the update."""
+    body = module["computations"][comp]
+    users: dict[str, list] = {}
+    for instr in body:
+        for i, name in enumerate(hlo_lib.operands(instr)):
+            users.setdefault(name, []).append((instr, i))
+    args = hlo_lib.operands(fusion)
+    total, written = 0.0, hlo_lib.shape_bytes(fusion["shape"])
+    for instr in body:
+        if instr["op"] != "parameter":
+            continue
+        index = int(re.match(r"(\d+)", instr["rest"]).group(1))
+        uses = users.get(instr["name"], [])
+        if uses and all(u["op"] in ("dynamic-slice", "slice") and i == 0 for u, i in uses):
+            total += sum(hlo_lib.shape_bytes(u["shape"]) for u, _ in uses)
+        elif uses and all(u["op"] == "dynamic-update-slice" and i == 0 for u, i in uses):
+            written = sum(hlo_lib.shape_bytes(module["shapes"].get(hlo_lib.operands(u)[1], "")) for u, _ in uses)
+        elif index < len(args):
+            total += hlo_lib.shape_bytes(module["shapes"].get(args[index], ""))
+    return total + written
+
+
+def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
+    """A roofline estimate of one device's step from compiled HLO: every kernel takes max(FLOPs / peak_flops,
+    bytes / bandwidth) and they run one after another (one stream), times how often its computation runs.
+    Matmul FLOPs inside custom calls (cuDNN attention) are not seen, so those count by their bytes only.
+    Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
+    module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
+    mult, _ = hlo_lib.multiplicities(module)
+    kernels = []
+    for comp, instrs in module["computations"].items():
+        if comp in module["fusion_of"] or not mult.get(comp):
+            continue
+        for instr in instrs:
+            if instr["op"] not in _KERNEL_OPS:
+                continue
+            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"])
+            if instr["op"] == "fusion" and called and called.group(1) in module["computations"]:
+                nbytes = _fusion_bytes(module, instr, called.group(1))
+                flops = _flops_within(module, called.group(1))
+            else:
+                nbytes = hlo_lib.shape_bytes(instr["shape"]) + sum(hlo_lib.shape_bytes(module["shapes"].get(o, ""))
+                                                                   for o in hlo_lib.operands(instr))
+                flops = hlo_lib.instruction_flops(module, instr) + (
+                    _flops_within(module, called.group(1)) if called else 0)
+            times = mult[comp]
+            op_name = re.search(r'op_name="([^"]*)"', instr["rest"])
+            kernels.append({"name": instr["name"], "kind": "matmul" if flops else instr["op"], "runs": times,
+                            "flops": flops * times, "bytes": nbytes * times,
+                            "seconds": max(flops / peak_flops, nbytes / bandwidth) * times,
+                            "op_name": op_name.group(1) if op_name else ""})
+    matmul = [k for k in kernels if k["kind"] == "matmul"]
+    other = sorted((k for k in kernels if k["kind"] != "matmul"), key=lambda k: -k["seconds"])
+    return {"seconds": sum(k["seconds"] for k in kernels), "kernels": len(kernels),
+            "matmul_seconds": sum(k["seconds"] for k in matmul), "matmul_flops": sum(k["flops"] for k in matmul),
+            "other_seconds": sum(k["seconds"] for k in other), "other_bytes": sum(k["bytes"] for k in other),
+            "peak_flops": peak_flops, "bandwidth": bandwidth, "top": other[:top]}
