@@ -5,6 +5,7 @@ naming the field or path); 3 non-finite loss with faults.nan_policy=halt; 4 a ch
 75 preempted (SIGTERM: the step was saved, rerun to resume); 124 a step or peer hung (stacks dumped).
 """
 
+import functools
 import re
 import sys
 
@@ -17,8 +18,14 @@ CONFIG_FLAG = config_flags.DEFINE_config_file("config", None, "Path to a config 
                                               lock_config=True)
 
 
-def parse_flags(argv):
-    """absl's flag parsing (a config file and its --config.* overrides) with one-line errors and exit 2."""
+def parse_flags(argv, doc: str | None = None, modules: tuple[str, ...] = ()):
+    """absl's flag parsing (a config file and its --config.* overrides) with one-line errors and exit 2. With `doc`,
+    `--help` prints it and the flags `modules` define: absl's own help shows those of `__main__`, which for a
+    `jaxtrain` subcommand is the dispatcher."""
+    if doc is not None and any(arg in ("--help", "-help", "-h", "--helpshort") for arg in argv[1:]):
+        print(doc.rstrip() + "\n\nflags:\n\n" + "\n\n".join(flags.FLAGS.module_help(m).strip("\n") for m in modules)
+              + "\n\nTry --helpfull to get a list of all flags.")
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
     except (KeyError, AttributeError) as e:
@@ -67,7 +74,8 @@ def main(argv):
 
 def cli(argv=None, prog: str = "jaxtrain train") -> None:
     """The command line: `argv` without the program name (default: sys.argv[1:]); exits."""
-    app.run(main, argv=[prog, *(sys.argv[1:] if argv is None else argv)], flags_parser=parse_flags)
+    app.run(main, argv=[prog, *(sys.argv[1:] if argv is None else argv)],
+            flags_parser=functools.partial(parse_flags, doc=__doc__, modules=(__name__,)))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ MODULES = {"jaxtrain.mesh": "jaxtrain.parallel.mesh", "jaxtrain.pipeline_paralle
 
 
 def message(old: str) -> str:
-    return f"error: python -m {old} has moved: run `jaxtrain {COMMANDS[old]} ...` (or python -m jaxtrain {COMMANDS[old]})"
+    new = COMMANDS[old]
+    return f"error: python -m {old} has moved: run `jaxtrain {new} ...` (or python -m jaxtrain {new})"
 
 
 def point(old: str) -> int:

@@ -9,6 +9,7 @@ first, then absl parses the flags (the config file imports jax) and the planner 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -114,4 +115,5 @@ def main(argv=None) -> None:
             print(f"json: {path}")
         sys.exit(0)
 
-    app.run(run, argv=argv, flags_parser=main_cli.parse_flags)
+    app.run(run, argv=argv, flags_parser=functools.partial(main_cli.parse_flags, doc=__doc__,
+                                                           modules=(__name__, main_cli.__name__)))

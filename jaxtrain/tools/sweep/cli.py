@@ -7,6 +7,7 @@ one `error: ...` line on stderr; 75 SIGTERM (the running trials saved a checkpoi
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from jaxtrain import errors
@@ -53,4 +54,4 @@ def main(argv: list[str] | None = None):
         sys.exit(errors.EXIT_OK)
 
     app.run(run_sweep, argv=["jaxtrain sweep", *(sys.argv[1:] if argv is None else argv)],
-            flags_parser=main_cli.parse_flags)
+            flags_parser=functools.partial(main_cli.parse_flags, doc=__doc__, modules=(__name__, main_cli.__name__)))
