@@ -5,80 +5,30 @@ Each command's module is imported only when it runs: `jaxtrain plan` must set XL
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-
-def _train(argv):
-    from jaxtrain import main
-
-    return main.cli(argv)
-
-
-def _prepare(argv):
-    from jaxtrain.tools import prepare
-
-    return prepare.main(argv)
-
-
-def _generate(argv):
-    from jaxtrain.tools import generate
-
-    return generate.main(argv)
-
-
-def _hf(argv):
-    from jaxtrain.tools import hf
-
-    return hf.main(argv)
-
-
-def _plan(argv):
-    from jaxtrain.tools.plan import cli as plan_cli
-
-    return plan_cli.main(["jaxtrain plan", *argv])
-
-
-def _sweep(argv):
-    from jaxtrain.tools.sweep import cli as sweep_cli
-
-    return sweep_cli.main(argv)
-
-
-def _report(argv):
-    from jaxtrain.tools import report
-
-    return report.main(argv)
-
-
-def _supervise(argv):
-    from jaxtrain.tools import supervise
-
-    return supervise.main(argv)
-
-
-def _profile(argv):
-    from jaxtrain.tools import profile
-
-    return profile.main(argv)
-
-
+# command -> (module, its entry point taking the arguments after the command, what it does)
 COMMANDS = {
-    "train": (_train, "train a model from a config file (the same as python -m jaxtrain.main)"),
-    "prepare": (_prepare, "tokenize text into a prepared data dir"),
-    "generate": (_generate, "sample text from a run's checkpoint"),
-    "hf": (_hf, "export a checkpoint as a Hugging Face Llama directory, or print the flags to start from one"),
-    "plan": (_plan, "compile the step ahead of time: memory, FLOPs and collectives per device, no training"),
-    "sweep": (_sweep, "a hyperparameter sweep over a config (Optuna)"),
-    "report": (_report, "curves and a summary table across workdirs"),
-    "supervise": (_supervise, "rerun a training command on preemption and crashes, within budgets"),
-    "profile": (_profile, "where a profiled run's step time went"),
+    "train": ("jaxtrain.main", "cli", "train a model from a config file (the same as python -m jaxtrain.main)"),
+    "prepare": ("jaxtrain.tools.prepare", "main", "tokenize text into a prepared data dir"),
+    "generate": ("jaxtrain.tools.generate", "main", "sample text from a run's checkpoint"),
+    "hf": ("jaxtrain.tools.hf", "main",
+           "export a checkpoint as a Hugging Face Llama directory, or print the flags to start from one"),
+    "plan": ("jaxtrain.tools.plan.cli", "main",
+             "compile the step ahead of time: memory, FLOPs and collectives per device, no training"),
+    "sweep": ("jaxtrain.tools.sweep.cli", "main", "a hyperparameter sweep over a config (Optuna)"),
+    "report": ("jaxtrain.tools.report", "main", "curves and a summary table across workdirs"),
+    "supervise": ("jaxtrain.tools.supervise", "main",
+                  "rerun a training command on preemption and crashes, within budgets"),
+    "profile": ("jaxtrain.tools.profile", "main", "where a profiled run's step time went"),
 }
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     return "usage: jaxtrain <command> [args]   (jaxtrain <command> --help for its flags)\n\ncommands:\n" + "\n".join(
-        f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items())
+        f"  {name:<{width}}  {about}" for name, (_, _, about) in COMMANDS.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"error: {argv[0]}: unknown command; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]][0](argv[1:]) or 0
+    module, entry, _ = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), entry)(argv[1:]) or 0
 
 
 if __name__ == "__main__":

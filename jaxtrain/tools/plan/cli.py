@@ -47,8 +47,9 @@ def _force_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv if argv is None else argv)
+def main(argv: list[str] | None = None) -> None:
+    """`jaxtrain plan ...`: `argv` without the program name (default: sys.argv[1:]); exits."""
+    argv = ["jaxtrain plan", *(sys.argv[1:] if argv is None else argv)]
     try:
         devices = _prescan_devices(argv)
     except PlanError as e:
