@@ -31,6 +31,8 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# Written into every export, and only there: `--overwrite` replaces a directory that holds it, nothing else.
+EXPORT_MARKER = "jaxtrain-export.json"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # ModelConfig fields an HF config determines; the rest (remat, dtypes, init_std) are training choices.
 FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "tie_embeddings",
@@ -148,16 +150,20 @@ def hf_config(model_cfg: ModelConfig, *, dtype: str, max_position_embeddings: in
 
 
 def check_output(out_dir: Path, overwrite: bool) -> None:
+    """HFError unless `out_dir` may receive an export: missing, empty, or (with `overwrite`) an earlier export,
+    which only `export_llama` marks (EXPORT_MARKER). Anything else is refused, naming what is in it: replacing
+    deletes the directory, and a workdir or a model directory from elsewhere must never go that way."""
     if out_dir.exists() and not out_dir.is_dir():
         raise HFError(f"{out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise HFError(f"{out_dir}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
-        # Replacing deletes the old dir: only do that to something that is itself a model dir, never a
-        # workdir or a home directory passed by mistake.
-        if not (out_dir / CONFIG).is_file():
-            raise HFError(f"{out_dir}: not empty and holds no {CONFIG}; refusing to replace a directory that is "
-                          f"not a model export")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / EXPORT_MARKER).is_file():
+        names = sorted(p.name for p in out_dir.iterdir())
+        held = [n for n in names if not n.startswith(".")] or names
+        raise HFError(f"{out_dir}: not empty (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) and "
+                      f"not written by jaxtrain hf export; choose another output directory")
+    if not overwrite:
+        raise HFError(f"{out_dir}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
 
 
 def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None = None,
@@ -167,7 +173,7 @@ def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | 
 
     `params`: the pure-dict params (jax or numpy arrays). `dtype`: float32, bfloat16 or float16; None keeps the
     params' own dtype. The directory appears complete or not at all: it is written beside `out_dir` and renamed
-    into place. A non-empty `out_dir` is refused unless `overwrite` (and then only if it holds a config.json)."""
+    into place. A non-empty `out_dir` is refused unless it is an earlier export and `overwrite` is set."""
     out_dir = Path(out_dir)
     if model_cfg.n_experts:
         raise HFError(f"model.n_experts: {model_cfg.n_experts}, but a Llama checkpoint has no mixture of experts "
@@ -213,6 +219,7 @@ def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | 
         config = hf_config(model_cfg, dtype=written_dtype, max_position_embeddings=max_position_embeddings,
                            eos_token_id=eos_id)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "jaxtrain hf export"}) + "\n")
         for f in tok_files:
             shutil.copyfile(f, tmp / f.name)
         if tok_files and tok_files[0].name == "tokenizer.json":

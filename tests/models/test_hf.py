@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import tree_digest
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -124,15 +125,21 @@ def test_export_refuses_a_non_empty_dir_and_replaces_only_an_export(tmp_path):
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(hf.HFError, match="not empty"):
         hf.export_llama(params, cfg, busy)
-    with pytest.raises(hf.HFError, match="not a model export"):  # overwrite never deletes a non-export
-        hf.export_llama(params, cfg, busy, overwrite=True)
+    with pytest.raises(hf.HFError, match=r"holds notes.txt\) and not written by jaxtrain hf export"):
+        hf.export_llama(params, cfg, busy, overwrite=True)  # overwrite never deletes what an export did not write
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    hf_dir = tmp_path / "from_elsewhere"  # a model directory, but not one jaxtrain exported
+    hf.export_llama(params, cfg, hf_dir)
+    (hf_dir / hf.EXPORT_MARKER).unlink()
+    with pytest.raises(hf.HFError, match="not written by jaxtrain hf export"):
+        hf.export_llama(params, cfg, hf_dir, overwrite=True)
+    assert (hf_dir / "model.safetensors").is_file()
 
     out = hf.export_llama(params, cfg, tmp_path / "hf")
     other = random_params(cfg, seed=1)
     hf.export_llama(other, cfg, out, overwrite=True)
     assert_same_tree(other, hf.import_llama(out)[1])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "hf"]  # no temp dirs left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "from_elsewhere", "hf"]  # no temp dirs left
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -341,6 +348,16 @@ def test_export_cli_on_a_trained_workdir(tiny_config, tmp_path):
     assert again.returncode == 2
     assert again.stderr.startswith("error: ") and "not empty" in again.stderr and again.stderr.count("\n") == 1
     assert sorted(p.name for p in out.iterdir()) == before
+    assert run_hf_cli("export", "--workdir", config.workdir, "--output", str(out), "--overwrite").returncode == 0
+
+    # --overwrite onto the workdir itself (it holds a config.json too) deletes nothing.
+    workdir_files = tree_digest(config.workdir)
+    onto = run_hf_cli("export", "--workdir", config.workdir, "--output", config.workdir, "--overwrite")
+    assert onto.returncode == 2 and onto.stdout == ""
+    assert onto.stderr.splitlines() == [
+        f"error: {config.workdir}: not empty (it holds checkpoints, config.json, goodput.jsonl, metrics.jsonl, ...) "
+        f"and not written by jaxtrain hf export; choose another output directory"]
+    assert tree_digest(config.workdir) == workdir_files
 
     # model.init_from: a fresh run starts from the export, so its step-0 eval is the trained run's last.
     tuned = tiny_config(**{"train.steps": 1, "optim.warmup_steps": 0, "model.init_from": str(out)})
