@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
 from jaxtrain.fields import Group
+from jaxtrain.parallel import distributed
 from jaxtrain.parallel import pipeline as pipeline_parallel
 
 _FORMAT = 1
@@ -147,21 +148,8 @@ def _canonical_json(data) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
-# ===== Agreement between processes ==================================================================================
 # Every decision that changes what gets saved or restored must be the same on all processes, or their collectives
-# (and Orbax's barriers) stop lining up.
-
-
-def _any_process(flag: bool) -> bool:
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
-
-
-def _from_process_0(flag: bool) -> bool:
-    if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+# (and Orbax's barriers) stop lining up: such decisions go through distributed.any_process / from_process_0.
 
 
 # ===== One checkpoint directory =====================================================================================
@@ -387,7 +375,7 @@ class Checkpointer:
         persistent = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_minutes:
             timed = self.clock() - self._last_persistent_save >= 60 * self.every_minutes
-            persistent |= _from_process_0(timed)
+            persistent |= distributed.from_process_0(timed)
         local = bool(self.local and self.local_every_steps and step % self.local_every_steps == 0)
         targets = [self.persistent] if persistent else [self.local] if local else []
         self._plan = (step, targets)
@@ -415,7 +403,7 @@ class Checkpointer:
         errors = self._collect(self._dirs, block=targets)
         for d in targets:
             error = d.start_save(step, args)
-            if _any_process(error is not None):
+            if distributed.any_process(error is not None):
                 d.rebuild(step)
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
             elif d is self.persistent:
@@ -442,10 +430,10 @@ class Checkpointer:
         for d in dirs:
             if d.saving is None:
                 continue
-            if d not in block and _any_process(d.manager.is_saving_in_progress()):
+            if d not in block and distributed.any_process(d.manager.is_saving_in_progress()):
                 continue
             step, error = d.saving, d.wait()
-            if _any_process(error is not None):
+            if distributed.any_process(error is not None):
                 d.rebuild(step)
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
         return errors

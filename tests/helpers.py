@@ -11,10 +11,13 @@ def read_jsonl(path):
 
 
 def tree_digest(directory):
-    """{relative path: sha256} of every file under directory."""
+    """{relative path: sha256} of every file under directory, but a workdir's lock file, which names the last run
+    to hold it (jaxtrain/workdir.py)."""
     out = {}
     for root, _, files in os.walk(directory):
         for name in files:
+            if name == ".lock" and root == str(directory):
+                continue
             path = os.path.join(root, name)
             out[os.path.relpath(path, directory)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     return out

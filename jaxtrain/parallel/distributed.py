@@ -19,7 +19,9 @@ import re
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
@@ -343,3 +345,19 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
                      settings.num_processes, settings.source, settings.coordinator_address or "(JAX's TPU detection)")
     _done = settings
     return settings
+
+
+# --- Agreement between processes ---------------------------------------------------------------------
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process (every process gets the same answer)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def from_process_0(flag: bool) -> bool:
+    """Process 0's `flag`, on every process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))

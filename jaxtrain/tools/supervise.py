@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from jaxtrain import errors
+from jaxtrain import workdir as workdir_lib
 from jaxtrain.observe import goodput as goodput_lib
 from jaxtrain.tools import common
 
@@ -54,7 +56,17 @@ def classify(rc: int) -> tuple[str, str]:
 def supervise(cmd: list[str], *, max_crash_restarts: int = 3, max_preempt_restarts: int = 100,
               backoff_s: float = 1.0, workdir: str | os.PathLike | None = None, env: dict | None = None,
               log=print) -> int:
-    """Returns the last child's exit code (128 + N for a death by signal N, as a shell reports it)."""
+    """Returns the last child's exit code (128 + N for a death by signal N, as a shell reports it). With `workdir`,
+    holds its lock (jaxtrain.workdir) throughout and hands it to each child: ConfigError if another run has it."""
+    lock = None
+    if workdir:
+        try:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise errors.ConfigError("workdir", f"{workdir}: cannot create ({e.strerror})") from None
+        lock = workdir_lib.Lock(workdir)
+        lock.acquire()
+        env = {**(os.environ if env is None else env), **lock.inheritable_env()}
     t0 = time.monotonic()
     ledger = Path(workdir) / "goodput.jsonl" if workdir else None
     offset = ledger.stat().st_size if ledger and ledger.exists() else 0  # earlier sessions are not ours
@@ -80,7 +92,7 @@ def supervise(cmd: list[str], *, max_crash_restarts: int = 3, max_preempt_restar
             n = len(attempts) + 1
             started = time.monotonic()
             child = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "JAXTRAIN_ATTEMPT": str(n)},
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=(lock.fd,) if lock else ())
             if received:  # a signal that arrived before the child existed
                 child.send_signal(received[-1])
             rc = child.wait()
@@ -106,6 +118,8 @@ def supervise(cmd: list[str], *, max_crash_restarts: int = 3, max_preempt_restar
             child.wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if lock:
+            lock.release()
 
     wall_s = time.monotonic() - t0
     gp = goodput_lib.goodput(goodput_lib.read_records(ledger, offset), wall_s) if ledger else None
@@ -154,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv[split + 1:]
     if not cmd:
         parser.error("no command after --")
-    return supervise(cmd, max_crash_restarts=args.max_crash_restarts, max_preempt_restarts=args.max_preempt_restarts,
-                     backoff_s=args.backoff_s, workdir=args.workdir, log=lambda line: print(line, flush=True))
+    for flag in ("max_crash_restarts", "max_preempt_restarts", "backoff_s"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
+    if shutil.which(cmd[0]) is None:
+        parser.error(f"{cmd[0]}: command not found")
+    return common.run(lambda _: supervise(
+        cmd, max_crash_restarts=args.max_crash_restarts, max_preempt_restarts=args.max_preempt_restarts,
+        backoff_s=args.backoff_s, workdir=args.workdir, log=lambda line: print(line, flush=True)))
 

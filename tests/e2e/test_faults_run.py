@@ -5,6 +5,7 @@ test_checkpoint_faults.py."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -191,7 +192,28 @@ def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny
                 "--config.checkpoint.every_steps=20", "--config.eval.every_steps=0", "--config.log.fingerprints=True"]
 
     reference = tmp_path / "reference"
-    subprocess.run(command(reference), check=True, cwd=REPO, capture_output=True, timeout=300)
+    ref = subprocess.Popen(command(reference), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: logged_step(reference) >= 1, ref)
+        os.kill(ref.pid, signal.SIGSTOP)  # it holds the workdir, mid-run, for as long as the checks below take
+        try:
+            # A relaunch onto a workdir in use (a SLURM requeue, a second supervisor) stops at once, touching nothing.
+            before = tree_digest(reference)
+            for second in (command(reference), [sys.executable, "-m", "jaxtrain", "supervise", "--workdir",
+                                                str(reference), "--", *command(reference)]):
+                proc = subprocess.run(second, cwd=REPO, capture_output=True, text=True, timeout=300)
+                (line,) = proc.stderr.splitlines()
+                assert proc.returncode == 2 and line.startswith(
+                    f"error: workdir: {reference} is in use by another run (pid {ref.pid} on {socket.gethostname()}, "
+                    f"since ") and line.endswith("or use another workdir"), proc.stderr[-2000:]
+            assert tree_digest(reference) == before
+        finally:
+            os.kill(ref.pid, signal.SIGCONT)
+        assert ref.wait(timeout=300) == 0, ref.communicate()[0][-3000:]
+    finally:
+        ref.kill()
+    again = subprocess.run(command(reference), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "run already finished" in again.stdout  # the lock went with its holder
 
     workdir = tmp_path / "killed"
     sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir), "--backoff_s",
@@ -200,7 +222,7 @@ def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny
     try:
         wait_for(lambda: logged_step(workdir) >= 47, sup)
         killed_at = logged_step(workdir)
-        os.kill(children(sup.pid)[0], signal.SIGKILL)
+        os.kill(children(sup.pid)[0], signal.SIGKILL)  # the supervisor holds the workdir's lock for the next child
         out = sup.communicate(timeout=300)[0]
     finally:
         sup.kill()

@@ -197,3 +197,23 @@ def test_sigterm_during_backoff_ends_supervision_without_a_restart():
     assert rc == 1 and time.monotonic() - t < 30
     assert "got SIGTERM; not restarting" in "\n".join(lines) and "crash 0/3" in lines[-1]
     assert signal.getsignal(signal.SIGTERM) is previous  # the supervisor's forwarding handler is gone
+
+
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_attempt(tmp_path, capsys):
+    from jaxtrain import workdir as workdir_lib
+
+    ok = ["--", sys.executable, "-c", "pass"]
+    for args, message in [(["--max_crash_restarts", "-1", *ok], "error: --max_crash_restarts: must be >= 0, got -1"),
+                          (["--", "no-such-command-xyz"], "error: no-such-command-xyz: command not found")]:
+        with pytest.raises(SystemExit) as exit_:
+            supervise.main(args)
+        assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+    held = workdir_lib.Lock(tmp_path)
+    held.acquire()
+    try:
+        assert supervise.main(["--workdir", str(tmp_path), *ok]) == 2
+    finally:
+        held.release()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: workdir: {tmp_path} is in use by another run (pid {os.getpid()} on ")
+    assert not (tmp_path / "supervisor.json").exists()
