@@ -298,8 +298,24 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str) ->
             raise ValueError(f"layer_order {order} is not an order of layers")
     except Exception as e:
         raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e
+    _check_identity(record, step)
     _check_matches(record["arrays"], abstract_state, step, directory)
     return record
+
+
+def _recorded_step(path: epath.Path) -> int | None:
+    """The step a step directory's integrity record says it holds; None if unreadable."""
+    try:
+        return int(ocp.JsonCheckpointHandler().restore(path / "integrity")["step"])
+    except Exception:  # noqa: BLE001 - damage; the restore path reports it
+        return None
+
+
+def _check_identity(record: dict, step: int) -> None:
+    """A step directory must hold its own step: a moved, swapped or copied one restores the wrong state."""
+    if int(record.get("step", step)) != step:
+        raise _Corrupt(f"it holds the checkpoint of step {record['step']}, not {step} (a moved or copied step "
+                       f"directory)")
 
 
 def _read_items(path: epath.Path, abstract_state):
@@ -456,6 +472,19 @@ class Checkpointer:
             return jax.tree_util.tree_map_with_path(move, state), data
         except ValueError as e:  # a recorded order for another number of layers: the record is damaged
             raise _Corrupt(str(e)) from None
+
+    def set_aside_misplaced(self) -> None:
+        """Moves aside every step directory whose integrity record names another step, before anything reads the
+        step list: a copy at a later step would otherwise pass for the newest checkpoint (or a finished run), and
+        retention would delete true steps in favour of it. Reads one small JSON per step."""
+        for d in self._dirs:
+            d.manager.reload()
+            for step in sorted(d.manager.all_steps()):
+                recorded = _recorded_step(d.step_path(step)) if jax.process_index() == 0 else None
+                if distributed.from_process_0(recorded is not None and recorded != step):
+                    moved = d.move_aside(step)
+                    self.log(f"checkpoint step {step} in {d.path} holds the checkpoint of step {recorded}; moved "
+                             f"aside to {moved}")
 
     def latest_step(self) -> int | None:
         """Newest committed step in either directory (not verified)."""

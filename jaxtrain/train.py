@@ -73,6 +73,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:
         workdir = wd.path
         checkpointer = make_checkpointer(config, workdir, print_fn=say)
+        checkpointer.set_aside_misplaced()  # a step dir holding another step's checkpoint (moved, swapped, copied)
         latest = checkpointer.latest_step() or 0
         saved = wd.saved_config()
         if latest and saved is not None:  # what the checkpoints were made with (without one, nothing binds)

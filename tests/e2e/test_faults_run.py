@@ -4,6 +4,7 @@ test_checkpoint_faults.py."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,6 +94,32 @@ def test_nan_rollback_restores_and_skips_the_bad_window(tiny_config, poison_step
     ckpt.close()
 
 
+
+
+def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identical(tiny_config):
+    """Checkpoints 5, 10, 15; then 10 and 15 swapped and (true) 15 copied to 35, by hand or a sync tool. Each step
+    dir that holds another step's checkpoint is moved aside, not restored and not deleted: the run resumes from 5,
+    the last true step, and ends where an uninterrupted run ends."""
+    steps = {"train.steps": 20, "checkpoint.every_steps": 5, "checkpoint.keep": 10, "eval.every_steps": 0}
+    straight = train.run(tiny_config(**steps), print_fn=quiet)
+    cfg = tiny_config(**steps, **{"train.stop_at": 15})
+    train.run(cfg, print_fn=quiet)
+    root = Path(cfg.workdir) / "checkpoints"
+    shutil.copytree(root / "15", root / "35")
+    (root / "15").rename(root / "swap")
+    (root / "10").rename(root / "15")
+    (root / "swap").rename(root / "10")
+    misplaced = [tree_digest(root / name) for name in ("10", "15", "35")]
+
+    lines = []
+    summary = train.run(tiny_config(workdir=cfg.workdir, **steps), print_fn=lines.append)
+    for step, holds in ((10, 15), (15, 10), (35, 15)):
+        assert any(line.startswith(f"checkpoint step {step} in {root} holds the checkpoint of step {holds}; moved "
+                                   f"aside to {root}/{step}.corrupt-") for line in lines), lines
+    assert "resumed from checkpoint at step 5" in lines
+    assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
+    kept = [tree_digest(p) for p in root.glob("*.corrupt-*")]  # the moved-aside dirs, every byte of them
+    assert len(kept) == 3 and all(digest in kept for digest in misplaced)
 
 
 def test_missing_absolute_workdir_parent_is_refused(tiny_config, tmp_path):
