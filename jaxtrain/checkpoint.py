@@ -27,6 +27,7 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
+from jaxtrain import files
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
@@ -153,6 +154,21 @@ def _canonical_json(data) -> str:
 
 
 # ===== One checkpoint directory =====================================================================================
+
+
+def check_paths(directory, local_directory: str | None = None) -> None:
+    """ConfigError unless both can be checkpoint directories, and different ones; a run checks this before its
+    workdir exists, rather than fail its first save after training started."""
+    problem = files.dir_problem(directory) if "://" not in str(directory) else None
+    if problem:
+        raise ConfigError("workdir", f"checkpoints: {problem}")
+    if local_directory:
+        local = str(local_directory)
+        if "://" not in local and (problem := files.dir_problem(local)):
+            raise ConfigError("checkpoint.local_dir", problem)
+        if os.path.abspath(local) == os.path.abspath(str(directory)):
+            raise ConfigError("checkpoint.local_dir", f"{local} is the checkpoint directory itself; give a separate "
+                              f"(faster, local) directory")
 
 
 class _Dir:
@@ -364,6 +380,7 @@ class Checkpointer:
                  layer_order: tuple[int, ...] | None = None):
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
+        check_paths(directory, local_directory)
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
         self.layer_order = None if layer_order is None or list(layer_order) == sorted(layer_order) else \
@@ -372,8 +389,6 @@ class Checkpointer:
         self.local = None
         if local_directory:
             self.local = _Dir(str(local_directory), local_keep, 0, async_save)
-            if self.local.path == self.persistent.path:
-                raise ValueError("local_directory must differ from directory")
         self._last_persistent_save = clock()
         self._plan: tuple[int, list[_Dir]] | None = None  # should_save's decision for save()
 

@@ -122,6 +122,29 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
                               f"set it back or use a new workdir")
 
 
+def step_bytes_floor(cfg: ml_collections.ConfigDict, num_devices: int) -> float:
+    """A floor under one step's bytes per device, however the mesh splits it: params, gradients and Adam's two
+    moments in f32 (the matmul params only), plus, as under full remat, one bf16 residual per layer and token of a
+    microbatch, all spread evenly over every device. Any real step needs more; `jaxtrain plan` gives its figure."""
+    m = model_lib.from_config(cfg.model, cfg.pipeline, "cpu")
+    from jaxtrain.models import transformer  # noqa: PLC0415 - imports flax; the arithmetic is all here
+
+    tokens = cfg.train.batch_size // cfg.train.microbatches * cfg.train.seq_len
+    return (16 * transformer.matmul_params(m) + 2 * tokens * m.n_layers * m.d_model) / num_devices
+
+
+def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, device_bytes: float | None) -> None:
+    """ConfigError when `step_bytes_floor` exceeds a device's memory: sizes such as train.seq_len=10**9 are
+    refused before anything is allocated (or the workdir created) instead of exhausting the machine."""
+    floor = step_bytes_floor(cfg, num_devices)
+    if device_bytes and floor > device_bytes:
+        gib, t = 2**30, cfg.train
+        raise ConfigError("train.seq_len" if t.seq_len > t.batch_size else "train.batch_size",
+                          f"train.batch_size {t.batch_size} x train.seq_len {t.seq_len} with this model needs at least {floor / gib:,.1f} GiB per device for one step, over the "
+                          f"{device_bytes / gib:,.1f} GiB each of the {num_devices} devices has; use smaller "
+                          f"batches or sequences (or train.microbatches), or more devices")
+
+
 def check_backend(cfg: ml_collections.ConfigDict, backend: str) -> None:
     """ConfigError for settings the backend the step compiles for ("cpu", "gpu", "tpu") cannot run."""
     model_lib.check_backend(cfg.model, backend)

@@ -12,6 +12,7 @@ EXIT_NONFINITE = 3  # halted on a non-finite loss (faults.nan_policy=halt)
 EXIT_CHECKPOINT = 4  # a checkpoint write failed
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: state saved, retry later
 EXIT_HUNG = 124  # the step watchdog fired, as coreutils `timeout`
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports it
 
 
 class ConfigError(ValueError):
@@ -19,7 +20,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")
-        self.field = field
+        self.field, self.reason = field, reason
 
 
 class DataError(ValueError):
@@ -69,6 +70,16 @@ class Preempted(Exception):
         self.step = step
 
 
+class Interrupted(Exception):
+    """Ctrl-C during training, after the save in flight (if any) completed; `saved` is the newest checkpoint."""
+
+    def __init__(self, step: int, saved: int):
+        where = (f"the newest checkpoint is step {saved}; rerun the same command to resume from it" if saved else
+                 "no checkpoint was written yet")
+        super().__init__(f"interrupted at step {step}: {where}")
+        self.step, self.saved = step, saved
+
+
 class PlanError(ValueError):
     """A bad planner input; `str()` is '<field>: <reason>' like ConfigError."""
 
@@ -83,7 +94,7 @@ class SweepError(ConfigError):
 
 # Checked in order: a subclass before its base.
 _EXIT_CODES = ((CheckpointMismatch, EXIT_BAD_INPUT), (NonFiniteLoss, EXIT_NONFINITE),
-               (CheckpointError, EXIT_CHECKPOINT), (Preempted, EXIT_PREEMPTED),
+               (CheckpointError, EXIT_CHECKPOINT), (Preempted, EXIT_PREEMPTED), (Interrupted, EXIT_INTERRUPTED),
                ((ConfigError, DataError, SourceError, TokenizerError, HFError, PlanError, ReportError),
                 EXIT_BAD_INPUT))
 KNOWN = tuple(kind for kinds, _ in _EXIT_CODES for kind in (kinds if isinstance(kinds, tuple) else (kinds,)))
@@ -91,9 +102,14 @@ KNOWN = tuple(kind for kinds, _ in _EXIT_CODES for kind in (kinds if isinstance(
 
 def exit_code(error: BaseException) -> int | None:
     """The documented exit code of a known failure; None for anything else (a bug)."""
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
     return next((code for kinds, code in _EXIT_CODES if isinstance(error, kinds)), None)
 
 
 def message(error: BaseException) -> str:
     """The one line a command prints for a known failure."""
-    return str(error) if isinstance(error, Preempted) else f"error: {error}"
+    if isinstance(error, KeyboardInterrupt):  # outside training: nothing of its own to report
+        return "interrupted"
+    line = str(error) if isinstance(error, (Preempted, Interrupted)) else f"error: {error}"
+    return line.splitlines()[0] if line.strip() else f"error: {type(error).__name__}"

@@ -1,13 +1,17 @@
-"""Small file helpers every layer uses: atomic JSON writes and content hashes."""
+"""Small file helpers every layer uses: atomic JSON writes, content hashes, directories made with one-line errors
+and Python files (configs, sweeps) loaded with one-line errors."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 from etils import epath
+
+from jaxtrain.errors import ConfigError
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
@@ -25,3 +29,47 @@ def file_hash(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def dir_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be or become a directory (it, or a parent on the way, is a file); None if it can."""
+    path = Path(path)
+    for ancestor in (path, *path.parents):
+        if ancestor.exists():
+            if ancestor.is_dir():
+                return None
+            return f"{path} exists and is not a directory" if ancestor == path else f"{path}: {ancestor} is a file"
+    return None
+
+
+def make_dir(path: str | os.PathLike, field: str) -> Path:
+    """Creates `path` and its parents; ConfigError(field, ...) naming the path and why it cannot be."""
+    path = Path(path)
+    problem = dir_problem(path)
+    if problem:
+        raise ConfigError(field, problem)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(field, f"{path}: cannot create ({e.strerror})") from None
+    return path
+
+
+def run_python_file(path: str | os.PathLike, function: str, *args, field: str):
+    """`function(*args)` from the Python file at `path` (a config or sweep file). Any failure of the user's file
+    (missing, a directory, a syntax error, no such function, it raises) is ConfigError(field, ...): one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(field, f"{path}: {'is a directory' if path.is_dir() else 'file not found'}")
+    spec = importlib.util.spec_from_file_location(f"_jaxtrain_file_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error in the user's file is bad input
+        raise ConfigError(field, f"{path}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if not callable(getattr(module, function, None)):
+        raise ConfigError(field, f"{path}: no {function}() function")
+    try:
+        return getattr(module, function)(*args)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(field, f"{path}: {function}() raised {type(e).__name__}: {e}".splitlines()[0]) from None

@@ -66,3 +66,19 @@ def _apply(environ) -> str:
     if all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
         return "kept (glibc main arena: no mmap, no trim; steps on the calling thread)"
     return "steps on the calling thread; glibc malloc defaults (mallopt refused)"
+
+
+def device_bytes(devices) -> float | None:
+    """Memory one of these (local) devices can hold: an accelerator's own limit, or for CPU devices the host's
+    physical memory shared among them; None if unknown."""
+    device = devices[0]
+    if device.platform != "cpu":
+        try:
+            return float((device.memory_stats() or {}).get("bytes_limit") or 0) or None
+        except Exception:  # noqa: BLE001 - a backend without memory stats
+            return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return total / sum(d.platform == "cpu" for d in devices)

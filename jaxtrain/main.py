@@ -9,10 +9,11 @@ import functools
 import re
 import sys
 
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxtrain import errors
+from jaxtrain import errors, files
 
 CONFIG_FLAG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
                                               lock_config=True)
@@ -27,13 +28,38 @@ def parse_flags(argv, doc: str | None = None, modules: tuple[str, ...] = ()):
               + "\n\nTry --helpfull to get a list of all flags.")
         sys.exit(0)
     try:
-        return flags.FLAGS(argv)
+        parsed = flags.FLAGS(argv)
     except (KeyError, AttributeError) as e:
-        print(f"error: {_unknown_override(argv, e)}", file=sys.stderr)
-        sys.exit(2)
-    except (flags.Error, TypeError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        sys.exit(2)
+        _die(_config_file_problem(argv) or _unknown_override(argv, e))
+    except Exception as e:  # noqa: BLE001 - a bad flag, or the config file's own code failed as absl loaded it
+        _die(_config_file_problem(argv) or str(e))
+    value = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+    if value is not None and not isinstance(value, ml_collections.ConfigDict):
+        _die(_config_file_problem(argv) or f"--config: get_config() returned {type(value).__name__}, not a ConfigDict")
+    return parsed
+
+
+def _die(message: str):
+    print(f"error: {message}".splitlines()[0], file=sys.stderr)
+    sys.exit(errors.EXIT_BAD_INPUT)
+
+
+def _config_file_problem(argv) -> str | None:
+    """Why the --config file yields no ConfigDict, or None if it does. ml_collections reports a file that does not
+    load as a traceback, or defers the error to the first use of the config; this loads it again to name the path
+    and the reason in one line."""
+    path = next((arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+                 for i, arg in enumerate(argv) if arg.split("=", 1)[0] in ("--config", "-config")), None)
+    if path is None:
+        return None
+    file, _, arg = path.partition(":")  # config_flags passes what follows a colon to get_config
+    try:
+        config = files.run_python_file(file, "get_config", *([arg] if arg else []), field="--config")
+    except errors.ConfigError as e:
+        return str(e)
+    if not isinstance(config, ml_collections.ConfigDict):
+        return f"--config: {file}: get_config() returned {type(config).__name__}, not a ConfigDict"
+    return None
 
 
 def _unknown_override(argv, e) -> str:
@@ -56,7 +82,7 @@ def run(config) -> int:
 
     try:
         train.run(config)
-    except errors.KNOWN as e:
+    except (*errors.KNOWN, KeyboardInterrupt) as e:
         print(errors.message(e), file=sys.stderr)
         return errors.exit_code(e)
     return 0

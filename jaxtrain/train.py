@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,9 @@ import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import faults, host_memory
-from jaxtrain import workdir as workdir_lib
+from jaxtrain import errors, faults, host_memory
 from jaxtrain import hooks as hooks_lib
+from jaxtrain import workdir as workdir_lib
 from jaxtrain.data import layout, pipeline, prepare
 from jaxtrain.errors import ConfigError, HFError
 from jaxtrain.models import hf, sampling, transformer
@@ -48,6 +49,7 @@ def run(config, print_fn=print, writers=()) -> dict:
         raise ConfigError(field if reason else "distributed", reason or field) from None
     facts = config_lib.validate(config, jax.device_count(), jax.process_count())
     config_lib.check_backend(config, jax.default_backend())
+    config_lib.check_fits(config, jax.device_count(), host_memory.device_bytes(jax.local_devices()))
     mesh_shape, rules, dcn = facts["mesh_shape"], facts["rules"], facts["dcn"]
     try:  # the devices must form as many slices or nodes as the dcn sizes say
         mesh_lib.granules(jax.devices(), math.prod(dcn.values()))
@@ -68,6 +70,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, ddir)
+    ckpt_lib.check_paths(Path(config.workdir) / "checkpoints", config.checkpoint.local_dir)
 
     # ===== Workdir: one run at a time (jaxtrain/workdir.py); a finished run is left exactly as it is =======
     with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:
@@ -229,6 +232,9 @@ def run(config, print_fn=print, writers=()) -> dict:
                     say(f"{rollback}: rolled back to step {step}, skipping the batches up to step {rollback.step}")
             for hook in hooks:
                 hook.end(step, state)
+        except KeyboardInterrupt:
+            ckpt_hook.wait()  # a save in flight completes: it is what a rerun resumes from
+            raise errors.Interrupted(step, ckpt_hook.last_saved) from None
         finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
             watchdog.stop()
             preemption.close()

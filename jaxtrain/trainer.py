@@ -7,7 +7,6 @@ is allocated); `restore_params` reads a workdir's checkpoint back for tools (gen
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
 from jaxtrain import optim, step as step_lib
-from jaxtrain.errors import CheckpointError, ConfigError
+from jaxtrain import workdir as workdir_lib
+from jaxtrain.errors import CheckpointError
 from jaxtrain.models import transformer
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel import mesh as mesh_lib
@@ -139,11 +139,8 @@ def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpo
 
 def load_config(workdir) -> ml_collections.ConfigDict:
     """The config a workdir's checkpoints were made with (its config.json over the current schema)."""
-    path = Path(workdir) / "config.json"
-    if not path.is_file():
-        raise ConfigError("workdir", f"{path} not found: not a jaxtrain workdir")
     config = config_lib.base_config()
-    config.update_from_flattened_dict(_flatten(json.loads(path.read_text())))
+    config.update_from_flattened_dict(_flatten(workdir_lib.read_config(workdir)))
     return config
 
 
@@ -161,6 +158,9 @@ def restore_params(workdir, step: int | None = None, devices=None):
     (default: the first device), their stacked layers in the model's order. Raises CheckpointError if there is
     none."""
     config = load_config(workdir)
+    ckpt_dir = Path(workdir) / "checkpoints"
+    if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):  # before Orbax starts
+        raise CheckpointError(f"no checkpoint in {ckpt_dir}")
     devices = devices or jax.devices()[:1]
     if devices[0].platform != "gpu":  # a kernel choice, not the model: GPU-trained weights load anywhere
         config.model.attention_impl = "xla"

@@ -96,6 +96,23 @@ def _inherited_fd(path: Path) -> int | None:
     return int(value) if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino) else None
 
 
+def read_config(workdir) -> dict:
+    """WORKDIR/config.json; ConfigError naming it when it is missing or damaged (it is never rewritten here:
+    it records what the checkpoints were made with)."""
+    path = Path(workdir) / CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("workdir", f"{path} not found: not a jaxtrain workdir") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError("workdir", f"{path}: unreadable ({type(e).__name__}: {e}); it records the config the "
+                          f"checkpoints were made with: restore it from a copy, or move it aside to resume without "
+                          f"that check") from None
+    if not isinstance(config, dict):
+        raise ConfigError("workdir", f"{path}: holds a {type(config).__name__}, not a config")
+    return config
+
+
 class Workdir:
     """A run's workdir, claimed: `claim` checks and locks it, `record_config` writes config.json, `close` releases
     the lock and removes the workdir again if this run created it and failed before config.json."""
@@ -136,8 +153,7 @@ class Workdir:
 
     def saved_config(self) -> dict | None:
         """The config.json the checkpoints were made with, or None."""
-        path = self.path / CONFIG
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_config(self.path) if (self.path / CONFIG).exists() else None
 
     def record_config(self, config: dict) -> None:
         """Writes config.json (process 0, atomically). For a workdir without checkpoints: an earlier config.json

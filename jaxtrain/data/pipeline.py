@@ -26,6 +26,7 @@ import grain
 import numpy as np
 from absl import flags
 
+from jaxtrain import files
 from jaxtrain.data.layout import load_manifest
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.fields import Group
@@ -107,7 +108,11 @@ class PackedStream:
         for p in paths:
             if not os.path.exists(p):
                 raise DataError(f"{p}: missing shard of split {split!r}")
-        self.source = grain.sources.ArrayRecordDataSource(paths)
+        self.data_dir, self.shards = data_dir, manifest["splits"][split]
+        try:
+            self.source = grain.sources.ArrayRecordDataSource(paths)
+        except RuntimeError as e:  # Riegeli found a damaged file
+            raise self._damaged(e) from None
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.seed = seed
         self.identity = f"{manifest['tokenizer']['sha256'][:16]}/{split}"  # what a saved position refers to
@@ -117,6 +122,15 @@ class PackedStream:
         self.lengths = _document_lengths(data_dir, manifest["splits"][split], self.source, self.dtype)
         self.epoch_tokens = int(self.lengths.sum())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _damaged(self, error: RuntimeError) -> DataError:
+        """The shard that fails its manifest checksum (hashed only now, on failure), named with the fix."""
+        bad = next((s["file"] for s in self.shards
+                    if s.get("sha256") and files.file_hash(os.path.join(self.data_dir, s["file"])) != s["sha256"]),
+                   None)
+        where = os.path.join(self.data_dir, bad) if bad else f"a shard in {self.data_dir}"
+        return DataError(f"{where}: damaged ({str(error).splitlines()[0][:120]}); prepare the data dir again "
+                         f"(for the default corpus: delete {self.data_dir} and rerun)")
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, exclusive end offset of each document in that order) for one epoch."""
@@ -148,7 +162,10 @@ class PackedStream:
     def row(self, start: int, seq_len: int) -> dict:
         """`seq_len` tokens from stream offset `start`, with segment ids and positions."""
         pieces = self.pieces(start, seq_len)
-        records = self.source.__getitems__([doc for doc, _, _ in pieces])
+        try:
+            records = self.source.__getitems__([doc for doc, _, _ in pieces])
+        except RuntimeError as e:
+            raise self._damaged(e) from None
         tokens, segment_ids, positions = [], [], []
         for segment, ((_, first, stop), record) in enumerate(zip(pieces, records), start=1):
             tokens.append(np.frombuffer(record, self.dtype)[first:stop])

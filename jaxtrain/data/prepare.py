@@ -32,7 +32,7 @@ from jaxtrain import files
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, SourceError, TokenizerError
 
 CORPUS = "kjv"
 FORMAT = 1  # Bump when the on-disk layout changes, so old dirs are refused.
@@ -322,15 +322,26 @@ def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
 
 @contextlib.contextmanager
 def _locked(data_dir: str):
-    """One preparer per output dir at a time; a second one waits, then finds the finished data."""
+    """One preparer per output dir at a time; a second one waits, then finds the finished data. The holder
+    removes the lock file as it leaves, so nothing is left beside the output; a waiter that then holds a removed
+    file's lock tries again on the new one."""
     parent, name = os.path.split(data_dir)
-    os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, f".{name}.lock"), "w") as f:
+    files.make_dir(parent, "--output")
+    path = os.path.join(parent, f".{name}.lock")
+    while True:
+        f = open(path, "a")  # noqa: SIM115 - held across the yield
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        os.unlink(path)
+        f.close()
 
 
 def _work_path(data_dir: str) -> str:
@@ -418,46 +429,13 @@ def prepare_sources(
         if existing := _existing_manifest(data_dir, settings):
             return existing
         work = _work_dir(data_dir, settings, [r.get("mtime_ns") for r in identities], print_fn)
-        plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
-        tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
-        dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
-        records = _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn)
-
-        train_rows = [r["train"] for r in records]
-        heldout_rows = [r["heldout"] for r in records if r["heldout"]]
-        if not sum(r["docs"] for r in train_rows):
-            raise DataError(f"{', '.join(inputs)}: no documents left for training after {sum(r['docs'] for r in heldout_rows)}"
-                            f" held-out ones; add data or lower --heldout_docs")
-        if (held_total := sum(r["docs"] for r in heldout_rows)) < heldout_docs:
-            # Quotas follow text size: a shard of few, long documents may have fewer than its share.
-            print_fn(f"prepare: warning: {held_total} held-out documents instead of --heldout_docs {heldout_docs}: "
-                     f"some shards had fewer documents than their share", file=sys.stderr)
-        # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
-        for r in records:
-            for i, st in r["sources"].items():
-                src = srcs[int(i)]
-                src.docs += st["docs"]
-                src.skipped.update(st["skipped"])
-                src.text_bytes += st["text_bytes"]
-        manifest = {
-            **settings,
-            "input_mtimes": [r.get("mtime_ns") for r in identities],
-            "dtype": dtype.name,
-            "byte_order": "little",
-            "pad_id": tok_lib.PAD_ID if not tokenizer else None,
-            "eos_id": tok.eos_id,
-            "tokenizer": {"file": tok_file, "sha256": files.file_hash(os.path.join(work, tok_file)),
-                          "kind": tok.kind},
-            "splits": {"train": train_rows, "heldout": heldout_rows},
-            "sources": [s.row() for s in srcs],
-        }
-        for r in range(len(plans)):
-            os.remove(os.path.join(work, _done_name(r)))
-        os.remove(os.path.join(work, "settings.json"))
-        files.write_json(os.path.join(work, layout.MANIFEST), manifest)
-        if os.path.isdir(data_dir):
-            os.rmdir(data_dir)  # an empty dir (checked above) is replaced
-        os.rename(work, data_dir)
+        try:
+            manifest = _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token,
+                                             text_split, num_shards, heldout_docs, seed, vocab_size, workers,
+                                             print_fn)
+        except (DataError, SourceError, TokenizerError):
+            shutil.rmtree(work, ignore_errors=True)  # bad input: nothing worth resuming, nothing left beside it
+            raise
 
     seconds = time.perf_counter() - start
     skipped = collections.Counter()
@@ -470,11 +448,57 @@ def prepare_sources(
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
     print_fn(
         f"prepared {len(srcs)} {'files' if not any(s.dataset for s in srcs) else 'inputs'} in {seconds:.1f}s:"
-        f" {docs} docs / {tokens} tokens (heldout {held} docs), {len(plans)} shards,"
+        f" {docs} docs / {tokens} tokens (heldout {held} docs), {len(manifest['splits']['train'])} shards,"
         f" skipped {sum(skipped.values())}{f' ({reasons})' if reasons else ''},"
         f" {text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of text -> {data_dir}",
         flush=True,
     )
+    return manifest
+
+
+def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
+                          num_shards, heldout_docs, seed, vocab_size, workers, print_fn) -> dict:
+    """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
+    plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
+    tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
+    dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
+    records = _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn)
+
+    train_rows = [r["train"] for r in records]
+    heldout_rows = [r["heldout"] for r in records if r["heldout"]]
+    if not sum(r["docs"] for r in train_rows):
+        raise DataError(f"{', '.join(inputs)}: no documents left for training after {sum(r['docs'] for r in heldout_rows)}"
+                        f" held-out ones; add data or lower --heldout_docs")
+    if (held_total := sum(r["docs"] for r in heldout_rows)) < heldout_docs:
+        # Quotas follow text size: a shard of few, long documents may have fewer than its share.
+        print_fn(f"prepare: warning: {held_total} held-out documents instead of --heldout_docs {heldout_docs}: "
+                 f"some shards had fewer documents than their share", file=sys.stderr)
+    # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
+    for r in records:
+        for i, st in r["sources"].items():
+            src = srcs[int(i)]
+            src.docs += st["docs"]
+            src.skipped.update(st["skipped"])
+            src.text_bytes += st["text_bytes"]
+    manifest = {
+        **settings,
+        "input_mtimes": [r.get("mtime_ns") for r in identities],
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "pad_id": tok_lib.PAD_ID if not tokenizer else None,
+        "eos_id": tok.eos_id,
+        "tokenizer": {"file": tok_file, "sha256": files.file_hash(os.path.join(work, tok_file)),
+                      "kind": tok.kind},
+        "splits": {"train": train_rows, "heldout": heldout_rows},
+        "sources": [s.row() for s in srcs],
+    }
+    for r in range(len(plans)):
+        os.remove(os.path.join(work, _done_name(r)))
+    os.remove(os.path.join(work, "settings.json"))
+    files.write_json(os.path.join(work, layout.MANIFEST), manifest)
+    if os.path.isdir(data_dir):
+        os.rmdir(data_dir)  # an empty dir (checked above) is replaced
+    os.rename(work, data_dir)
     return manifest
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import gzip
 import json
 import os
@@ -80,7 +81,12 @@ def expand(patterns: list[str], fmt: str | None, field: str, *, split: str = "tr
             ds = dataset_sources.open_dataset(pattern, split=split, field=field, data_dir=tfds_data_dir)
             sources.append(Source(pattern, pattern.split(":", 1)[0], field, size=ds.size, dataset=ds))
             continue
-        if any(c in pattern for c in "*?["):
+        if any(c in pattern for c in "*?[") and "://" not in pattern:  # local: ** recurses
+            paths = sorted(epath.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        elif any(c in pattern for c in "*?["):
+            if "**" in pattern:  # epath's glob lists one directory level per `*`; a bucket-wide ** has no bound
+                raise SourceError(f"{pattern}: ** is supported for local paths only; list the levels with * "
+                                  f"(e.g. gs://bucket/dir/*/*.jsonl)")
             # Glob relative to the longest wildcard-free prefix, so gs://bucket/dir/*.jsonl works too.
             head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
             root = head.rsplit("/", 1)[0] if "/" in head else "."

@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxtrain import files
 from jaxtrain.errors import ConfigError, HFError, HFMismatch
 from jaxtrain.models import transformer
 from jaxtrain.models.config import ModelConfig
@@ -211,7 +212,7 @@ def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | 
         if manifest.is_file():
             eos_id = json.loads(manifest.read_text()).get("eos_id")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    files.make_dir(out_dir.parent, "--output")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         # "format": "pt" is what transformers checks for in the header before it loads the file.
@@ -341,6 +342,12 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _finite(x: np.ndarray) -> bool:
+    if x.dtype.kind not in "fV":  # integer tensors are always finite (V: ml_dtypes' bfloat16)
+        return True
+    return bool(np.isfinite(x.astype(np.float32, copy=False)).all())
+
+
 def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     single, index = hf_dir / WEIGHTS, hf_dir / WEIGHTS_INDEX
     if single.is_file():
@@ -363,6 +370,8 @@ def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
                     if name in tensors:
                         raise HFError(f"{name}: in more than one file of {hf_dir}")
                     tensors[name] = reader.get_tensor(name)
+                    if not _finite(tensors[name]):  # else the first step reports a non-finite loss instead
+                        raise HFError(f"{name} in {f}: holds NaN or infinite values; the checkpoint is damaged")
         except SafetensorError as e:
             raise HFError(f"{f}: not a readable safetensors file ({e})") from None
     return tensors

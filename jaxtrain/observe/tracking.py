@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtrain.errors import Preempted
+from jaxtrain.errors import Interrupted, Preempted
 from jaxtrain.files import write_json
 
 REDACTED = "<redacted>"
@@ -45,6 +45,22 @@ def redact(value, key=None):
     if isinstance(value, str):
         return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, value)
     return value
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with secrets redacted: `--config.log.wandb_api_key=X` and `--api_key X` by the flag's name,
+    and URL passwords anywhere (W&B records the command line of its runs)."""
+    out, hide_next = [], False
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if hide_next and not arg.startswith("-"):
+            out.append(REDACTED)
+        elif eq and name.startswith("-") and is_secret_key(name.rsplit(".", 1)[-1]) and value:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(redact(arg))
+        hide_next = not eq and arg.startswith("-") and is_secret_key(arg.rsplit(".", 1)[-1])
+    return out
 
 
 def git_state(path: Path | None = None) -> dict:
@@ -79,7 +95,7 @@ def status_of(error: BaseException | None, finished: bool) -> str:
         return "finished" if finished else "stopped"
     if isinstance(error, Preempted):
         return "preempted"
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, (KeyboardInterrupt, Interrupted)):
         return "interrupted"
     return "failed"
 

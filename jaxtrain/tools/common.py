@@ -30,7 +30,7 @@ def run(main, argv=None, *, bad_input=()) -> int:
     except tuple(bad_input) as e:
         print(f"error: {e}", file=sys.stderr)
         return errors.EXIT_BAD_INPUT
-    except errors.KNOWN as e:
+    except (*errors.KNOWN, KeyboardInterrupt) as e:
         print(errors.message(e), file=sys.stderr)
         return errors.exit_code(e)
 

@@ -21,8 +21,9 @@ import json
 import math
 from pathlib import Path
 
-from jaxtrain.observe import goodput as goodput_lib
+from jaxtrain import files
 from jaxtrain.errors import ReportError
+from jaxtrain.observe import goodput as goodput_lib
 from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.tools import common
 
@@ -364,9 +365,7 @@ def write_report(workdirs, output="report", price: float | None = None, names=No
 
     runs = load_runs(workdirs, names)
     output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise ReportError(f"{output}: exists and is not a directory")
-    output.mkdir(parents=True, exist_ok=True)
+    files.make_dir(output, "--output")
     paths = {}
     curves = available_curves(runs)
     for metric in curves:

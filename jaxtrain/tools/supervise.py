@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtrain import errors
+from jaxtrain import errors, files
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.observe import goodput as goodput_lib
 from jaxtrain.tools import common
@@ -60,10 +60,7 @@ def supervise(cmd: list[str], *, max_crash_restarts: int = 3, max_preempt_restar
     holds its lock (jaxtrain.workdir) throughout and hands it to each child: ConfigError if another run has it."""
     lock = None
     if workdir:
-        try:
-            Path(workdir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise errors.ConfigError("workdir", f"{workdir}: cannot create ({e.strerror})") from None
+        files.make_dir(workdir, "workdir")
         lock = workdir_lib.Lock(workdir)
         lock.acquire()
         env = {**(os.environ if env is None else env), **lock.inheritable_env()}

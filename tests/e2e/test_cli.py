@@ -19,6 +19,9 @@ BAD = {
     "bad_mixture": (["--config.data.mixture=somedir"], "data.mixture"),
     "bad_nan_policy": (["--config.faults.nan_policy=ignore"], "faults.nan_policy"),
     "partial_distributed": (["--config.distributed.num_processes=2"], "distributed.coordinator"),
+    # Sizes the machine cannot hold: refused by the step's memory floor, before anything is allocated.
+    "seq_len_beyond_memory": (["--config.train.seq_len=1000000000"], "train.seq_len"),
+    "batch_beyond_memory": (["--config.train.batch_size=1000000000"], "train.batch_size"),
 }
 
 

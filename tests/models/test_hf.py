@@ -251,6 +251,7 @@ def test_legacy_config_defaults(tmp_path):
     ("drop", "missing tensor model.layers.1.mlp.up_proj.weight"),
     ("extra", "unexpected tensor(s) the model has no place for: model.layers.0.self_attn.q_proj.bias"),
     ("shape", "tensor model.layers.1.mlp.up_proj.weight has shape [64, 31], config.json implies [64, 32]"),
+    ("nan", "model.layers.1.mlp.up_proj.weight in "),
 ])
 def test_bad_tensors_are_named(exported, edit, message):
     _, _, out = exported
@@ -260,6 +261,9 @@ def test_bad_tensors_are_named(exported, edit, message):
         del tensors[name]
     elif edit == "extra":
         tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    elif edit == "nan":  # a damaged checkpoint: named at load, not as a non-finite loss at the first step
+        tensors[name] = tensors[name].copy()
+        tensors[name][3, 5] = np.nan
     else:
         tensors[name] = tensors[name][:, :31].copy()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

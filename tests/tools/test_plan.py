@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxtrain import config as config_lib
 from jaxtrain.tools.plan.collectives import collectives
 from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.replica_groups import groups_to_axes, parse_replica_groups
@@ -176,6 +177,27 @@ def test_optimizer_is_two_moments_and_analytic_is_exact(plans):
         assert analytic["params"] == sharded["params"] and analytic["optimizer"] == sharded["optimizer"], name
         # The compiled step's arguments are the state plus the batch shard, to the byte.
         assert mem["compiled"]["argument"] == analytic["arguments"], name
+
+
+@pytest.mark.parametrize("seq_len", [32, 512])
+def test_the_memory_floor_a_run_checks_is_under_every_compiled_step(plans, tiny_config, seq_len):
+    """config.check_fits refuses what cannot fit: its floor must never exceed what a step really holds, or it would
+    refuse runs that fit. Checked against the compiled steps of the presets (and a longer sequence)."""
+    for name, mesh in PRESETS.items():
+        config = tiny_config(**{f"mesh.{k}": v for k, v in mesh.items()}, **{"model.tie_embeddings": False,
+                                                                             "train.seq_len": seq_len})
+        compiled = (plans[name] if seq_len == 32 else plan(config, 8, "cpu", peak_flops=1e12))["memory"]["compiled"]
+        floor = config_lib.step_bytes_floor(config, 8)
+        assert floor <= compiled["argument"] + compiled["temp"], name
+        config_lib.check_fits(config, 8, floor)  # exactly enough: accepted
+        with pytest.raises(config_lib.ConfigError, match=r"^train\.seq_len: .* needs at least"):
+            config_lib.check_fits(config, 8, floor * 0.99)
+
+
+def test_plan_refuses_what_cannot_fit_the_target_unless_forced(tiny_config):
+    config = tiny_config(**{"train.batch_size": 2**30})  # 2**35 tokens: 512 GiB of residuals over 8 devices
+    with pytest.raises(config_lib.ConfigError, match=r"^train\.batch_size: .* over the 74\.5 GiB each of the 8 "):
+        plan(config, 8, "gpu", device_kind="H100")
 
 
 def test_dp_all_reduces_the_f32_gradients_over_data(plans):

@@ -17,21 +17,27 @@ import re
 import sys
 from pathlib import Path
 
+from jaxtrain import errors, files
 from jaxtrain.errors import ConfigError, PlanError
+from jaxtrain.tools import common
 from jaxtrain.tools.plan import topology as gpu_topology
 from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.report import format_report
 
 
-def _prescan_devices(argv: list[str]) -> int | None:
-    """--devices from the raw arguments (before absl parses them, which imports jax through the config)."""
+def _prescan(argv: list[str], name: str) -> str | None:
+    """A flag's value from the raw arguments (before absl parses them, which imports jax through the config)."""
     for i, arg in enumerate(argv[1:], 1):
-        if arg in ("--devices", "-devices"):
-            value = argv[i + 1] if i + 1 < len(argv) else ""
-        elif arg.startswith(("--devices=", "-devices=")):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
+        if arg in (f"--{name}", f"-{name}"):
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith((f"--{name}=", f"-{name}=")):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _prescan_devices(argv: list[str]) -> int | None:
+    value = _prescan(argv, "devices")
+    if value is not None:
         try:
             n = int(value)
         except ValueError:
@@ -47,6 +53,34 @@ def _force_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def _plan(config, devices: int | None, FLAGS) -> int:  # noqa: N803 - absl's flag values
+    if config is None:
+        raise ConfigError("--config", "required (e.g. --config configs/bench_cpu.py)")
+    from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415
+
+    for flag in ("json", "hlo"):  # before the compile, which can take minutes
+        if FLAGS[flag].value:
+            files.make_dir(Path(FLAGS[flag].value).parent, f"--{flag}")
+    n = devices
+    if n is None:
+        sizes = [config.mesh[a] for a in mesh_lib.AXES]
+        n = math.prod(sizes) if all(isinstance(x, int) and x > 0 for x in sizes) else 1
+        _force_host_devices(n)  # jax is imported, but its CPU backend has not started yet
+    import jax  # noqa: PLC0415
+    backend = FLAGS.backend or {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), jax.default_backend())
+    compiler = FLAGS.compiler
+    if compiler == "auto":
+        compiler = "gpu" if backend == "gpu" and gpu_topology.available() else "cpu"
+    result = plan(config, n, backend, device_kind=FLAGS.device_kind, mfu=FLAGS.mfu,
+                  peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo,
+                  compiler=compiler, force=FLAGS.force)
+    print(format_report(result))
+    if FLAGS.json:
+        Path(FLAGS.json).write_text(json.dumps(result, indent=1, default=str))
+        print(f"json: {FLAGS.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """`jaxtrain plan ...`: `argv` without the program name (default: sys.argv[1:]); exits."""
     argv = ["jaxtrain plan", *(sys.argv[1:] if argv is None else argv)]
@@ -54,9 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         devices = _prescan_devices(argv)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(errors.EXIT_BAD_INPUT)
     if devices is not None:
         _force_host_devices(devices)  # before jax is imported (the config file imports it)
+    if _prescan(argv, "compiler") == "gpu":
+        gpu_topology.use_bundled()  # before jax starts its backends, which is when it loads plugins
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
     # A CPU host with the CUDA plugin (for --compiler gpu) has no driver: skip jax's check of its CUDA libraries.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -78,43 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     flags.DEFINE_float("mfu", 0.5, "Model FLOPs utilisation for the ideal step time.")
     flags.DEFINE_string("json", None, "Also write the figures as JSON to this path.")
     flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this path.")
+    flags.DEFINE_boolean("force", False, "Compile even when the step cannot fit the target devices' memory "
+                         "(the floor a run checks: docs/planning.md).")
     FLAGS = flags.FLAGS
 
     def run(argv_rest):
         del argv_rest
         if not FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
-        config = main_cli.CONFIG_FLAG.value
-        if config is None:
-            print("error: --config: required (e.g. --config configs/bench_cpu.py)", file=sys.stderr)
-            sys.exit(2)
-        from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415
-
-        n = devices
-        try:
-            if n is None:
-                sizes = [config.mesh[a] for a in mesh_lib.AXES]
-                n = math.prod(sizes) if all(isinstance(x, int) and x > 0 for x in sizes) else 1
-                _force_host_devices(n)  # jax is imported, but its CPU backend has not started yet
-            import jax  # noqa: PLC0415
-            backend = FLAGS.backend or {"cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(),
-                                                                          jax.default_backend())
-            compiler = FLAGS.compiler
-            if compiler == "auto":
-                compiler = "gpu" if backend == "gpu" and gpu_topology.available() else "cpu"
-            result = plan(config, n, backend, device_kind=FLAGS.device_kind, mfu=FLAGS.mfu,
-                          peak_flops=FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None, hlo_path=FLAGS.hlo,
-                          compiler=compiler)
-        except ConfigError as e:
-            print(f"error: {e}".splitlines()[0], file=sys.stderr)
-            sys.exit(2)
-        print(format_report(result))
-        if FLAGS.json:
-            path = Path(FLAGS.json)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1, default=str))
-            print(f"json: {path}")
-        sys.exit(0)
+        sys.exit(common.run(lambda _: _plan(main_cli.CONFIG_FLAG.value, devices, FLAGS)))
 
     app.run(run, argv=argv, flags_parser=functools.partial(main_cli.parse_flags, doc=__doc__,
                                                            modules=(__name__, main_cli.__name__)))

@@ -105,7 +105,8 @@ def peak_per_device(backend: str, device_kind: str | None, num_devices: int,
 
 
 def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | None = None, mfu: float = 0.5,
-         peak_flops: float | None = None, hlo_path: str | None = None, compiler: str = "cpu") -> dict:
+         peak_flops: float | None = None, hlo_path: str | None = None, compiler: str = "cpu",
+         force: bool = False) -> dict:
     """Compiles `config`'s train step for `num_devices` fake CPU devices with `backend`'s dtypes, and returns
     every figure of the report (bytes are per device). Raises errors.ConfigError on bad input.
 
@@ -150,6 +151,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         raise ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
     facts = config_lib.validate(config, num_devices)
     config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
+    if not force:  # the run's own floor, against the target's memory: refused before a long compile
+        config_lib.check_fits(config, num_devices, device_memory(backend, device_kind))
     model_cfg = config_lib.model_config(config, backend)
     if peak_flops is None:  # an unknown device kind fails before the compile
         peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)

@@ -15,6 +15,9 @@ jaxlib; print(jaxlib.__version__)')"`. On a host without a driver jax's CUDA ver
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 GPUS_PER_HOST = 8  # an HGX/DGX node
 
@@ -27,10 +30,25 @@ SPECS = {
 }
 
 
+BUNDLED = Path(sys.prefix) / "cuda-plugin"  # where `make test` installs it, away from every other jax process
+
+
 def available() -> bool:
     """Whether the CUDA PJRT plugin is importable (it is what compiles for a described GPU)."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
-        importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    try:
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def use_bundled() -> bool:
+    """Makes the plugin in BUNDLED importable when no other is; call before jax starts its backends. True when
+    a plugin is available. Only CPU devices run here then: the plugin only compiles for described GPUs."""
+    if not available() and (BUNDLED / "jax_plugins").is_dir():
+        sys.path.insert(0, str(BUNDLED))
+        importlib.invalidate_caches()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return available()
 
 
 def spec_for(device_kind: str | None) -> tuple[str, dict]:
@@ -86,8 +104,8 @@ def devices(device_kind: str | None, num_devices: int) -> list:
     """`num_devices` described GPUs of this kind (jax device objects, in topology order) to compile for."""
     if not available():
         raise ModuleNotFoundError(
-            "the CUDA PJRT plugin is not installed: pip install \"jax-cuda12-plugin==$(python -c 'import jaxlib; "
-            "print(jaxlib.__version__)')\" (no GPU or CUDA needed)")
+            "gpu needs the CUDA PJRT plugin: pip install \"jax-cuda12-plugin==$(python -c 'import jaxlib; "
+            f"print(jaxlib.__version__)')\" (no GPU or CUDA needed), or `make test`, which puts it in {BUNDLED}")
     from jax.experimental import topologies  # noqa: PLC0415
 
     # The CUDA plugin reads the shape from its "topology" option (topology_name is the TPU's).

@@ -11,7 +11,18 @@ import functools
 import sys
 
 from jaxtrain import errors
+from jaxtrain.tools import common
 from jaxtrain.tools.sweep.runner import run, worker_main
+
+
+def sweep(config, FLAGS) -> int:  # noqa: N803 - absl's flag values
+    try:
+        run(config, FLAGS.sweep, FLAGS.sweep_dir, workers=FLAGS.workers, storage=FLAGS.storage, trials=FLAGS.trials,
+            print_fn=lambda *a: print(*a, flush=True))
+    except errors.Preempted:
+        print("preempted: running trials saved a checkpoint; rerun the same command to resume", file=sys.stderr)
+        return errors.EXIT_PREEMPTED
+    return errors.EXIT_OK
 
 
 def main(argv: list[str] | None = None):
@@ -42,16 +53,7 @@ def main(argv: list[str] | None = None):
         if not FLAGS.sweep:
             print("error: --sweep: required (e.g. --sweep configs/sweeps/lr_grid.py)", file=sys.stderr)
             sys.exit(errors.EXIT_BAD_INPUT)
-        try:
-            run(main_cli.CONFIG_FLAG.value, FLAGS.sweep, FLAGS.sweep_dir, workers=FLAGS.workers, storage=FLAGS.storage,
-                trials=FLAGS.trials, print_fn=lambda *a: print(*a, flush=True))
-        except (errors.ConfigError, errors.DataError) as e:
-            print(f"error: {e}".splitlines()[0], file=sys.stderr)
-            sys.exit(errors.EXIT_BAD_INPUT)
-        except errors.Preempted:
-            print("preempted: running trials saved a checkpoint; rerun the same command to resume", file=sys.stderr)
-            sys.exit(errors.EXIT_PREEMPTED)
-        sys.exit(errors.EXIT_OK)
+        sys.exit(common.run(lambda _: sweep(main_cli.CONFIG_FLAG.value, FLAGS)))
 
     app.run(run_sweep, argv=["jaxtrain sweep", *(sys.argv[1:] if argv is None else argv)],
             flags_parser=functools.partial(main_cli.parse_flags, doc=__doc__, modules=(__name__, main_cli.__name__)))

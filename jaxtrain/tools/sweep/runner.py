@@ -18,7 +18,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from jaxtrain import errors
+from jaxtrain import errors, files
 from jaxtrain.errors import SweepError
 from jaxtrain.observe import tracking
 from jaxtrain.tools.sweep.results import write_results
@@ -44,7 +44,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     ddir = layout.default_dir(config.data)
     if not layout.prepared_from_sources(ddir):
         prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    files.make_dir(sweep_dir, "--sweep_dir")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our one line per trial replaces Optuna's
     study = open_study(spec, config, sweep_dir, storage)
     (sweep_dir / "sweep.json").write_text(json.dumps(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -21,8 +20,8 @@ from pathlib import Path
 import optuna
 
 from jaxtrain import config as config_lib
-from jaxtrain import errors
-from jaxtrain.errors import SweepError
+from jaxtrain import errors, files
+from jaxtrain.errors import ConfigError, SweepError
 
 SAMPLERS = ("grid", "random", "tpe")
 PRUNERS = ("none", "median", "hyperband")
@@ -122,20 +121,10 @@ def load(sweep, trials: int | None = None) -> Sweep:
         return spec
     if isinstance(sweep, (str, os.PathLike)):
         path = Path(sweep)
-        if not path.is_file():
-            raise SweepError("--sweep", f"{path}: file not found")
-        module_spec = importlib.util.spec_from_file_location(f"_jaxtrain_sweep_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
         try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - any error in the user's file is bad input
-            raise SweepError("--sweep", f"{path}: {type(e).__name__}: {e}".splitlines()[0]) from None
-        if not callable(getattr(module, "get_sweep", None)):
-            raise SweepError("--sweep", f"{path}: no get_sweep() function")
-        try:
-            raw = module.get_sweep()
-        except Exception as e:  # noqa: BLE001
-            raise SweepError("--sweep", f"{path}: get_sweep() raised {type(e).__name__}: {e}".splitlines()[0]) from None
+            raw = files.run_python_file(path, "get_sweep", field="--sweep")
+        except ConfigError as e:
+            raise SweepError(e.field, e.reason) from None
         return parse(raw, default_name=path.stem, trials=trials)
     return parse(sweep, trials=trials)
 

@@ -1,0 +1,176 @@
+"""Bad input, run as a user runs it: one `error: <field or path>: <reason>` line on stderr (no traceback), the
+documented exit code, and nothing the user had is changed. Each case is a finding of issue 28."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import tree_digest
+from jaxtrain import train
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each case is a process that imports jax
+
+CONFIG_FILES = {
+    "syntax_error": ("def get_config(:\n", "SyntaxError"),
+    "get_config_raises": ("def get_config():\n    raise RuntimeError('boom')\n", "get_config() raised RuntimeError: boom"),
+    "wrong_type": ("def get_config():\n    return 3\n", "get_config() returned int, not a ConfigDict"),
+    "no_get_config": ("x = 1\n", "no get_config() function"),
+}
+
+
+def jaxtrain(*args, timeout=300, **popen):
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=False, **popen)
+
+
+def assert_one_line(proc, rc: int, *needles):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == rc, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert str(needle) in lines[0], lines[0]
+    return lines[0]
+
+
+def tiny_args(config):
+    """The tiny config as command-line overrides of configs/tiny.py."""
+    return [f"--config.workdir={config.workdir}", f"--config.data.dir={config.data.dir}",
+            f"--config.train.steps={config.train.steps}"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_config, tmp_path_factory):
+    """A finished 10-step tiny run (checkpoints at 5 and 10), to copy."""
+    config = tiny_config(tmp_path_factory.mktemp("trained") / "run")
+    train.run(config, print_fn=lambda *a, **k: None)
+    return config
+
+
+def copy_of(trained, tmp_path) -> Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(trained.workdir, workdir)
+    return workdir
+
+
+@pytest.mark.parametrize("case", [*CONFIG_FILES, "directory", "missing"])
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_config_file_that_does_not_load_is_one_line_naming_it(command, case, tmp_path):
+    path = tmp_path / "cfg.py"
+    if case in CONFIG_FILES:
+        path.write_text(CONFIG_FILES[case][0])
+    elif case == "directory":
+        path = tmp_path
+    extra = ["--sweep", "configs/sweeps/lr_grid.py", "--sweep_dir", tmp_path / "sweep"] if command == "sweep" else []
+    proc = jaxtrain(command, "--config", path, f"--config.workdir={tmp_path / 'run'}", *extra)
+    reason = CONFIG_FILES.get(case, (None, {"directory": "is a directory", "missing": "file not found"}.get(case)))[1]
+    assert_one_line(proc, 2, "--config", path, reason)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("case", ["checkpoints_is_a_file", "local_dir_is_a_file", "local_dir_is_the_checkpoints"])
+def test_checkpoint_paths_are_checked_before_the_workdir_exists(case, tiny_config, tmp_path):
+    config = tiny_config(tmp_path / "run")
+    (tmp_path / "a_file").write_text("mine\n")
+    args = tiny_args(config)
+    if case == "checkpoints_is_a_file":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "checkpoints").write_text("mine\n")
+        field = "checkpoints"
+    else:
+        local = tmp_path / "a_file" if case == "local_dir_is_a_file" else tmp_path / "run" / "checkpoints"
+        args += [f"--config.checkpoint.local_dir={local}", "--config.checkpoint.local_every_steps=2"]
+        field = "checkpoint.local_dir"
+    before = tree_digest(tmp_path)
+    assert_one_line(jaxtrain("train", "--config", "configs/tiny.py", *args), 2, field)
+    assert tree_digest(tmp_path) == before
+    assert (tmp_path / "run").exists() == (case == "checkpoints_is_a_file")
+
+
+def test_a_damaged_config_json_is_named_and_the_workdir_kept(trained, tmp_path):
+    workdir = copy_of(trained, tmp_path)
+    (workdir / "config.json").write_text("garbage{")
+    before = tree_digest(workdir)
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(trained), f"--config.workdir={workdir}",
+                    "--config.train.steps=12")
+    assert_one_line(proc, 2, workdir / "config.json", "unreadable")
+    assert tree_digest(workdir) == before
+    assert_one_line(jaxtrain("generate", "--workdir", workdir, "--prompt", "In"), 2, workdir / "config.json")
+
+
+def test_a_damaged_data_shard_is_named_with_the_fix(tiny_config, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_config().data.dir, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    shard = data / manifest["splits"]["train"][1]["file"]
+    damaged = bytearray(shard.read_bytes())
+    for i in range(1000, len(damaged), 997):
+        damaged[i] ^= 0xFF
+    shard.write_bytes(damaged)
+    config = tiny_config(tmp_path / "run")
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config), f"--config.data.dir={data}")
+    assert_one_line(proc, 2, shard, "damaged", "prepare")
+    assert not (tmp_path / "run").exists()
+
+
+def test_generate_without_a_checkpoint_is_one_line(trained, tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    shutil.copy(Path(trained.workdir) / "config.json", workdir)
+    assert_one_line(jaxtrain("generate", "--workdir", workdir, "--prompt", "In"), 2, "no checkpoint")
+
+
+def test_outputs_under_a_file_are_refused_and_nothing_is_written(trained, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine\n")
+    assert_one_line(jaxtrain("hf", "export", "--workdir", trained.workdir, "--output", blocker / "hf"), 2,
+                    "--output", blocker)
+    assert_one_line(jaxtrain("report", trained.workdir, "--output", blocker / "report"), 2, "--output", blocker)
+    assert_one_line(jaxtrain("sweep", "--config", "configs/tiny.py", "--sweep", "configs/sweeps/lr_grid.py",
+                             "--sweep_dir", blocker, *tiny_args(trained)[1:]), 2, "--sweep_dir", blocker)
+    assert_one_line(jaxtrain("prepare", "--input", "README.md", "--format", "txt", "--output", blocker / "data"), 2,
+                    "--output", blocker)
+    assert blocker.read_text() == "mine\n" and sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_prepare_recurses_on_double_star_and_a_failed_prepare_leaves_nothing(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "a.txt").write_text("one document\n")
+    (tmp_path / "in" / "sub" / "b.txt").write_text("another document\n")
+    out = tmp_path / "out"
+    # Two documents, both held out: bad input, and no work dir or lock file is left beside the output.
+    proc = jaxtrain("prepare", "--input", f"{tmp_path}/in/**", "--output", out, "--vocab_size", 300)
+    assert_one_line(proc, 2, "no documents left for training after 2 held-out ones")
+    assert sorted(os.listdir(tmp_path)) == ["in"]
+    proc = jaxtrain("prepare", "--input", f"{tmp_path}/in/**", "--output", out, "--vocab_size", 300,
+                    "--heldout_docs", 1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["in", "out"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(Path(s["path"]).name for s in manifest["sources"]) == ["a.txt", "b.txt"]
+
+
+def test_ctrl_c_saves_nothing_new_says_what_was_saved_and_a_rerun_resumes(tiny_config, tmp_path):
+    config = tiny_config(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain", "train", "--config", "configs/tiny.py",
+                             *tiny_args(config), "--config.train.steps=100000", "--config.log.every_steps=100"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "run" / "checkpoints" / "10").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    proc.stderr = stderr
+    line = assert_one_line(proc, 130, "interrupted at step")
+    saved = int(line.split("the newest checkpoint is step ")[1].split(";")[0])
+    assert saved >= 10 and (tmp_path / "run" / "checkpoints" / str(saved)).is_dir()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["attempts"][-1]["status"] == "interrupted"
+    rerun = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config), f"--config.train.steps={saved + 2}")
+    assert rerun.returncode == 0 and f"resumed from checkpoint at step {saved}" in rerun.stdout, rerun.stderr[-2000:]
