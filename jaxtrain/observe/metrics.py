@@ -29,7 +29,7 @@ import numpy as np
 from jaxtrain import files
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
-from jaxtrain.observe import profiling
+from jaxtrain.observe import profiling, tracking
 
 # Dense bf16 peak FLOP/s per device (vendor figures).
 PEAK_FLOPS = {
@@ -162,6 +162,8 @@ def earlier_evals(workdir, up_to: int) -> list[dict]:
 
 TRACKERS = ("mlflow", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_FORBIDDEN = "/\\#?%:"
+NAME_MAX = 128  # W&B's limit for project and run names; MLflow's are longer
 # The config's `log` group. A progress line and a metrics record every `every_steps`. `fingerprints`: also append
 # each step's batch hash to WORKDIR/data_fingerprints.<process>.jsonl, an audit trail that proves a resumed run saw
 # exactly the batches an uninterrupted one would. `trackers`: also log to "mlflow" and/or "wandb" (comma-separated;
@@ -189,6 +191,13 @@ def check_log_config(log) -> None:
             raise ConfigError("log.trackers", f"{name} is not installed: pip install 'jaxtrain[{name}]'")
     if "mlflow" in names and not log.experiment:
         raise ConfigError("log.experiment", "must not be empty with mlflow")
+    if "wandb" in names:  # W&B refuses these in project and entity names, with an error that echoes the name
+        for f in ("experiment", "wandb_entity"):
+            if bad := sorted(set(log[f]) & set(WANDB_FORBIDDEN)):
+                raise ConfigError(f"log.{f}", f"W&B names cannot contain {' '.join(bad)} (got {tracking.redact(log[f])!r})")
+    for f in ("experiment", "run_name", "wandb_entity"):
+        if len(log[f]) > NAME_MAX:
+            raise ConfigError(f"log.{f}", f"{len(log[f])} characters; trackers take at most {NAME_MAX}")
     g.choice("wandb_mode", WANDB_MODES)
     profiling.parse_steps(log.profile_steps)
 
@@ -284,9 +293,13 @@ class WandbWriter(MetricWriter):
         ids.put("wandb", {"id": run_id})
         if api_key and mode == "online":
             wandb.login(key=api_key, verify=False)
-        self._run = wandb.init(project=project, entity=entity or None, name=run_name, id=run_id, resume="allow",
-                               dir=str(workdir), mode=mode, reinit="create_new",
-                               settings=wandb.Settings(silent=True, console="off"))
+        argv, sys.argv = sys.argv, tracking.redact_argv(sys.argv)  # W&B records the command line from here
+        try:
+            self._run = wandb.init(project=project, entity=entity or None, name=run_name, id=run_id, resume="allow",
+                                   dir=str(workdir), mode=mode, reinit="create_new",
+                                   settings=wandb.Settings(silent=True, console="off"))
+        finally:
+            sys.argv = argv
 
     def write_scalars(self, step, scalars):
         values = {k: _plain(v) for k, v in scalars.items()}
@@ -302,14 +315,16 @@ class WandbWriter(MetricWriter):
 def tracker_writers(log_cfg, workdir) -> list[MetricWriter]:
     """The optional writers `log.trackers` names (process 0 only)."""
     workdir = Path(workdir)
-    run_name = log_cfg.run_name or workdir.resolve().name
+    # Names leave the process as they are: redacted like everything else a run logs.
+    run_name = tracking.redact(log_cfg.run_name or workdir.resolve().name)
+    experiment = tracking.redact(log_cfg.experiment)
     out = []
     for name in parse_trackers(log_cfg.trackers):
         if name == "mlflow":
             uri = log_cfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir.resolve()}/mlflow.db"
-            out.append(MLflowWriter(workdir, uri=uri, experiment=log_cfg.experiment, run_name=run_name))
+            out.append(MLflowWriter(workdir, uri=uri, experiment=experiment, run_name=run_name))
         else:
-            out.append(WandbWriter(workdir, project=log_cfg.experiment, run_name=run_name, mode=log_cfg.wandb_mode,
+            out.append(WandbWriter(workdir, project=experiment, run_name=run_name, mode=log_cfg.wandb_mode,
                                    entity=log_cfg.wandb_entity, api_key=log_cfg.wandb_api_key))
     return out
 

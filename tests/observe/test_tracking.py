@@ -4,6 +4,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -37,6 +38,49 @@ def test_redact_keys_that_look_secret_and_url_passwords():
                    "uri": f"postgresql://me:{r}@db:5432/mlflow", "plain": "http://host:8080/path",
                    "nested": [{"secret": r}, f"mysql://u:{r}@h/x and https://a:{r}@c"]}
     assert data["wandb_api_key"] == "abc"  # a copy: the config itself is untouched
+
+
+def test_redact_argv_hides_secret_flags_in_both_forms_and_url_passwords():
+    r = tracking.REDACTED
+    argv = ["prog", f"--config.log.wandb_api_key={SECRET}", "--api_key", SECRET, "--token", "--config.train.steps=3",
+            f"--config.log.run_name=postgresql://me:{DB_PASSWORD}@db/x", "--config.log.wandb_api_key="]
+    assert tracking.redact_argv(argv) == ["prog", f"--config.log.wandb_api_key={r}", "--api_key", r, "--token",
+                                          "--config.train.steps=3", f"--config.log.run_name=postgresql://me:{r}@db/x",
+                                          "--config.log.wandb_api_key="]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("log.experiment", f"postgresql://me:{DB_PASSWORD}@db/x", "W&B names cannot contain / :"),
+    ("log.wandb_entity", "team#1", "W&B names cannot contain #"),
+    ("log.run_name", "r" * 129, "129 characters; trackers take at most 128"),
+])
+def test_tracker_names_are_checked_at_config_time_without_echoing_a_secret(tiny_config, field, value, message):
+    with pytest.raises(config_lib.ConfigError, match=f"^{field}: {message}") as e:
+        config_lib.validate(tiny_config(**{"log.trackers": "mlflow,wandb", field: value}), 8, 1)
+    assert DB_PASSWORD not in str(e.value)
+
+
+@pytest.mark.slow
+def test_no_secret_from_the_command_line_reaches_any_byte_a_tracked_run_writes(tiny_config, tmp_path):
+    """A user's command line: the W&B key as a flag and a database password inside the run name. W&B records the
+    command line and MLflow's database the names; every file in the workdir is read as bytes."""
+    workdir = tmp_path / "run"
+    cfg = tiny_config(workdir)
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", "--config", "configs/tiny.py",
+                           f"--config.workdir={workdir}", f"--config.data.dir={cfg.data.dir}", "--config.train.steps=2",
+                           "--config.log.trackers=mlflow,wandb", f"--config.log.wandb_api_key={SECRET}",
+                           f"--config.log.run_name=postgresql://alice:{DB_PASSWORD}@db/runs"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(Path(workdir, "wandb").rglob("*.wandb")) and Path(workdir, "mlflow.db").is_file()
+    secrets = (SECRET.encode(), DB_PASSWORD.encode())
+    leaks = [str(p) for p in workdir.rglob("*") if p.is_file() and any(s in p.read_bytes() for s in secrets)]
+    assert leaks == [] and not any(s.decode() in proc.stdout + proc.stderr for s in secrets)
+    from mlflow import MlflowClient
+
+    ids = json.loads((workdir / "trackers.json").read_text())
+    name = MlflowClient(tracking_uri=ids["mlflow"]["uri"]).get_run(ids["mlflow"]["run_id"]).info.run_name
+    assert name == f"postgresql://alice:{tracking.REDACTED}@db/runs"
 
 
 def test_unknown_tracker_and_bad_wandb_mode_are_config_errors(tiny_config):
