@@ -238,7 +238,7 @@ class _Dir:
     def step_path(self, step: int) -> epath.Path:
         return epath.Path(self.path) / str(step)
 
-    def load(self, step: int, abstract_state):
+    def load(self, step: int, abstract_state, run_id: str | None = None):
         """(state, data_state) of `step`, verified. Raises _Corrupt, or CheckpointError if the checkpoint does
         not match `abstract_state` (a different model: older steps would not help either).
 
@@ -248,7 +248,7 @@ class _Dir:
         which a process that raised would never reach.
         """
         path = self.step_path(step)
-        record = _agreed(lambda: _read_record(path, abstract_state, step, self.path))
+        record = _agreed(lambda: _read_record(path, abstract_state, step, self.path, run_id))
         state, data = _agreed(lambda: _read_items(path, abstract_state))
         sums = checksums(state)  # a collective: every process gets here
         bad = sorted(name for name, (_, _, digest) in record["arrays"].items() if sums.get(name) != digest)
@@ -301,7 +301,7 @@ def _agreed(fn):
     return result
 
 
-def _read_record(path: epath.Path, abstract_state, step: int, directory: str) -> dict:
+def _read_record(path: epath.Path, abstract_state, step: int, directory: str, run_id: str | None = None) -> dict:
     if not (path / _COMMIT_MARKER).exists():
         raise _Corrupt(f"missing commit marker {_COMMIT_MARKER}")
     try:
@@ -314,24 +314,33 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str) ->
             raise ValueError(f"layer_order {order} is not an order of layers")
     except Exception as e:
         raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e
-    _check_identity(record, step)
+    _check_identity(record, step, run_id)
     _check_matches(record["arrays"], abstract_state, step, directory)
     return record
 
 
-def _recorded_step(path: epath.Path) -> int | None:
-    """The step a step directory's integrity record says it holds; None if unreadable."""
+def _misplaced(path: epath.Path, step: int, run_id: str | None) -> str | None:
+    """Why a step directory holds another checkpoint than its name says (per its integrity record); None if it
+    holds its own, or if the record is unreadable (damage: the restore path reports that)."""
     try:
-        return int(ocp.JsonCheckpointHandler().restore(path / "integrity")["step"])
-    except Exception:  # noqa: BLE001 - damage; the restore path reports it
+        record = ocp.JsonCheckpointHandler().restore(path / "integrity")
+        _check_identity(record, step, run_id)
+    except _Corrupt as e:
+        return str(e)
+    except Exception:  # noqa: BLE001
         return None
+    return None
 
 
-def _check_identity(record: dict, step: int) -> None:
-    """A step directory must hold its own step: a moved, swapped or copied one restores the wrong state."""
+def _check_identity(record: dict, step: int, run_id: str | None) -> None:
+    """A step directory must hold its own step of its own run: a moved, swapped or copied one restores the wrong
+    state. Records without a run id (older checkpoints) and runs without one (tools reading weights) skip that."""
     if int(record.get("step", step)) != step:
         raise _Corrupt(f"it holds the checkpoint of step {record['step']}, not {step} (a moved or copied step "
                        f"directory)")
+    if run_id and record.get("run_id") and record["run_id"] != run_id:
+        raise _Corrupt(f"it holds a checkpoint of another run (run id {record['run_id']}, this workdir's is "
+                       f"{run_id}): copied from another workdir")
 
 
 def _read_items(path: epath.Path, abstract_state):
@@ -377,12 +386,13 @@ class Checkpointer:
     def __init__(self, directory, *, keep: int, keep_period: int = 0, every_steps: int = 0,
                  every_minutes: float = 0, local_directory: str | None = None, local_every_steps: int = 0,
                  local_keep: int = 2, async_save: bool = True, log=print, clock=time.monotonic,
-                 layer_order: tuple[int, ...] | None = None):
+                 layer_order: tuple[int, ...] | None = None, run_id: str | None = None):
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         check_paths(directory, local_directory)
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
+        self.run_id = run_id  # recorded in each save, checked on restore (process 0 needs it; others follow)
         self.layer_order = None if layer_order is None or list(layer_order) == sorted(layer_order) else \
             tuple(layer_order)
         self.persistent = _Dir(str(directory), keep, keep_period, async_save)
@@ -426,6 +436,8 @@ class Checkpointer:
                   for name, leaf in _flatten(state)}
         record = {"format": _FORMAT, "step": step, "arrays": arrays,
                   "data_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+        if self.run_id:
+            record["run_id"] = self.run_id
         if self.layer_order:
             record["layer_order"] = list(self.layer_order)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(json.loads(canonical)),
@@ -495,11 +507,11 @@ class Checkpointer:
         for d in self._dirs:
             d.manager.reload()
             for step in sorted(d.manager.all_steps()):
-                recorded = _recorded_step(d.step_path(step)) if jax.process_index() == 0 else None
-                if distributed.from_process_0(recorded is not None and recorded != step):
+                why = _misplaced(d.step_path(step), step, self.run_id) if jax.process_index() == 0 else None
+                if distributed.from_process_0(why is not None):
                     moved = d.move_aside(step)
-                    self.log(f"checkpoint step {step} in {d.path} holds the checkpoint of step {recorded}; moved "
-                             f"aside to {moved}")
+                    self.log(f"checkpoint step {step} in {d.path} is not this run's: {why or 'see process 0'}; "
+                             f"moved aside to {moved}")
 
     def latest_step(self) -> int | None:
         """Newest committed step in either directory (not verified)."""
@@ -515,7 +527,7 @@ class Checkpointer:
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
-                    return self._in_own_order(*d.load(step, abstract_state))
+                    return self._in_own_order(*d.load(step, abstract_state, self.run_id))
                 except _Corrupt as e:
                     problems.append(f"{d.path}: {e}")
         raise CheckpointError(f"cannot restore checkpoint step {step}: " + ("; ".join(problems) or "not found"))
@@ -531,7 +543,7 @@ class Checkpointer:
                             key=lambda c: c[:2], reverse=True)
         for step, _, d in candidates:
             try:
-                return step, *self._in_own_order(*d.load(step, abstract_state))
+                return step, *self._in_own_order(*d.load(step, abstract_state, self.run_id))
             except _Corrupt as e:
                 moved = d.move_aside(step)
                 self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "

@@ -16,9 +16,14 @@ from jaxtrain.errors import ConfigError
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
     """`data` as JSON at `path`, written to a temporary file and renamed into place."""
+    write_text(path, json.dumps(data, indent=1, default=str))
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """`text` at `path`, written to a temporary file and renamed into place."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)  # a reader never sees half a file
 
 

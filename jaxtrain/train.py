@@ -75,7 +75,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     # ===== Workdir: one run at a time (jaxtrain/workdir.py); a finished run is left exactly as it is =======
     with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:
         workdir = wd.path
-        checkpointer = make_checkpointer(config, workdir, print_fn=say)
+        checkpointer = make_checkpointer(config, workdir, print_fn=say, run_id=wd.run_id(create=False))
         checkpointer.set_aside_misplaced()  # a step dir holding another step's checkpoint (moved, swapped, copied)
         latest = checkpointer.latest_step() or 0
         saved = wd.saved_config()
@@ -133,6 +133,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                 say(f"initialized from the Hugging Face checkpoint {config.model.init_from}")
         if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
             wd.record_config(tracking.redact(config.to_dict()))
+        checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs
 
         # ===== Metric writers ==============================================================================
         if is_main:

@@ -128,13 +128,13 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
                    train_step=train_step, eval_step=eval_step)
 
 
-def make_checkpointer(config, workdir: Path, print_fn=print) -> ckpt_lib.Checkpointer:
+def make_checkpointer(config, workdir: Path, print_fn=print, run_id: str | None = None) -> ckpt_lib.Checkpointer:
     c = config.checkpoint
     order = pipeline_parallel.layer_order(config.model.n_layers, config.pipeline.stages, config.pipeline.repeats)
     return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
-                                 local_keep=c.local_keep, log=print_fn, layer_order=order)
+                                 local_keep=c.local_keep, log=print_fn, layer_order=order, run_id=run_id)
 
 
 def load_config(workdir) -> ml_collections.ConfigDict:

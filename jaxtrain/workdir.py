@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 
 from jaxtrain import files
@@ -29,6 +30,7 @@ from jaxtrain.parallel import distributed
 
 LOCK = ".lock"
 CONFIG = "config.json"
+RUN_ID = "run_id"  # names this workdir's checkpoints: one copied in from another workdir is not restored
 FD_ENV = "JAXTRAIN_WORKDIR_LOCK_FD"  # an inherited, already locked open file of WORKDIR/.lock
 
 
@@ -154,6 +156,21 @@ class Workdir:
     def saved_config(self) -> dict | None:
         """The config.json the checkpoints were made with, or None."""
         return read_config(self.path) if (self.path / CONFIG).exists() else None
+
+    def run_id(self, create: bool) -> str | None:
+        """This workdir's run id (process 0; None elsewhere, and before one exists unless `create`). A copy of a
+        whole workdir keeps it: the copy is a fork of the same run."""
+        if not self.is_main:
+            return None
+        path = self.path / RUN_ID
+        try:
+            return path.read_text().strip() or None
+        except FileNotFoundError:
+            if not create:
+                return None
+        value = uuid.uuid4().hex
+        files.write_text(path, value + "\n")
+        return value
 
     def record_config(self, config: dict) -> None:
         """Writes config.json (process 0, atomically). For a workdir without checkpoints: an earlier config.json

@@ -114,12 +114,35 @@ def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identic
     lines = []
     summary = train.run(tiny_config(workdir=cfg.workdir, **steps), print_fn=lines.append)
     for step, holds in ((10, 15), (15, 10), (35, 15)):
-        assert any(line.startswith(f"checkpoint step {step} in {root} holds the checkpoint of step {holds}; moved "
-                                   f"aside to {root}/{step}.corrupt-") for line in lines), lines
+        assert any(line.startswith(f"checkpoint step {step} in {root} is not this run's: it holds the checkpoint of "
+                                   f"step {holds}, not {step}") and f"moved aside to {root}/{step}.corrupt-" in line
+                   for line in lines), lines
     assert "resumed from checkpoint at step 5" in lines
     assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
     kept = [tree_digest(p) for p in root.glob("*.corrupt-*")]  # the moved-aside dirs, every byte of them
     assert len(kept) == 3 and all(digest in kept for digest in misplaced)
+
+
+def test_a_step_dir_copied_from_another_run_is_set_aside_and_the_run_ends_bit_identical(tiny_config):
+    """Another run's step 10 (same model, another seed) copied into a run stopped at 5: its integrity record names
+    step 10, as the directory does, but not this workdir's run id. Without that check the run would call itself
+    finished at 10 with the other run's weights."""
+    steps = {"train.steps": 10, "checkpoint.every_steps": 5, "eval.every_steps": 0}
+    straight = train.run(tiny_config(**steps), print_fn=quiet)
+    other = tiny_config(**steps, **{"train.seed": 7})
+    train.run(other, print_fn=quiet)
+    cfg = tiny_config(**steps, **{"train.stop_at": 5})
+    train.run(cfg, print_fn=quiet)
+    root = Path(cfg.workdir) / "checkpoints"
+    shutil.copytree(Path(other.workdir) / "checkpoints" / "10", root / "10")
+    lines = []
+    summary = train.run(tiny_config(workdir=cfg.workdir, **steps), print_fn=lines.append)
+    assert any(line.startswith(f"checkpoint step 10 in {root} is not this run's: it holds a checkpoint of another "
+                               f"run") for line in lines), lines
+    assert "resumed from checkpoint at step 5" in lines
+    assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
+    assert [tree_digest(p) for p in root.glob("10.corrupt-*")] == [tree_digest(Path(other.workdir) / "checkpoints" /
+                                                                               "10")]
 
 
 def test_missing_absolute_workdir_parent_is_refused(tiny_config, tmp_path):
