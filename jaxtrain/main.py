@@ -48,8 +48,7 @@ def _config_file_problem(argv) -> str | None:
     """Why the --config file yields no ConfigDict, or None if it does. ml_collections reports a file that does not
     load as a traceback, or defers the error to the first use of the config; this loads it again to name the path
     and the reason in one line."""
-    path = next((arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-                 for i, arg in enumerate(argv) if arg.split("=", 1)[0] in ("--config", "-config")), None)
+    path = flag_value(argv, "config")
     if path is None:
         return None
     file, _, arg = path.partition(":")  # config_flags passes what follows a colon to get_config
@@ -59,6 +58,16 @@ def _config_file_problem(argv) -> str | None:
         return str(e)
     if not isinstance(config, ml_collections.ConfigDict):
         return f"--config: {file}: get_config() returned {type(config).__name__}, not a ConfigDict"
+    return None
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+    """A flag's value in a raw command line (`argv[0]` the program), before or without absl parsing it."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg in (f"--{name}", f"-{name}"):
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith((f"--{name}=", f"-{name}=")):
+            return arg.split("=", 1)[1]
     return None
 
 

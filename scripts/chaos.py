@@ -10,6 +10,12 @@ A reference run of configs/tiny.py trains uninterrupted. Each trial then runs th
   kill_in_save    SIGKILL it while a checkpoint is being written (a partial tmp directory is left)
   corrupt:<kind>  SIGKILL it, damage its newest checkpoint (flipped bit, truncated file, missing manifest,
                   missing commit marker, broken data-state JSON), then let the supervisor resume
+  swap_steps      SIGKILL it, swap its two newest step dirs and copy the newest to a later step (a careless sync)
+  stale_lock      SIGKILL it while it holds the workdir lock, then restart (the dead holder must block nothing)
+  concurrent      start a second run on the workdir while the supervised one is alive (a requeue while the old
+                  job runs; paused meanwhile): the second must exit 2 within seconds, the first finish untouched
+  damaged_shard   SIGKILL it, damage a training shard: the restart must exit 2 naming the shard, without a
+                  retry; then repair the shard and rerun
 
 A trial *recovered* if the supervised run finished; it is *bit-identical* if its final state checksum
 (summary.json, every array of params and optimizer state) equals the reference's. A *silent corruption*
@@ -24,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -34,12 +41,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORRUPTIONS = ("flip_bit", "truncate", "missing_manifest", "missing_commit_marker", "broken_data_json")
-FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS))
+AFTER_KILL = ("swap_steps", "stale_lock", "damaged_shard")  # like corrupt:*: kill, change files, restart
+FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent")
 
 
-def train_cmd(workdir: Path, args) -> list[str]:
+def train_cmd(workdir: Path, args, data_dir: str | None = None) -> list[str]:
     return [sys.executable, "-m", "jaxtrain.main", "--config", str(REPO / "configs/tiny.py"),
-            f"--config.workdir={workdir}", f"--config.train.steps={args.steps}", f"--config.data.dir={args.data_dir}",
+            f"--config.workdir={workdir}", f"--config.train.steps={args.steps}",
+            f"--config.data.dir={data_dir or args.data_dir}",
             f"--config.checkpoint.every_steps={args.every}", "--config.eval.every_steps=0",
             "--config.faults.step_timeout_s=120"]
 
@@ -103,6 +112,33 @@ def corrupt(step_dir: Path, kind: str, rng: random.Random) -> str:
     return "broke data/metadata JSON"
 
 
+def swap_steps(workdir: Path, args) -> str:
+    root = workdir / "checkpoints"
+    a, b = sorted((p for p in root.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[-2:]
+    later = root / str(int(b.name) + 2 * args.every)
+    shutil.copytree(b, later)
+    b.rename(root / "swap")
+    a.rename(b)
+    (root / "swap").rename(a)
+    return f"swapped steps {a.name} and {b.name}, copied {a.name}'s true checkpoint to {later.name}"
+
+
+def damage_shard(data_dir: Path) -> Path:
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    shard = data_dir / manifest["splits"]["train"][0]["file"]
+    blob = bytearray(shard.read_bytes())
+    for i in range(1000, len(blob), 997):
+        blob[i] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    return shard
+
+
+def supervise(workdir: Path, args, data_dir: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
+                             "--backoff_s", "0.2", "--", *train_cmd(workdir, args, data_dir)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def reference(args) -> str:
     workdir = Path(args.out) / "reference"
     subprocess.run(train_cmd(workdir, args), check=True, cwd=REPO, capture_output=True)
@@ -112,27 +148,60 @@ def reference(args) -> str:
 def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str) -> dict:
     workdir = Path(args.out) / f"trial{n:02d}-{fault.replace(':', '-')}"
     result = {"trial": n, "fault": fault, "injected": False, "recovered": False, "identical": False, "note": ""}
-    if fault.startswith("corrupt:"):
-        # Train unsupervised past two checkpoints, kill, damage the newest, then resume under supervision.
-        proc = subprocess.Popen(train_cmd(workdir, args), cwd=REPO, stdout=subprocess.DEVNULL,
+    data_dir = None
+    if fault == "damaged_shard":  # a private copy of the data, damaged below
+        data_dir = str(Path(args.out) / f"data{n:02d}")
+        shutil.copytree(args.data_dir, data_dir)
+    if fault.startswith("corrupt:") or fault in AFTER_KILL:
+        # Train unsupervised past two checkpoints, kill, change the files, then resume under supervision.
+        proc = subprocess.Popen(train_cmd(workdir, args, data_dir), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        target = rng.randrange(2 * args.every + 1, args.steps - 1)
+        target = rng.randrange(3 * args.every + 1, args.steps - 1)
         if wait_until(lambda: last_step(workdir) >= target, proc):
             proc.kill()
             proc.wait()
             time.sleep(0.5)  # no save can still be finishing: the process is gone
-            step_dir = newest_checkpoint(workdir)
-            result["note"] = f"killed at {last_step(workdir)}; step {step_dir.name}: " + corrupt(
-                step_dir, fault.split(":")[1], rng)
-            result["injected"], t_fault = True, time.time()
+            note = f"killed at {last_step(workdir)}; "
+            if fault == "swap_steps":
+                note += swap_steps(workdir, args)
+            elif fault == "stale_lock":
+                note += f"its lock left behind naming pid {json.loads((workdir / '.lock').read_text())['pid']}"
+            elif fault == "damaged_shard":
+                shard = damage_shard(Path(data_dir))
+                first = supervise(workdir, args, data_dir)
+                out = first.communicate(timeout=300)[0]
+                if first.returncode != 2 or str(shard) not in out or "crash 0/" not in out:
+                    note += f"damaged shard NOT refused: supervisor exit {first.returncode}: {out[-300:]!r}; "
+                else:
+                    note += f"damaged {shard.name}: exit 2 naming it, no retry; repaired; "
+                    shutil.copyfile(Path(args.data_dir) / shard.name, shard)
+            else:
+                step_dir = newest_checkpoint(workdir)
+                note += f"step {step_dir.name}: " + corrupt(step_dir, fault.split(":")[1], rng)
+            result["note"] = note
+            result["injected"], t_fault = "NOT refused" not in note, time.time()
         proc.wait()
-        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
-                                "--backoff_s", "0.2", "--", *train_cmd(workdir, args)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sup = supervise(workdir, args, data_dir)
+    elif fault == "concurrent":
+        sup = supervise(workdir, args)
+        target = rng.randrange(5, args.steps - 5)
+        if wait_until(lambda: last_step(workdir) >= target, sup) and (pids := children(sup.pid)):
+            # The old job is paused, not ended, while the second starts: a tiny run would otherwise finish (and
+            # release the workdir) within the second's start-up. A stopped process still holds its lock.
+            os.kill(pids[0], signal.SIGSTOP)
+            at, t0 = last_step(workdir), time.time()
+            try:
+                second = subprocess.run(train_cmd(workdir, args), cwd=REPO, capture_output=True, text=True,
+                                        timeout=300)
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            took = time.time() - t0
+            refused = second.returncode == 2 and "is in use by another run" in second.stderr
+            result["note"] = (f"second run at step {at}: exit {second.returncode} after {took:.1f}s"
+                              + ("" if refused else f": {second.stderr[-300:]!r}"))
+            result["injected"], result["recovery_s"] = refused, round(took, 2)
     else:
-        sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
-                                "--backoff_s", "0.2", "--", *train_cmd(workdir, args)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sup = supervise(workdir, args)
         if fault == "kill_in_save":  # the first save after a random step, so an older checkpoint exists
             ckpts, target = workdir / "checkpoints", rng.randrange(args.every + 1, args.steps - args.every)
             ready = lambda: last_step(workdir) >= target and any("tmp" in p.name for p in ckpts.iterdir())  # noqa: E731
@@ -156,7 +225,7 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
         result["identical"] = summary["state_checksum"] == reference_checksum
     else:
         result["note"] += f" | supervisor exit {sup.returncode}: {out[-300:]!r}"
-    if result["injected"]:
+    if result["injected"] and fault != "concurrent":
         starts = [json.loads(line) for line in (workdir / "goodput.jsonl").read_text().splitlines()
                   if '"start"' in line]
         later = [r["t"] for r in starts if r["t"] > t_fault]

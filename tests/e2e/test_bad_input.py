@@ -137,6 +137,8 @@ def test_outputs_under_a_file_are_refused_and_nothing_is_written(trained, tmp_pa
                              "--sweep_dir", blocker, *tiny_args(trained)[1:]), 2, "--sweep_dir", blocker)
     assert_one_line(jaxtrain("prepare", "--input", "README.md", "--format", "txt", "--output", blocker / "data"), 2,
                     "--output", blocker)
+    assert_one_line(jaxtrain("plan", "--config", "configs/tiny.py", "--json", blocker / "plan.json"), 2, "--json",
+                    blocker)
     assert blocker.read_text() == "mine\n" and sorted(os.listdir(tmp_path)) == ["a_file"]
 
 

@@ -19,24 +19,16 @@ from pathlib import Path
 
 from jaxtrain import errors, files
 from jaxtrain.errors import ConfigError, PlanError
+from jaxtrain.main import flag_value
 from jaxtrain.tools import common
 from jaxtrain.tools.plan import topology as gpu_topology
 from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.report import format_report
 
 
-def _prescan(argv: list[str], name: str) -> str | None:
-    """A flag's value from the raw arguments (before absl parses them, which imports jax through the config)."""
-    for i, arg in enumerate(argv[1:], 1):
-        if arg in (f"--{name}", f"-{name}"):
-            return argv[i + 1] if i + 1 < len(argv) else ""
-        if arg.startswith((f"--{name}=", f"-{name}=")):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _prescan_devices(argv: list[str]) -> int | None:
-    value = _prescan(argv, "devices")
+    """--devices before absl parses the flags (which imports jax through the config file)."""
+    value = flag_value(argv, "devices")
     if value is not None:
         try:
             n = int(value)
@@ -91,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(errors.EXIT_BAD_INPUT)
     if devices is not None:
         _force_host_devices(devices)  # before jax is imported (the config file imports it)
-    if _prescan(argv, "compiler") == "gpu":
+    if flag_value(argv, "compiler") == "gpu":
         gpu_topology.use_bundled()  # before jax starts its backends, which is when it loads plugins
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
     # A CPU host with the CUDA plugin (for --compiler gpu) has no driver: skip jax's check of its CUDA libraries.
