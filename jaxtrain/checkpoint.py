@@ -513,8 +513,12 @@ class Checkpointer:
                     self.log(f"checkpoint step {step} in {d.path} is not this run's: {why or 'see process 0'}; "
                              f"moved aside to {moved}")
 
-    def latest_step(self) -> int | None:
-        """Newest committed step in either directory (not verified)."""
+    def latest_step(self, reread: bool = False) -> int | None:
+        """Newest committed step in either directory (not verified). `reread`: from the directories, not from
+        what this process saved (after an interrupt a save may have committed without the caller knowing)."""
+        if reread:
+            for d in self._dirs:
+                d.manager.reload()
         steps = [s for d in self._dirs if (s := d.manager.latest_step()) is not None]
         return max(steps, default=None)
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -234,8 +235,11 @@ def run(config, print_fn=print, writers=()) -> dict:
             for hook in hooks:
                 hook.end(step, state)
         except KeyboardInterrupt:
-            ckpt_hook.wait()  # a save in flight completes: it is what a rerun resumes from
-            raise errors.Interrupted(step, ckpt_hook.last_saved) from None
+            # A save in flight completes (the interrupt may even have hit inside one): the directories then say
+            # what a rerun resumes from.
+            with contextlib.suppress(Exception):
+                checkpointer.wait()
+            raise errors.Interrupted(step, checkpointer.latest_step(reread=True) or 0) from None
         finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
             watchdog.stop()
             preemption.close()
