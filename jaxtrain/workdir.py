@@ -11,6 +11,8 @@ and every process follows its answer.
 config.json is the config the checkpoints were made with: written once, atomically, only once every check of
 the run's input has passed and while no checkpoint exists, so a run that failed early leaves nothing that
 blocks a corrected rerun. A workdir this run created is removed again if it fails before writing config.json.
+run_id names the workdir's checkpoints (jaxtrain/checkpoint.py checks it), so one copied in from elsewhere is
+not restored.
 """
 
 from __future__ import annotations
