@@ -30,6 +30,9 @@ REMAT_POLICIES = {
 
 # jax.nn.dot_product_attention's kernels that model.attention_impl may name (`check_backend` says where each runs).
 ATTENTION_IMPLS = ("xla", "cudnn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MOE_ROUTINGS = ("capacity", "dropless")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
 PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
@@ -63,6 +66,40 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # The Hugging Face family the weights map to (jaxtrain.models.families): what `hf export` writes and what
+    # `model.init_from` must hold. The options below are the decoder's; each family sets its own.
+    family: str = "llama"
+    # RoPE: "none" (theta^(-2j/hd)), "linear" (positions / rope_factor), "llama3" (low frequencies / rope_factor,
+    # smoothly up to the high ones: rope_low_freq_factor, rope_high_freq_factor, rope_original_max_len) or "yarn"
+    # (by wavelength between rope_beta_slow and rope_beta_fast, cos/sin times rope_attention_factor, 0 = yarn's).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0
+    # Attention: biases on q, k and v (Qwen2); RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3); the
+    # logits' scale (0 = head_dim^-0.5; Gemma: query_pre_attn_scalar^-0.5); cap * tanh(logits / cap) (0 = off).
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    # Sliding-window attention: a query sees the newest `sliding_window` positions up to itself (0 = all). With
+    # `global_every` = n, layers n-1, 2n-1, ... see everything (Gemma 3: 6; 0 = every layer slides, as Mistral),
+    # and the sliding layers' RoPE base is `rope_local_theta` (0 = rope_theta), unscaled.
+    sliding_window: int = 0
+    global_every: int = 0
+    rope_local_theta: float = 0.0
+    # MLP gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated GELU: Gemma).
+    mlp_activation: str = "silu"
+    # Gemma: RMSNorm scales by (1 + w); each sublayer's output normed again before the residual add; embeddings
+    # times sqrt(d_model); the final logits capped like the attention's (0 = off).
+    norm_offset: bool = False
+    post_norms: bool = False
+    embed_scale: bool = False
+    final_softcap: float = 0.0
     # Mixture of experts (jaxtrain.models.moe): 0 = every block has a dense MLP. Otherwise every block's MLP is
     # `n_experts` experts of width d_ff, each token routed to its top `moe_top_k`; an expert takes at most
     # capacity = ceil(moe_capacity_factor * tokens_per_group * moe_top_k / n_experts) tokens per group.
@@ -74,6 +111,11 @@ class ModelConfig:
     # own. Under sequence parallelism a group must sit on one sequence shard (seq_len / mesh.sequence or a divisor),
     # else every shard repeats its experts' work.
     moe_group_tokens: int = 0
+    # "capacity" (the above) or "dropless": every token reaches its top-k experts (Mixtral, Qwen3-MoE), the tokens
+    # sorted by expert through jax.lax.ragged_dot; no capacity, nothing dropped, moe_group_tokens unused.
+    moe_routing: str = "capacity"
+    # The top-k gates renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), or the raw probabilities.
+    moe_renormalize: bool = True
     # Pipeline parallelism (jaxtrain.parallel.pipeline): how the layer stack runs, not what the model is. 1 stage = a
     # plain scan over the layers.
     pipeline_stages: int = 1
@@ -129,6 +171,31 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     g.number("rope_theta", lo=0, lo_open=True)
     g.number("norm_eps", lo=0, lo_open=True)
     g.number("init_std", lo=0, lo_open=True)
+    g.string("family")
+    if g.choice("rope_scaling", ROPE_SCALINGS, what="RoPE scaling") != "none":
+        g.number("rope_factor", lo=1)
+        if m.rope_scaling == "llama3":
+            g.number("rope_low_freq_factor", lo=0, lo_open=True)
+            if g.number("rope_high_freq_factor", lo=0, lo_open=True) <= m.rope_low_freq_factor:
+                raise ConfigError("model.rope_high_freq_factor", f"{m.rope_high_freq_factor} must exceed "
+                                  f"model.rope_low_freq_factor={m.rope_low_freq_factor}")
+        if m.rope_scaling in ("llama3", "yarn"):
+            g.positive_int("rope_original_max_len")
+        if m.rope_scaling == "yarn":
+            g.number("rope_beta_fast", lo=0, lo_open=True)
+            g.number("rope_beta_slow", lo=0, lo_open=True)
+            g.number("rope_attention_factor", lo=0)
+    for f in ("attn_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+        g.number(f, lo=0)
+    g.positive_int("sliding_window", allow_zero=True)
+    g.positive_int("global_every", allow_zero=True)
+    if m.global_every and not m.sliding_window:
+        raise ConfigError("model.global_every", f"{m.global_every} names global layers among sliding ones, but "
+                          f"model.sliding_window is 0 (every layer is global)")
+    g.choice("mlp_activation", MLP_ACTIVATIONS, what="activation")
+    if m.attn_softcap and m.attention_impl == "cudnn":
+        raise ConfigError("model.attn_softcap", "cuDNN's attention has no logit soft-capping; use "
+                          "model.attention_impl=xla")
     g.positive_int("n_experts", allow_zero=True)
     g.positive_int("loss_chunk_tokens", allow_zero=True)
     g.positive_int("scan_unroll")
@@ -137,6 +204,7 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     if m.attention_impl == "cudnn" and m.attention_block:
         raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
                           f"model.attention_block=0, got {m.attention_block}")
+    g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     if m.n_experts:
         g.positive_int("moe_top_k")
         if m.moe_top_k > m.n_experts:

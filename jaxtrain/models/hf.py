@@ -152,7 +152,7 @@ def hf_config(model_cfg: ModelConfig, *, dtype: str, max_position_embeddings: in
 
 def check_output(out_dir: Path, overwrite: bool) -> None:
     """HFError unless `out_dir` may receive an export: missing, empty, or (with `overwrite`) an earlier export,
-    which only `export_llama` marks (EXPORT_MARKER). Anything else is refused, naming what is in it: replacing
+    which only `export` marks (EXPORT_MARKER). Anything else is refused, naming what is in it: replacing
     deletes the directory, and a workdir or a model directory from elsewhere must never go that way."""
     if out_dir.exists() and not out_dir.is_dir():
         raise HFError(f"{out_dir}: exists and is not a directory")
@@ -167,7 +167,7 @@ def check_output(out_dir: Path, overwrite: bool) -> None:
         raise HFError(f"{out_dir}: exists and is not empty; pass --overwrite (overwrite=True) to replace it")
 
 
-def export_llama(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None = None,
+def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None = None,
                  tokenizer_dir=None, max_position_embeddings: int = 2048, overwrite: bool = False) -> Path:
     """Writes `out_dir` as a Hugging Face Llama directory: config.json, model.safetensors and, when
     `tokenizer_dir` holds them, tokenizer.json / tokenizer.model (+ the EOS id from its manifest.json).
@@ -377,7 +377,7 @@ def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def import_llama(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
+def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
     """(model fields, params) of an HF Llama directory (model.safetensors or a sharded index).
 
     The params are numpy arrays in jaxtrain's pure-dict structure, float32 unless `dtype` is given (bf16 and
@@ -449,7 +449,7 @@ def load_params(hf_dir, model_cfg: ModelConfig) -> dict:
     architecture field matches: HFMismatch names the first that does not, HFError anything unreadable."""
     fields = read_config(hf_dir)
     check_fields(fields, model_cfg, hf_dir)  # before reading gigabytes of weights
-    _, params = import_llama(hf_dir, dtype=model_cfg.param_dtype)
+    _, params = import_dir(hf_dir, dtype=model_cfg.param_dtype)
     return params
 
 

@@ -78,6 +78,11 @@ def _split_last_bwd(cuts, _, grads):
 split_last.defvjp(_split_last_fwd, _split_last_bwd)
 
 
+def activation(name: str):
+    """The MLP gate's nonlinearity by `ModelConfig.mlp_activation`: silu (SwiGLU) or gelu_tanh (GeGLU)."""
+    return {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}[name]
+
+
 def weight(param: nnx.Param, dtype):
     """A layer's weight in `dtype`, gathered whole over the axes FSDP splits it on (its "embed" dimension) and still
     split over the others (tensor, expert): the FSDP schedule, made explicit. Left to XLA, a projection whose input

@@ -41,7 +41,7 @@ def _hf(argv) -> int:
     hf.check_output(Path(args.output), args.overwrite)  # before a possibly long restore
     common.quiet_orbax()
     config, model_cfg, _, params = trainer.restore_params(args.workdir, args.step)
-    out = hf.export_llama(params, model_cfg, args.output, dtype=args.dtype,
+    out = hf.export(params, model_cfg, args.output, dtype=args.dtype,
                           tokenizer_dir=layout.default_dir(config.data),
                           max_position_embeddings=config.train.seq_len, overwrite=args.overwrite)
     print(f"exported {args.workdir} as {out} ({args.dtype or model_cfg.param_dtype})")

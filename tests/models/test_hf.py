@@ -70,7 +70,7 @@ def tensors_of(path):
 def test_export_import_is_bit_exact(tmp_path, tie):
     cfg = tiny_model(tie)
     params = random_params(cfg)
-    out = hf.export_llama(params, cfg, tmp_path / "hf", max_position_embeddings=64)
+    out = hf.export(params, cfg, tmp_path / "hf", max_position_embeddings=64)
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
@@ -83,7 +83,7 @@ def test_export_import_is_bit_exact(tmp_path, tie):
     assert tensors["model.layers.0.self_attn.o_proj.weight"].shape == (32, 8 * 8)
     assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (32, 64)
 
-    fields, back = hf.import_llama(out)
+    fields, back = hf.import_dir(out)
     assert fields == {f: getattr(cfg, f) for f in hf.FIELDS}
     assert_same_tree(params, back)
 
@@ -91,21 +91,21 @@ def test_export_import_is_bit_exact(tmp_path, tie):
 def test_bfloat16_export_rounds_once_and_imports_as_float32(tmp_path):
     cfg = tiny_model(tie=False)
     params = random_params(cfg)
-    out = hf.export_llama(params, cfg, tmp_path / "hf", dtype="bfloat16")
+    out = hf.export(params, cfg, tmp_path / "hf", dtype="bfloat16")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in tensors_of(out / "model.safetensors").values()} == {np.dtype(ml_dtypes.bfloat16)}
 
-    _, back = hf.import_llama(out)
+    _, back = hf.import_dir(out)
     rounded = jax.tree_util.tree_map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
     assert_same_tree(rounded, back)
-    _, back16 = hf.import_llama(out, dtype="bfloat16")
+    _, back16 = hf.import_dir(out, dtype="bfloat16")
     assert_same_tree(jax.tree_util.tree_map(lambda x: x.astype(ml_dtypes.bfloat16), params), back16)
 
 
 def test_sharded_checkpoint_imports(tmp_path):
     cfg = tiny_model(tie=False)
     params = random_params(cfg)
-    out = hf.export_llama(params, cfg, tmp_path / "hf")
+    out = hf.export(params, cfg, tmp_path / "hf")
     tensors = tensors_of(out / "model.safetensors")
     (out / "model.safetensors").unlink()
     names = sorted(tensors)
@@ -114,7 +114,7 @@ def test_sharded_checkpoint_imports(tmp_path):
         save_file({k: tensors[k] for k in keys}, out / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert_same_tree(params, hf.import_llama(out)[1])
+    assert_same_tree(params, hf.import_dir(out)[1])
 
 
 def test_export_refuses_a_non_empty_dir_and_replaces_only_an_export(tmp_path):
@@ -124,26 +124,26 @@ def test_export_refuses_a_non_empty_dir_and_replaces_only_an_export(tmp_path):
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(hf.HFError, match="not empty"):
-        hf.export_llama(params, cfg, busy)
+        hf.export(params, cfg, busy)
     with pytest.raises(hf.HFError, match=r"holds notes.txt\) and not written by jaxtrain hf export"):
-        hf.export_llama(params, cfg, busy, overwrite=True)  # overwrite never deletes what an export did not write
+        hf.export(params, cfg, busy, overwrite=True)  # overwrite never deletes what an export did not write
     assert [p.name for p in busy.iterdir()] == ["notes.txt"]
     hf_dir = tmp_path / "from_elsewhere"  # a model directory, but not one jaxtrain exported
-    hf.export_llama(params, cfg, hf_dir)
+    hf.export(params, cfg, hf_dir)
     (hf_dir / hf.EXPORT_MARKER).unlink()
     with pytest.raises(hf.HFError, match="not written by jaxtrain hf export"):
-        hf.export_llama(params, cfg, hf_dir, overwrite=True)
+        hf.export(params, cfg, hf_dir, overwrite=True)
     assert (hf_dir / "model.safetensors").is_file()
 
-    out = hf.export_llama(params, cfg, tmp_path / "hf")
+    out = hf.export(params, cfg, tmp_path / "hf")
     other = random_params(cfg, seed=1)
-    hf.export_llama(other, cfg, out, overwrite=True)
-    assert_same_tree(other, hf.import_llama(out)[1])
+    hf.export(other, cfg, out, overwrite=True)
+    assert_same_tree(other, hf.import_dir(out)[1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "from_elsewhere", "hf"]  # no temp dirs left
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    hf.export_llama(params, cfg, empty)  # an empty dir is fine
+    hf.export(params, cfg, empty)  # an empty dir is fine
     assert (empty / "model.safetensors").is_file()
 
 
@@ -155,7 +155,7 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf, "save_file", fail)
     with pytest.raises(OSError, match="disk full"):
-        hf.export_llama(random_params(cfg), cfg, tmp_path / "hf")
+        hf.export(random_params(cfg), cfg, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -166,7 +166,7 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
 def test_logits_match_transformers_llama(tmp_path, tie):
     cfg = tiny_model(tie)
     params = random_params(cfg, seed=3)
-    out = hf.export_llama(params, cfg, tmp_path / "hf")
+    out = hf.export(params, cfg, tmp_path / "hf")
     B, T = 2, 24
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
@@ -191,7 +191,7 @@ def test_logits_match_transformers_llama(tmp_path, tie):
 def exported(tmp_path):
     cfg = tiny_model(tie=False)
     params = random_params(cfg)
-    return cfg, params, hf.export_llama(params, cfg, tmp_path / "hf")
+    return cfg, params, hf.export(params, cfg, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("field,value", [("n_kv_heads", 2), ("d_ff", 48), ("tie_embeddings", True),
@@ -230,19 +230,19 @@ def test_unrepresentable_configs_are_refused(exported, changes, named):
     _, _, out = exported
     edit_config(out, **changes)
     with pytest.raises(hf.HFError, match=f"config.json: {named}: "):
-        hf.import_llama(out)
+        hf.import_dir(out)
 
 
 def test_legacy_config_defaults(tmp_path):
     """Older configs leave out head_dim (= hidden/heads), num_key_value_heads (= heads) and rope_parameters."""
     cfg = tiny_model(tie=False, head_dim=4, n_kv_heads=8)
     params = random_params(cfg)
-    out = hf.export_llama(params, cfg, tmp_path / "hf")
+    out = hf.export(params, cfg, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     for key in ("head_dim", "num_key_value_heads", "rope_parameters", "rope_scaling", "dtype"):
         del config[key]
     (out / "config.json").write_text(json.dumps(config))
-    fields, back = hf.import_llama(out)
+    fields, back = hf.import_dir(out)
     assert fields == {f: getattr(cfg, f) for f in hf.FIELDS}
     assert_same_tree(params, back)
 
@@ -268,7 +268,7 @@ def test_bad_tensors_are_named(exported, edit, message):
         tensors[name] = tensors[name][:, :31].copy()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(hf.HFError) as e:
-        hf.import_llama(out)
+        hf.import_dir(out)
     assert message in str(e.value)
 
 
@@ -278,7 +278,7 @@ def test_tied_export_with_a_redundant_lm_head_imports(exported):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     edit_config(out, tie_word_embeddings=True)
-    fields, back = hf.import_llama(out)
+    fields, back = hf.import_dir(out)
     assert fields["tie_embeddings"] and "unembed" not in back
 
 
@@ -333,7 +333,7 @@ def test_export_cli_on_a_trained_workdir(tiny_config, tmp_path):
     assert result.returncode == 0, result.stderr
 
     _, model_cfg, _, trained = trainer_lib.restore_params(config.workdir)
-    fields, back = hf.import_llama(out)
+    fields, back = hf.import_dir(out)
     assert fields == {f: getattr(model_cfg, f) for f in hf.FIELDS}
     assert_same_tree(jax.device_get(trained), back)
     hf_config = json.loads((out / "config.json").read_text())
