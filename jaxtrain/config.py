@@ -68,6 +68,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     model_lib.check_config(cfg.model, seq_len=cfg.train.seq_len, mesh_shape=shape)
     pipeline_parallel.check_config(cfg.pipeline, n_layers=cfg.model.n_layers, microbatch=micro, mesh_shape=shape,
                                    rules=rules)
+    if cfg.model.sliding_window and cfg.model.global_every and cfg.pipeline.stages > 1:
+        raise ConfigError("model.global_every", f"sliding and global layers mixed (every {cfg.model.global_every}) "
+                          f"do not run in a pipeline yet; set pipeline.stages=1")
     if cfg.model.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
         hf.check_init_from(cfg.model.init_from, model_config(cfg, "cpu"))
     optim.check_config(cfg.optim, total_steps=cfg.train.steps)

@@ -30,7 +30,9 @@ def loss_terms(graphdef, params, batch):
     """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
     model = nnx.merge(graphdef, params)
     targets, weights = next_token_targets(batch)
-    if model.cfg.loss_chunk_tokens:  # the head fused with the loss, chunk by chunk: no [B, T, vocab] logits
+    # The head fused with the loss, chunk by chunk: no [B, T, vocab] logits. Not with a final soft-cap (Gemma 2),
+    # which the fused kernel does not apply.
+    if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
         x, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
         ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype)
         return ce_sum, jnp.sum(weights), aux

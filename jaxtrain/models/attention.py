@@ -22,16 +22,19 @@ from jaxtrain.models.cpu_bf16 import transposed_in_memory
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(segment_ids):
-    """[B, 1, T, T] boolean: causal, same document, and never attending to padding."""
+def attention_mask(segment_ids, window: int = 0):
+    """[B, 1, T, T] boolean: causal, same document, and never attending to padding; with `window`, a query sees
+    only the newest `window` positions up to itself."""
     t = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
+    if window:
+        causal = causal & ~jnp.tril(jnp.ones((t, t), dtype=jnp.bool_), -window)
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
     real = (segment_ids != 0)[:, None, :]
     return (causal[None] & same_doc & real)[:, None]
 
 
-def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
+def causal_attention(q, k, v, mask, block: int, impl: str = "xla", scale: float = 0.0, softcap: float = 0.0):
     """Attention of q [B, T, N, D] over k, v [B, S, KV, D] under a causal `mask` [B, 1, T, S].
 
     block 0: one `jax.nn.dot_product_attention` call with `implementation=impl` ("xla" or "cudnn"; jax's own
@@ -41,18 +44,23 @@ def causal_attention(q, k, v, mask, block: int, impl: str = "xla"):
     on the same blocks, whose grouped-query reshapes and vmap add copies (BUILD.md, performance). Equal up to float
     rounding; queries that see no key (padding) get a different, unused output. One block of plain autodiff
     (`attend`) when `block` does not divide T or the sequence is split over devices (slicing it would move the
-    slices between them)."""
+    slices between them). `scale` multiplies the logits (0: head_dim^-0.5); `softcap` > 0 caps them
+    (softcap * tanh(logits / softcap)), which jax's kernels lack: `attend` then runs, whatever the block."""
     t = q.shape[1]
+    scale = scale or q.shape[-1] ** -0.5
+    if softcap:
+        k, v = _repeat_kv(k, v, q.shape[2])
+        return attend(q, k, v, mask, scale, softcap)
     if block <= 0:
         if impl == "cudnn":  # is_causal lets cuDNN skip the blocks above the diagonal; the mask adds the documents.
             # Not on a sequence shard: its queries start mid-sequence, and the mask alone holds the causal offsets.
             return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=split_ways("seq") == 1,
-                                                implementation="cudnn")
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+                                                implementation="cudnn", scale=scale)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
     k, v = _repeat_kv(k, v, q.shape[2])
     if block >= t or t % block or split_ways("seq") > 1:
-        return attend(q, k, v, mask)
-    return blocked_attention(q, k, v, mask, block)
+        return attend(q, k, v, mask, scale)
+    return blocked_attention(q, k, v, mask, block, scale)
 
 
 def _repeat_kv(k, v, n_heads: int):
@@ -68,16 +76,18 @@ def _f32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _probs(logits, mask, head_dim: int):
-    """Softmax of the scaled f32 logits over the keys, masked logits set to -0.7 * float32 max."""
-    scaled = logits * jnp.float32(head_dim ** -0.5)
+def _probs(logits, mask, scale: float, softcap: float = 0.0):
+    """Softmax of the scaled (and capped) f32 logits over the keys, masked logits set to -0.7 * float32 max."""
+    scaled = logits * jnp.float32(scale)
+    if softcap:
+        scaled = jnp.float32(softcap) * jnp.tanh(scaled / jnp.float32(softcap))
     return jax.nn.softmax(jnp.where(mask, scaled, jnp.float32(_MASKED)), axis=-1)
 
 
-def attend(q, k, v, mask):
+def attend(q, k, v, mask, scale: float, softcap: float = 0.0):
     """Softmax attention over all of k, v (as many heads as q), the math of `jax.nn.dot_product_attention`'s XLA
     path: logits and softmax in f32 (`_probs`)."""
-    probs = _probs(_f32("btnd,bsnd->bnts", q, k), mask, q.shape[-1])
+    probs = _probs(_f32("btnd,bsnd->bnts", q, k), mask, scale, softcap)
     return _f32("bnts,bsnd->btnd", probs.astype(v.dtype), v).astype(q.dtype)
 
 
@@ -90,28 +100,28 @@ def _spans(t: int, block: int) -> list[tuple[int, int]]:
     return [(s, s + block) for s in range(0, t, block)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blocked_attention(q, k, v, mask, block: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blocked_attention(q, k, v, mask, block: int, scale: float):
     """`attend` in query blocks of `block` (dividing T) over as many kv heads as query heads, the blocks above the
     diagonal skipped. The backward keeps each block's softmax probabilities (f32) from the forward."""
-    return _blocked_fwd(q, k, v, mask, block)[0]
+    return _blocked_fwd(q, k, v, mask, block, scale)[0]
 
 
-def _blocked_fwd(q, k, v, mask, block):
+def _blocked_fwd(q, k, v, mask, block, scale):
     qh, kh, vh = _heads_major(q), _heads_major(k), _heads_major(v)
     outs, probs = [], []
     for s, e in _spans(q.shape[1], block):
-        p = _probs(_f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e]), mask[:, :, s:e, :e], q.shape[-1])
+        p = _probs(_f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e]), mask[:, :, s:e, :e], scale)
         outs.append(_f32("bnts,bnsd->bntd", p.astype(v.dtype), vh[:, :, :e]))
         probs.append(p)
     out = _heads_major(jnp.concatenate(outs, axis=2).astype(q.dtype))
     return out, (qh, kh, vh, mask, probs)
 
 
-def _blocked_bwd(block, res, g):
+def _blocked_bwd(block, scale, res, g):
     qh, kh, vh, mask, probs = res
     gh = _heads_major(g.astype(vh.dtype))
-    scale = jnp.float32(qh.shape[-1] ** -0.5)
+    scale = jnp.float32(scale)
     spans = _spans(qh.shape[2], block)
     dq, dlogits = [], []
     for (s, e), p in zip(spans, probs):

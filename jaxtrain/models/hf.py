@@ -1,10 +1,13 @@
-"""Hugging Face Llama interop: a checkpoint out as a `LlamaForCausalLM` directory, such a directory back in as params.
+"""Hugging Face interop for every family: a checkpoint out as the family's `*ForCausalLM` directory, such a
+directory back in as params.
 
-LAYER_NAMES and TOP_NAMES map jaxtrain's parameters to HF's tensors. The stacked blocks' leading `layers`
-axis becomes one tensor per layer (`model.layers.i.*`); HF linear weights are [out, in], jaxtrain kernels
-[in, out] with heads as their own axes (e.g. `blocks.attn.wq` [L, d, H, hd] <-> `self_attn.q_proj.weight`
-[H*hd, d]). Both sides apply rotate-half RoPE with frequencies theta^(-2j/hd), so q/k need no permutation.
-Needs only numpy and safetensors. Commands: `jaxtrain hf export|overrides` (jaxtrain.tools.hf; docs/huggingface.md).
+The family (jaxtrain.models.families, by config.json's `model_type`) maps the config both ways and names each
+tensor. The stacked blocks' leading `layers` axis becomes one tensor per layer (`model.layers.{i}.*`), an
+expert axis one per expert; HF linear weights are [out, in], jaxtrain kernels [in, out] with heads as their own
+axes (e.g. `blocks.attn.wq` [L, d, H, hd] <-> `self_attn.q_proj.weight` [H*hd, d]). Both sides apply
+rotate-half RoPE, so q/k need no permutation. Weights are read from one safetensors file or a sharded index,
+and written as shards of at most `shard_bytes` with an index. Needs only numpy and safetensors. Commands:
+`jaxtrain hf export|overrides` (jaxtrain.tools.hf; docs/huggingface.md).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from safetensors.numpy import save_file
 
 from jaxtrain import files
 from jaxtrain.errors import ConfigError, HFError, HFMismatch
-from jaxtrain.models import transformer
+from jaxtrain.models import families, transformer
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.families.base import HFConfig
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -35,59 +39,62 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # Written into every export, and only there: `--overwrite` replaces a directory that holds it, nothing else.
 EXPORT_MARKER = "jaxtrain-export.json"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-# ModelConfig fields an HF config determines; the rest (remat, dtypes, init_std) are training choices.
-FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "tie_embeddings",
-          "rope_theta", "norm_eps")
-
-# jaxtrain path under `blocks` -> (HF name under model.layers.i, leading axes that form the matmul's input).
-# in_axes=None: a vector, copied as it is.
-LAYER_NAMES = {
-    ("attn_norm", "scale"): ("input_layernorm", None),
-    ("attn", "wq"): ("self_attn.q_proj", 1),
-    ("attn", "wk"): ("self_attn.k_proj", 1),
-    ("attn", "wv"): ("self_attn.v_proj", 1),
-    ("attn", "wo"): ("self_attn.o_proj", 2),
-    ("mlp_norm", "scale"): ("post_attention_layernorm", None),
-    ("mlp", "w_gate"): ("mlp.gate_proj", 1),
-    ("mlp", "w_up"): ("mlp.up_proj", 1),
-    ("mlp", "w_down"): ("mlp.down_proj", 1),
-}
-TOP_NAMES = {
-    ("embed",): ("model.embed_tokens", None),  # already [V, d] in both
-    ("final_norm", "scale"): ("model.norm", None),
-    ("unembed",): ("lm_head", 1),
-}
+SHARD_BYTES = 5 * 2**30  # transformers' default largest shard
+# ModelConfig fields an HF config determines (each family sets those it has; the rest keep ModelConfig's
+# defaults); the others (remat, dtypes, routing, init_std) are training choices.
+FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+          "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+          "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+          "rope_attention_factor", "qkv_bias", "qk_norm", "attn_scale", "attn_softcap", "sliding_window",
+          "global_every", "rope_local_theta", "mlp_activation", "norm_offset", "post_norms", "embed_scale",
+          "final_softcap", "n_experts", "moe_top_k", "moe_renormalize")
+_DEFAULTS = ModelConfig(dtype="float32", param_dtype="float32")
 
 
 # ===== Layout conversion ===============================================================================
 
 
-def _to_hf(x: np.ndarray, in_axes: int | None) -> np.ndarray:
-    if in_axes is None:
+def _to_hf(x: np.ndarray, layout) -> np.ndarray:
+    if layout is None:
         return x
-    n_in = math.prod(x.shape[:in_axes])
+    if layout == "vector":
+        return x.reshape(-1)
+    n_in = math.prod(x.shape[:layout])
     return np.ascontiguousarray(x.reshape(n_in, -1).T)
 
 
-def _from_hf(w: np.ndarray, in_axes: int | None, shape: tuple[int, ...]) -> np.ndarray:
-    return w if in_axes is None else w.T.reshape(shape)
+def _from_hf(w: np.ndarray, layout, shape: tuple[int, ...]) -> np.ndarray:
+    if layout is None:
+        return w
+    return w.reshape(shape) if layout == "vector" else w.T.reshape(shape)
 
 
-def _hf_shape(shape: tuple[int, ...], in_axes: int | None) -> tuple[int, ...]:
-    if in_axes is None:
+def _hf_shape(shape: tuple[int, ...], layout) -> tuple[int, ...]:
+    if layout is None:
         return tuple(shape)
-    return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
+    if layout == "vector":
+        return (math.prod(shape),)
+    return (math.prod(shape[layout:]), math.prod(shape[:layout]))
 
 
-def _hf_names(path: tuple[str, ...], n_layers: int) -> tuple[list[str], int | None]:
-    """HF tensor names (one per layer for stacked blocks) and in_axes of one jaxtrain param."""
-    if path[0] == "blocks" and path[1:] in LAYER_NAMES:
-        name, in_axes = LAYER_NAMES[path[1:]]
-        return [f"model.layers.{i}.{name}.weight" for i in range(n_layers)], in_axes
-    if path in TOP_NAMES:
-        name, in_axes = TOP_NAMES[path]
-        return [f"{name}.weight"], in_axes
-    raise HFError(f"{'.'.join(path)}: no Hugging Face Llama name for this parameter")
+def family_of(model_cfg: ModelConfig):
+    family = families.get(model_cfg.family)
+    if family is None:
+        raise HFError(f"model.family: {model_cfg.family!r} is not a model family; choose one of "
+                      f"{sorted(families.FAMILIES)}")
+    return family
+
+
+def _hf_names(path: tuple[str, ...], model_cfg: ModelConfig, table: dict) -> tuple[list[str], object, int]:
+    """HF tensor names of one jaxtrain param (one per layer, and per expert, of a stacked param), its layout and
+    how many leading axes the names enumerate."""
+    if path not in table:
+        raise HFError(f"{'.'.join(path)}: the {model_cfg.family} family has no Hugging Face name for this parameter")
+    name, layout = table[path]
+    layers = range(model_cfg.n_layers) if "{i}" in name else [None]
+    experts = range(model_cfg.n_experts) if "{e}" in name else [None]
+    names = [name.format(i=i, e=e) for i in layers for e in experts]
+    return names, layout, ("{i}" in name) + ("{e}" in name)
 
 
 def _flat(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
@@ -118,36 +125,23 @@ def param_shapes(model_cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...
 
 def hf_config(model_cfg: ModelConfig, *, dtype: str, max_position_embeddings: int = 2048,
               eos_token_id: int | None = None) -> dict:
-    c = model_cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.d_model,
-        "intermediate_size": c.d_ff,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.norm_eps,
-        "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        # rope_theta + rope_scaling for transformers 4.x, rope_parameters for 5.x (it reads either).
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        # Explicit ids: when absent, LlamaConfig assumes bos=1, eos=2, which are not our tokenizer's.
-        "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": None,
-        "initializer_range": c.init_std,
-        "torch_dtype": dtype,  # transformers 4.x
-        "dtype": dtype,  # transformers 5.x
-    }
+    """The family's config.json for `model_cfg`. HFError names the first field the family cannot write (one it
+    would read back otherwise), e.g. qk_norm on a Llama."""
+    family = family_of(model_cfg)
+    config = {**family.to_hf(model_cfg),
+              "max_position_embeddings": max_position_embeddings,
+              # Explicit ids: when absent, the HF config classes assume ids that are not our tokenizer's.
+              "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None,
+              "attention_dropout": 0.0, "initializer_range": model_cfg.init_std,
+              "torch_dtype": dtype,  # transformers 4.x
+              "dtype": dtype}  # transformers 5.x
+    back = {**{f: getattr(_DEFAULTS, f) for f in FIELDS}, **family.from_hf(HFConfig(config, "export")),
+            "family": family.NAME}
+    for field in FIELDS:
+        if back[field] != getattr(model_cfg, field):
+            raise HFError(f"model.{field}: {getattr(model_cfg, field)!r} cannot be written as a {family.NAME} "
+                          f"checkpoint (it would read back as {back[field]!r}); choose another model.family")
+    return config
 
 
 def check_output(out_dir: Path, overwrite: bool) -> None:
@@ -168,20 +162,21 @@ def check_output(out_dir: Path, overwrite: bool) -> None:
 
 
 def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None = None,
-                 tokenizer_dir=None, max_position_embeddings: int = 2048, overwrite: bool = False) -> Path:
-    """Writes `out_dir` as a Hugging Face Llama directory: config.json, model.safetensors and, when
-    `tokenizer_dir` holds them, tokenizer.json / tokenizer.model (+ the EOS id from its manifest.json).
+           tokenizer_dir=None, max_position_embeddings: int = 2048, overwrite: bool = False,
+           shard_bytes: int = SHARD_BYTES) -> Path:
+    """Writes `out_dir` as the family's Hugging Face directory: config.json, the weights (model.safetensors, or
+    shards of at most `shard_bytes` with model.safetensors.index.json) and, when `tokenizer_dir` holds them,
+    tokenizer.json / tokenizer.model (+ the EOS id from its manifest.json).
 
     `params`: the pure-dict params (jax or numpy arrays). `dtype`: float32, bfloat16 or float16; None keeps the
     params' own dtype. The directory appears complete or not at all: it is written beside `out_dir` and renamed
     into place. A non-empty `out_dir` is refused unless it is an earlier export and `overwrite` is set."""
     out_dir = Path(out_dir)
-    if model_cfg.n_experts:
-        raise HFError(f"model.n_experts: {model_cfg.n_experts}, but a Llama checkpoint has no mixture of experts "
-                      f"(a Mixtral export is not written yet)")
     check_output(out_dir, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise HFError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
+    hf_config(model_cfg, dtype=dtype or "float32")  # refuses what the family cannot write, before any work
+    table = family_of(model_cfg).weights(model_cfg)
 
     shapes = param_shapes(model_cfg)
     flat = _flat(params)
@@ -196,9 +191,10 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
             raise HFError(f"{'.'.join(path)}: shape {x.shape}, the model config implies {shapes[path]}")
         if dtype is not None:
             x = x.astype(DTYPES[dtype])
-        names, in_axes = _hf_names(path, model_cfg.n_layers)
-        for i, name in enumerate(names):
-            tensors[name] = _to_hf(x[i] if path[0] == "blocks" else x, in_axes)
+        names, layout, lead = _hf_names(path, model_cfg, table)
+        parts = x.reshape(-1, *x.shape[lead:]) if lead else x[None]
+        for name, part in zip(names, parts):
+            tensors[name] = _to_hf(part, layout)
     dtypes = {t.dtype.name for t in tensors.values()}
     if len(dtypes) != 1:  # a config.json can only name one
         raise HFError(f"params mix dtypes {sorted(dtypes)}; pass dtype= to export them as one")
@@ -215,8 +211,7 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
     files.make_dir(out_dir.parent, "--output")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        # "format": "pt" is what transformers checks for in the header before it loads the file.
-        save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        _save_weights(tensors, tmp, shard_bytes)
         config = hf_config(model_cfg, dtype=written_dtype, max_position_embeddings=max_position_embeddings,
                            eos_token_id=eos_id)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -231,6 +226,28 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _save_weights(tensors: dict, out: Path, shard_bytes: int) -> None:
+    """One model.safetensors, or (past `shard_bytes`) numbered shards and the index transformers reads."""
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    # "format": "pt" is what transformers checks for in the header before it loads the file.
+    if len(shards) == 1:
+        save_file(tensors, out / WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_tokenizer_config(out: Path, tokenizer_json: Path, eos_id: int | None) -> None:
@@ -265,71 +282,20 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 
 def read_config(hf_dir) -> dict:
-    """The ModelConfig fields (FIELDS) an HF Llama config.json implies; HFError for what the model cannot
-    represent, naming the config field."""
+    """The ModelConfig fields (FIELDS, and the family's training defaults such as moe_routing) that an HF
+    config.json implies; HFError for what the model cannot represent, naming the config field."""
     path = Path(hf_dir) / CONFIG
     if not path.is_file():
         raise HFError(f"{path}: not found: not a Hugging Face model directory")
-    c = _read_json(path)
-
-    def refuse(field, reason):
-        raise HFError(f"{path}: {field}: {reason}")
-
-    if c.get("model_type") != "llama":
-        refuse("model_type", f"{c.get('model_type')!r}; only 'llama' is supported")
-    if c.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", f"{c['hidden_act']!r}; the model's MLP is SwiGLU (silu)")
-    for field in ("attention_bias", "mlp_bias"):
-        if c.get(field):
-            refuse(field, "true; the model has no biases")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse("partial_rotary_factor", f"{c['partial_rotary_factor']}; the model rotates the whole head")
-
-    def number(field, default):
-        value = c.get(field, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            refuse(field, f"{value!r}; expected a positive number")
-        return float(value)
-
-    def size(field, default=None):
-        value = c.get(field, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            refuse(field, f"{value!r}; expected a positive integer")
-        return value
-
-    # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters. Only plain RoPE is representable.
-    theta = number("rope_theta", 10000.0)
-    for field in ("rope_scaling", "rope_parameters"):
-        rope = c.get(field)
-        if rope is None:
-            continue
-        plain = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) == "default"
-        if not plain or set(rope) - {"rope_type", "type", "rope_theta"}:
-            refuse(field, f"{json.dumps(rope)}; only plain RoPE (rope_type 'default', no scaling) is supported")
-        theta = rope.get("rope_theta", theta)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            refuse(f"{field}.rope_theta", f"{theta!r}; expected a positive number")
-
-    n_heads = size("num_attention_heads")
-    d_model = size("hidden_size")
-    fields = {
-        "vocab_size": size("vocab_size"),
-        "d_model": d_model,
-        "n_layers": size("num_hidden_layers"),
-        "n_heads": n_heads,
-        "n_kv_heads": size("num_key_value_heads", n_heads),
-        # Older configs leave head_dim out: it is then hidden_size / heads.
-        "head_dim": size("head_dim", d_model // n_heads if d_model % n_heads == 0 else None),
-        "d_ff": size("intermediate_size"),
-        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),  # LlamaConfig's default
-        "rope_theta": float(theta),
-        "norm_eps": number("rms_norm_eps", 1e-6),  # LlamaConfig's default
-    }
-    if fields["n_heads"] % fields["n_kv_heads"]:
-        refuse("num_key_value_heads", f"{fields['n_kv_heads']} does not divide num_attention_heads={n_heads}")
-    if fields["head_dim"] % 2:
-        refuse("head_dim", f"{fields['head_dim']} is odd; RoPE needs an even head_dim")
-    return fields
+    values = _read_json(path)
+    model_type = values.get("model_type")
+    family = families.for_model_type(model_type)
+    if family is None:
+        hint = "; its text model is 'gemma3_text'" if model_type == "gemma3" else ""
+        raise HFError(f"{path}: model_type: {model_type!r} is not supported{hint}; supported: "
+                      f"{families.model_types()}")
+    fields = family.from_hf(HFConfig(values, path))
+    return {**{f: getattr(_DEFAULTS, f) for f in FIELDS}, **fields, "family": family.NAME}
 
 
 def _read_json(path: Path) -> dict:
@@ -378,7 +344,7 @@ def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
 
 
 def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
-    """(model fields, params) of an HF Llama directory (model.safetensors or a sharded index).
+    """(model fields, params) of an HF directory of any family (model.safetensors or a sharded index).
 
     The params are numpy arrays in jaxtrain's pure-dict structure, float32 unless `dtype` is given (bf16 and
     f16 checkpoints widen to f32 exactly). HFError names the config field or tensor that does not fit."""
@@ -397,13 +363,13 @@ def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
             raise HFError(f"{hf_dir}: lm_head.weight: present and unlike model.embed_tokens.weight, but the config "
                           f"has tie_word_embeddings true")
 
-    model_cfg = ModelConfig(**fields)
+    model_cfg = ModelConfig(**fields, dtype="float32", param_dtype="float32")
+    table = family_of(model_cfg).weights(model_cfg)
     flat = {}
     used = set()
     for path, shape in param_shapes(model_cfg).items():
-        names, in_axes = _hf_names(path, model_cfg.n_layers)
-        stacked = path[0] == "blocks"
-        want = _hf_shape(shape[1:] if stacked else shape, in_axes)
+        names, layout, lead = _hf_names(path, model_cfg, table)
+        want = _hf_shape(shape[lead:], layout)
         parts = []
         for name in names:
             if name not in tensors:
@@ -413,9 +379,9 @@ def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
                 raise HFError(f"{hf_dir}: tensor {name} has shape {list(w.shape)}, config.json implies {list(want)}")
             if w.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
                 raise HFError(f"{hf_dir}: tensor {name} has dtype {w.dtype}; expected a float type")
-            parts.append(np.ascontiguousarray(_from_hf(w, in_axes, shape[1:] if stacked else shape), target))
+            parts.append(np.ascontiguousarray(_from_hf(w, layout, shape[lead:]), target))
             used.add(name)
-        flat[path] = np.stack(parts) if stacked else parts[0]
+        flat[path] = np.stack(parts).reshape(shape) if lead else parts[0]
     if extra := sorted(set(tensors) - used):
         raise HFError(f"{hf_dir}: unexpected tensor(s) the model has no place for: {', '.join(extra[:5])}"
                       + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
@@ -424,9 +390,6 @@ def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
 
 def check_fields(fields: dict, model_cfg: ModelConfig, hf_dir) -> None:
     """HFMismatch on the first ModelConfig field (FIELDS order) that differs from the HF checkpoint's."""
-    if model_cfg.n_experts:
-        raise HFMismatch("n_experts", f"{model_cfg.n_experts} in the config, but the Hugging Face Llama checkpoint "
-                                      f"{hf_dir} is dense; set --config.model.n_experts=0")
     for field in FIELDS:
         ours, theirs = getattr(model_cfg, field), fields[field]
         if ours != theirs:
@@ -445,7 +408,7 @@ def check_init_from(hf_dir, model_cfg: ModelConfig) -> None:
 
 
 def load_params(hf_dir, model_cfg: ModelConfig) -> dict:
-    """Params of an HF Llama directory for `model_cfg` (numpy, in its param_dtype), after checking that every
+    """Params of an HF directory for `model_cfg` (numpy, in its param_dtype), after checking that every
     architecture field matches: HFMismatch names the first that does not, HFError anything unreadable."""
     fields = read_config(hf_dir)
     check_fields(fields, model_cfg, hf_dir)  # before reading gigabytes of weights
@@ -461,7 +424,7 @@ def check_tokenizer(hf_dir, data_dir) -> None:
         return
     raise ConfigError("model.init_from", f"{hf_dir} ships its own tokenizer, and the data in {data_dir} was "
                       f"tokenized with another; prepare the data with it (jaxtrain prepare "
-                      f"--tokenizer {theirs[0]} ...) and set data.dir")
+                      f"--tokenizer {Path(hf_dir)} ...) and set data.dir")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -482,7 +445,11 @@ def _flag_value(value) -> str:
 
 
 def override_flags(hf_dir) -> list[str]:
-    """`--config.model.<field>=<value>` for every FIELD, then `--config.model.init_from=<hf_dir>`."""
+    """`--config.model.<field>=<value>` for the family and the sizes, then every other field the directory sets
+    away from its default (a config file that sets one the directory does not is caught by `check_fields`), then
+    `--config.model.init_from=<hf_dir>`."""
     fields = read_config(hf_dir)
-    return [f"--config.model.{k}={_flag_value(fields[k])}" for k in FIELDS] + [
+    always = FIELDS[:FIELDS.index("norm_eps") + 1]
+    keys = [k for k in fields if k in always or fields[k] != getattr(_DEFAULTS, k)]
+    return [f"--config.model.{k}={_flag_value(fields[k])}" for k in keys] + [
         f"--config.model.init_from={os.path.abspath(hf_dir)}"]

@@ -119,14 +119,20 @@ def param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = No
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.scale = param(rngs, (cfg.d_model,), ("norm",), cfg, ones=True)
-        self.eps = cfg.norm_eps
+    """RMSNorm over the last axis (`dim`, default d_model). With `cfg.norm_offset` the scale is 1 + w, w from 0
+    (Gemma's form, whose checkpoints store w)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dim: int | None = None, names=("norm",)):
+        dim = cfg.d_model if dim is None else dim
+        self.scale = nnx.Param(jnp.full((dim,), 0.0 if cfg.norm_offset else 1.0, jnp.dtype(cfg.param_dtype)),
+                               out_sharding=names, eager_sharding=False)
+        self.eps, self.offset = cfg.norm_eps, float(cfg.norm_offset)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (scale + self.offset if self.offset else scale)).astype(x.dtype)
 
 
 def _frequencies(head_dim: int, theta: float) -> np.ndarray:
@@ -135,22 +141,61 @@ def _frequencies(head_dim: int, theta: float) -> np.ndarray:
     return np.float32(theta) ** (-np.arange(half, dtype=np.float32) / half)
 
 
-def rotary(positions, head_dim: int, theta: float):
-    """RoPE's (cos, sin) at `positions` [B, T]: f32 [B, T, 1, head_dim // 2] each."""
-    angle = positions.astype(jnp.float32)[:, :, None, None] * _frequencies(head_dim, theta)
-    return jnp.cos(angle), jnp.sin(angle)
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, float]:
+    """(angle per position for each rotated pair [head_dim // 2] f32, the factor on cos and sin) of `cfg`'s RoPE;
+    `local`: a sliding-window layer's (rope_local_theta, unscaled, where set). The scalings follow the formulas Hugging Face
+    names `linear`, `llama3` and `yarn`, so imported checkpoints see the angles they were trained with."""
+    hd = cfg.head_dim
+    if local and cfg.rope_local_theta:
+        return _frequencies(hd, cfg.rope_local_theta), 1.0
+    freqs = _frequencies(hd, cfg.rope_theta)
+    kind, factor = cfg.rope_scaling, cfg.rope_factor
+    if kind == "linear":
+        return (freqs / np.float32(factor)).astype(np.float32), 1.0
+    if kind == "llama3":
+        wavelen = 2 * np.pi / freqs.astype(np.float64)
+        low, high = cfg.rope_original_max_len / cfg.rope_low_freq_factor, cfg.rope_original_max_len / cfg.rope_high_freq_factor
+        smooth = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        scaled = np.where(wavelen > low, freqs / factor, np.where(wavelen < high, freqs,
+                                                                  (1 - smooth) * freqs / factor + smooth * freqs))
+        return scaled.astype(np.float32), 1.0
+    if kind == "yarn":
+        def correction_dim(rotations):
+            return hd * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+        hi = min(math.ceil(correction_dim(cfg.rope_beta_slow)), hd - 1)
+        ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - lo) / ((hi - lo) or 0.001), 0, 1)
+        keep = 1 - ramp  # 1: the high frequencies, extrapolated as they are; 0: interpolated (divided by factor)
+        scaled = freqs / np.float32(factor) * (1 - keep) + freqs * keep
+        attention = cfg.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        return scaled.astype(np.float32), float(attention)
+    return freqs, 1.0
 
 
-def rotary_lookup(positions, head_dim: int, theta: float):
+def rotary(positions, rope_freqs: tuple[np.ndarray, float]):
+    """RoPE's (cos, sin) at `positions` [B, T]: f32 [B, T, 1, head_dim // 2] each. rope_freqs: `rope_frequencies`."""
+    freqs, factor = rope_freqs
+    angle = positions.astype(jnp.float32)[:, :, None, None] * freqs
+    return _scaled(jnp.cos(angle), factor), _scaled(jnp.sin(angle), factor)
+
+
+def _scaled(x, factor: float):
+    return x if factor == 1.0 else x * np.float32(factor)
+
+
+def rotary_lookup(positions, rope_freqs: tuple[np.ndarray, float]):
     """`rotary` for positions that index their row, 0 <= p < T (the data pipeline restarts them at each document),
     read from a table of positions 0..T-1 built at trace time; a position outside it reads NaN. XLA fuses a sine
     into every op that reads it, so even computed once per step the sines were recomputed in each of the ~20
     fusions that apply or differentiate RoPE (~15 ms of the bf16 bench_cpu step); a lookup fuses as a load."""
+    freqs, factor = rope_freqs
     t = positions.shape[1]
-    angle = np.arange(t, dtype=np.float32)[:, None] * _frequencies(head_dim, theta)
+    angle = np.arange(t, dtype=np.float32)[:, None] * freqs
     index = jnp.where(positions < 0, t, positions)  # take would wrap a negative index around
     return tuple(jnp.take(table, index, axis=0, mode="fill", fill_value=np.nan)[:, :, None, :]
-                 for table in (np.cos(angle), np.sin(angle)))
+                 for table in (_scaled(np.cos(angle), factor), _scaled(np.sin(angle), factor)))
 
 
 def rope(x, rotary_tables):

@@ -1,4 +1,5 @@
-"""Llama-style decoder in Flax NNX: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+"""One decoder in Flax NNX for every family: RoPE, RMSNorm, gated MLP, grouped-query attention, and the
+options the open families add (ModelConfig: biases, q/k norms, sliding windows, Gemma's norms and caps, MoE).
 
 Every parameter names its dimensions with logical axes (`out_sharding`), which `jaxtrain.parallel.mesh`
 turns into shardings. Layers are created stacked (leading "layers" axis) and run with `lax.scan`,
@@ -23,7 +24,8 @@ from flax import nnx
 from jaxtrain.models import moe
 from jaxtrain.models.attention import attention_mask, causal_attention
 from jaxtrain.models.config import REMAT_POLICIES, ModelConfig
-from jaxtrain.models.layers import RMSNorm, param, project, project_fused, rope, rotary, rotary_lookup, weight
+from jaxtrain.models.layers import (RMSNorm, activation, param, project, project_fused, rope, rope_frequencies, rotary,
+                                    rotary_lookup, weight)
 from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.parallel.mesh import constrain, split_ways
 
@@ -37,12 +39,34 @@ class Attention(nnx.Module):
         # Scaled down like GPT-2 so the residual stream does not grow with depth.
         self.wo = param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), cfg,
                          std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        if cfg.qkv_bias:
+            zeros = lambda n, names: nnx.Param(jnp.zeros((n, hd), cfg.param_dtype), out_sharding=names,
+                                               eager_sharding=False)
+            self.bq = zeros(h, ("q_heads", "head_dim"))
+            self.bk, self.bv = zeros(kv, ("kv_heads", "head_dim")), zeros(kv, ("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, rngs, dim=hd, names=("head_dim",))
+            self.k_norm = RMSNorm(cfg, rngs, dim=hd, names=("head_dim",))
 
     def qkv(self, x):
-        """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike."""
+        """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike; then the
+        biases and q/k norms where the family has them (before RoPE)."""
         if split_ways("kv_heads") != split_ways("q_heads"):
-            return [project(x, weight(w, x.dtype)) for w in (self.wq, self.wk, self.wv)]
-        return project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads", "act_heads")
+            q, k, v = [project(x, weight(w, x.dtype)) for w in (self.wq, self.wk, self.wv)]
+        else:
+            q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
+                                    "act_heads")
+        if self.cfg.qkv_bias:
+            q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q, k, v, mask, decoding: bool = False):
+        """Decoding reads a ring buffer whose slots are not in query order: the plain XLA kernel, mask only."""
+        cfg = self.cfg
+        block, impl = (0, "xla") if decoding else (cfg.attention_block, cfg.attention_impl)
+        return causal_attention(q, k, v, mask, block, impl, cfg.attn_scale, cfg.attn_softcap)
 
     def __call__(self, x, rotary_tables, mask):
         dt = x.dtype
@@ -52,21 +76,20 @@ class Attention(nnx.Module):
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
         k = constrain(rope(k, rotary_tables), ("batch", None, "act_kv_heads", None))
         v = constrain(v, ("batch", None, "act_kv_heads", None))
-        out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), self.cfg.attention_block,
-                               self.cfg.attention_impl)
+        out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return project(out, weight(self.wo, dt), contract=2)
 
-    def decode(self, x, positions, mask, cache_k, cache_v, slots):
-        """x: [B, T, d] at `positions` [B, T]; cache_k/v: one layer's [B, L, kv, hd]; the new K/V go to `slots` [T].
-        Returns (output [B, T, d], cache_k, cache_v)."""
+    def decode(self, x, tables, mask, cache_k, cache_v, slots):
+        """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
+        new K/V go to `slots` [T]. Returns (output [B, T, d], cache_k, cache_v)."""
         dt = x.dtype
         q, k, v = self.qkv(x)
-        tables = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)  # positions past T: no table
         q, k = rope(q, tables), rope(k, tables)
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
-        out = jax.nn.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask=mask)
+        mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], cache_k.shape[1]))
+        out = self.attend(q, cache_k.astype(dt), cache_v.astype(dt), mask, decoding=True)
         return project(out, weight(self.wo, dt), contract=2), cache_k, cache_v
 
 
@@ -76,11 +99,12 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.act = activation(cfg.mlp_activation)
 
     def __call__(self, x):
         dt = x.dtype
         gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp")
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
         return project(hidden, weight(self.w_down, dt))
 
 
@@ -90,21 +114,33 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
         self.mlp = moe.MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
+        if cfg.post_norms:  # Gemma: each sublayer's output is normed before the residual add
+            self.attn_post_norm = RMSNorm(cfg, rngs)
+            self.mlp_post_norm = RMSNorm(cfg, rngs)
 
     def feed_forward(self, x):
         """(output, stats): stats are the MoE's routing counts per batch row (moe.route), or nothing."""
-        out = self.mlp(self.mlp_norm(x))
-        return out if isinstance(out, tuple) else (out, {})
+        out, stats = self.mlp(self.mlp_norm(x)) if self.mlp_is_moe else (self.mlp(self.mlp_norm(x)), {})
+        return (self.mlp_post_norm(out) if self.post_norms else out), stats
+
+    @property
+    def mlp_is_moe(self):
+        return isinstance(self.mlp, moe.MoE)
+
+    @property
+    def post_norms(self):
+        return hasattr(self, "attn_post_norm")
 
     def __call__(self, x, rotary_tables, mask):
         """rotary_tables: RoPE's (cos, sin) (`rotary_lookup`). -> (x, this layer's MoE routing stats per row)."""
-        x = x + self.attn(self.attn_norm(x), rotary_tables, mask)
+        out = self.attn(self.attn_norm(x), rotary_tables, mask)
+        x = x + (self.attn_post_norm(out) if self.post_norms else out)
         out, stats = self.feed_forward(x)
         return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
-    def decode(self, x, positions, mask, cache_k, cache_v, slots):
-        attn_out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), positions, mask, cache_k, cache_v, slots)
-        x = x + attn_out
+    def decode(self, x, tables, mask, cache_k, cache_v, slots):
+        out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), tables, mask, cache_k, cache_v, slots)
+        x = x + (self.attn_post_norm(out) if self.post_norms else out)
         return x + self.feed_forward(x)[0], cache_k, cache_v
 
 
@@ -132,8 +168,13 @@ class Transformer(nnx.Module):
         """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
         model)."""
         x, aux = self.hidden(tokens, positions, segment_ids)
-        logits = project(x, self.head().astype(x.dtype))
+        logits = self.cap(project(x, self.head().astype(x.dtype)))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
+
+    def cap(self, logits):
+        """The final logit soft-cap (Gemma 2), where the family has one."""
+        c = self.cfg.final_softcap
+        return logits if not c else (c * jnp.tanh(logits.astype(jnp.float32) / c)).astype(logits.dtype)
 
     def embed_tokens(self, tokens):
         """The embedding rows of `tokens` [B, T] -> [B, T, d_model] in the param dtype. The table is gathered whole
@@ -141,7 +182,10 @@ class Transformer(nnx.Module):
         along d_model against tokens split along the batch looked up every device's tokens in its d_model slice,
         then all-gathered and all-to-all'ed those activations back to the batch layout ("involuntary full
         rematerialization"), traffic that grows with the batch where the table's gather does not."""
-        return jnp.take(constrain(self.embed[...], ("vocab", None)), tokens, axis=0)
+        x = jnp.take(constrain(self.embed[...], ("vocab", None)), tokens, axis=0)
+        if self.cfg.embed_scale:  # Gemma: times sqrt(d_model), rounded to the weights' dtype as Gemma's own code does
+            x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
+        return x
 
     def head(self):
         """The output projection [d_model, vocab] in the param dtype (the embedding, transposed, when tied)."""
@@ -153,23 +197,41 @@ class Transformer(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         x = constrain(self.embed_tokens(tokens).astype(dt), ("batch", "seq", "act_embed"))
         block_def, block_state = nnx.split(self.blocks)
+        local = local_layers(cfg)
         policy = REMAT_POLICIES[cfg.remat]
         remat = (lambda f: f) if cfg.remat == "none" else (
             lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False))
 
         if cfg.pipeline_stages == 1:
-            mask, tables = attention_mask(segment_ids), rotary_lookup(positions, cfg.head_dim, cfg.rope_theta)
+            if local is None or local.all():  # every layer alike
+                uniform = local is not None
+                mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
+                tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
 
-            def layer(x, state):
-                return nnx.merge(block_def, state)(x, tables, mask)
+                def layer(x, state):
+                    return nnx.merge(block_def, state)(x, tables, mask)
 
-            x, stats = jax.lax.scan(remat(layer), x, block_state, unroll=cfg.scan_unroll)  # stats [L, B, ...]
-        else:
+                xs = block_state
+            else:  # sliding and global layers: each layer picks its mask and RoPE tables
+                masks = attention_mask(segment_ids, cfg.sliding_window), attention_mask(segment_ids)
+                tables = (rotary_lookup(positions, rope_frequencies(cfg, local=True)),
+                          rotary_lookup(positions, rope_frequencies(cfg)))
+
+                def layer(x, xs):
+                    state, slides = xs
+                    pick = lambda a, b: jnp.where(slides, a, b)
+                    return nnx.merge(block_def, state)(x, jax.tree.map(pick, *tables), pick(*masks))
+
+                xs = (block_state, jnp.asarray(local))
+            x, stats = jax.lax.scan(remat(layer), x, xs, unroll=cfg.scan_unroll)  # stats [L, B, ...]
+        else:  # every layer alike (config validation refuses mixed sliding and global layers in a pipeline)
+            window = cfg.sliding_window if local is not None else 0
+            freqs = rope_frequencies(cfg, local=local is not None)
+
             def pipelined_layer(state, carry):
                 # The mask is rebuilt per microbatch from its segment ids: [T, T] per row, cheap next to attention.
                 x, stats = nnx.merge(block_def, state)(
-                    carry["x"], rotary_lookup(carry["positions"], cfg.head_dim, cfg.rope_theta),
-                    attention_mask(carry["segment_ids"]))
+                    carry["x"], rotary_lookup(carry["positions"], freqs), attention_mask(carry["segment_ids"], window))
                 # Each row's MoE stats ride along as a shift register [rows, L, ...]: after the L layers, which a
                 # microbatch always runs in order, slot l holds layer l's.
                 routing = jax.tree.map(lambda buf, s: jnp.concatenate([buf[:, 1:], s[:, None]], axis=1),
@@ -212,18 +274,32 @@ class Transformer(nnx.Module):
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
         # each read from where it is stored, and the cache holds them in the model's order.
         stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
+        local = local_layers(cfg)
+        slides = np.zeros(cfg.n_layers, bool) if local is None else local
+        # Positions past the trained length have no lookup table: computed here.
+        tables = rotary(batch_positions, rope_frequencies(cfg)), rotary(batch_positions, rope_frequencies(cfg, True))
+        masks = mask, (mask & (query - key < cfg.sliding_window)) if local is not None else mask
 
         def layer(x, layer_in):
-            at, cache_k, cache_v = layer_in
+            at, slide, cache_k, cache_v = layer_in
+            pick = lambda a, b: jnp.where(slide, b, a)
             state = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state)
             x, cache_k, cache_v = nnx.merge(block_def, state).decode(
-                x, batch_positions, mask[None, None], cache_k, cache_v, slots)
+                x, jax.tree.map(pick, *tables), pick(*masks)[None, None], cache_k, cache_v, slots)
             return x, (cache_k, cache_v)
 
-        x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, cache["k"], cache["v"]))
+        x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides), cache["k"], cache["v"]))
         x = x[:, t - 1 if last_index is None else last_index]
         x = self.final_norm(x)
-        return project(x, self.head().astype(dt)), {"k": new_k, "v": new_v}
+        return self.cap(project(x, self.head().astype(dt))), {"k": new_k, "v": new_v}
+
+
+def local_layers(cfg: ModelConfig) -> np.ndarray | None:
+    """Which layers (model order) attend through the sliding window: None when none does."""
+    if not cfg.sliding_window:
+        return None
+    index = np.arange(cfg.n_layers)
+    return (index + 1) % cfg.global_every != 0 if cfg.global_every else np.ones(cfg.n_layers, bool)
 
 
 def layer_means(stats) -> dict:

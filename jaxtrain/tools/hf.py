@@ -1,4 +1,4 @@
-"""`jaxtrain hf`: a run's checkpoint out as a Hugging Face Llama directory, and the flags that start from one.
+"""`jaxtrain hf`: a run's checkpoint out as its family's Hugging Face directory, and the flags that start from one.
 
 Usage:
   jaxtrain hf export --workdir W --output D [--step N] [--dtype float32|bfloat16] [--overwrite]
@@ -22,7 +22,8 @@ from jaxtrain.tools import common
 def _parse(argv):
     parser = common.Parser(prog="jaxtrain hf", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=common.Parser)
-    export = commands.add_parser("export", help="write a workdir's checkpoint as a Hugging Face Llama directory")
+    export = commands.add_parser("export", help="write a workdir's checkpoint as a Hugging Face directory "
+                                                     "(the family of model.family)")
     export.add_argument("--workdir", required=True)
     export.add_argument("--output", required=True, help="directory to create (written whole, then renamed)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest that verifies)")

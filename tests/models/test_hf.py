@@ -221,10 +221,14 @@ def edit_config(out, **changes):
 @pytest.mark.parametrize("changes,named", [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "mistral"}, "model_type"),
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_unrepresentable_configs_are_refused(exported, changes, named):
     _, _, out = exported

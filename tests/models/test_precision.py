@@ -179,7 +179,7 @@ def test_cpu_bf16_blocked_attention_tracks_f32_and_runs_bf16_dots():
         np.testing.assert_allclose(f32(g), f32(w), atol=2e-2 * np.abs(f32(w)).max())
     dtypes = dot_operand_dtypes(got_fn.lower(q, k, v).compile().as_text())
     assert len(dtypes) == 4 * 2 + 4 * 4 and set(dtypes) == {("bf16", "bf16")}, dtypes  # 2 per block fwd, 4 bwd
-    autodiff = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask).astype(jnp.float32)),
+    autodiff = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask, q.shape[-1] ** -0.5).astype(jnp.float32)),
                                 argnums=(0, 1, 2)))
     k2, v2 = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
     assert ("f32", "f32") in dot_operand_dtypes(autodiff.lower(q, k2, v2).compile().as_text())

@@ -215,12 +215,12 @@ def test_rotary_lookup_matches_the_formula_and_reads_nan_outside_the_row():
     rounding for every position of the row; a position outside the row reads NaN, not a clamped or wrapped row."""
     head_dim, theta, T = 8, 10000.0, 12
     positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], np.int32)
-    for got, want in zip(layers.rotary_lookup(positions, head_dim, theta),
-                         layers.rotary(positions, head_dim, theta)):
+    freqs = layers._frequencies(head_dim, theta), 1.0
+    for got, want in zip(layers.rotary_lookup(positions, freqs), layers.rotary(positions, freqs)):
         assert got.shape == want.shape == (2, T, 1, head_dim // 2)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
     outside = np.array([[0, 5, 6, 11, -1, -6]], np.int32)  # a row of 6
-    cos, sin = layers.rotary_lookup(outside, head_dim, theta)
+    cos, sin = layers.rotary_lookup(outside, freqs)
     assert not np.isnan(cos[0, :2]).any() and np.isnan(cos[0, 2:]).all() and np.isnan(sin[0, 2:]).all()
 
 
