@@ -2,7 +2,9 @@
 
 A prepared dir holds `manifest.json` (settings, inputs, dtype, EOS id, per-shard docs/tokens/sha256), the
 tokenizer (`tokenizer.json` or `tokenizer.model`), and `train-*` / `heldout-*` ArrayRecord shards, each with a
-`.lengths.npy` index. `jaxtrain.data.prepare` writes it; this module is what reading needs.
+`.lengths.npy` index. `jaxtrain.data.prepare` writes it; this module is what reading needs. Data made with a
+Hugging Face directory's tokenizer (manifest `tokenizer.hf_dir`) also holds its tokenizer_config.json, and the
+data dir is then read as that directory (its template tokens, e.g. BOS, start each encoded text).
 """
 
 from __future__ import annotations
@@ -68,7 +70,15 @@ def open_tokenizer(path: str, eos_token: str | None) -> tok_lib.Tokenizer:
 def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
     """The data dir's verified tokenizer, with the EOS id its documents end with."""
     manifest = load_manifest(data_dir)
+    path = verified_tokenizer(data_dir)
+    if manifest["tokenizer"].get("hf_dir"):  # prepared with a Hugging Face directory's tokenizer
+        config = os.path.join(data_dir, tok_lib.HF_TOKENIZER_CONFIG)
+        if (want := manifest["tokenizer"].get("config_sha256")) and (
+                not os.path.exists(config) or files.file_hash(config) != want):
+            raise DataError(f"{config}: missing or changed since the shards were made (manifest.json); prepare "
+                            f"the data again")
+        path = data_dir
     # With the --eos_token the dir was prepared with: a given tokenizer.json may have no EOS by a known name.
-    tok = open_tokenizer(verified_tokenizer(data_dir), manifest.get("eos_token"))
+    tok = open_tokenizer(path, manifest.get("eos_token"))
     tok.eos_id = manifest.get("eos_id", tok.eos_id)
     return tok

@@ -268,7 +268,8 @@ def _build_shard(job: dict) -> dict:
     last and atomically, is what marks it finished. Runs in a worker process (or in-process)."""
     plan, work, n = job["plan"], job["work_dir"], job["num_shards"]
     train, heldout, stats = _shard_documents(job["sources"], plan, job["text_split"], job["seed"])
-    tok = tok_lib.load(os.path.join(work, job["tokenizer_file"]), job["eos_token"])
+    # A Hugging Face directory's tokenizer was copied in with its tokenizer_config.json: the work dir reads as it.
+    tok = tok_lib.load(work if job["tokenizer_dir"] else os.path.join(work, job["tokenizer_file"]), job["eos_token"])
     dtype = np.dtype(job["dtype"])
     record = {"key": job["key"], "index": plan.index, "sources": stats,
               "train": _write_shard(os.path.join(work, f"train-{plan.index:05d}-of-{n:05d}.array_record"),
@@ -394,8 +395,8 @@ def prepare_sources(
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
     manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard);
     they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`."""
-    if tokenizer and not os.path.isfile(tokenizer):
-        raise DataError(f"{tokenizer}: tokenizer file not found")
+    if tokenizer and not os.path.exists(tokenizer):
+        raise DataError(f"{tokenizer}: tokenizer not found")
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
@@ -420,7 +421,7 @@ def prepare_sources(
             "text_split": text_split,
             "split": split if any(s.dataset for s in srcs) else None,
             "vocab_size": None if tokenizer else vocab_size,
-            "tokenizer_sha256": files.file_hash(tokenizer) if tokenizer else None,
+            "tokenizer_sha256": _tokenizer_hash(tokenizer) if tokenizer else None,
             "eos_token": eos_token,
             "heldout_docs": heldout_docs,
             "seed": seed,
@@ -462,7 +463,8 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
-    records = _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn)
+    records = _build_shards(work, srcs, plans, text_split, seed, tok_file, tok.hf_dir is not None, eos_token, dtype,
+                            workers, print_fn)
 
     train_rows = [r["train"] for r in records]
     heldout_rows = [r["heldout"] for r in records if r["heldout"]]
@@ -488,7 +490,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         "pad_id": tok_lib.PAD_ID if not tokenizer else None,
         "eos_id": tok.eos_id,
         "tokenizer": {"file": tok_file, "sha256": files.file_hash(os.path.join(work, tok_file)),
-                      "kind": tok.kind},
+                      "kind": tok.kind, **_hf_dir_entry(work, tok)},
         "splits": {"train": train_rows, "heldout": heldout_rows},
         "sources": [s.row() for s in srcs],
     }
@@ -502,14 +504,39 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     return manifest
 
 
+def _tokenizer_hash(given: str) -> str:
+    """sha256 of a tokenizer file; of a Hugging Face directory, of both files that decide its encoding."""
+    if not os.path.isdir(given):
+        return files.file_hash(given)
+    parts = [files.file_hash(p) if os.path.isfile(p) else "" for p in
+             (os.path.join(given, n) for n in (tok_lib.HF_TOKENIZER, tok_lib.HF_TOKENIZER_CONFIG))]
+    return hashlib.sha256(json.dumps(["hf_dir", *parts]).encode()).hexdigest()
+
+
+def _hf_dir_entry(work: str, tok: tok_lib.Tokenizer) -> dict:
+    """The manifest's record that the data dir reads as the Hugging Face directory it was made with."""
+    if tok.hf_dir is None:
+        return {}
+    config = os.path.join(work, tok_lib.HF_TOKENIZER_CONFIG)
+    return {"hf_dir": True, "config_sha256": files.file_hash(config) if os.path.exists(config) else None}
+
+
 def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size):
-    """Copies the given tokenizer into the work dir, or trains a BPE on (a sample of) the train documents;
-    an interrupted run's tokenizer is reused. Returns (file name in the dir, Tokenizer)."""
+    """Copies the given tokenizer into the work dir (a Hugging Face directory's tokenizer.json with its
+    tokenizer_config.json), or trains a BPE on (a sample of) the train documents; an interrupted run's
+    tokenizer is reused. Returns (file name in the dir, Tokenizer)."""
     if given:
-        name = layout.TOKENIZER_SPM if given.endswith(tok_lib.SENTENCEPIECE_SUFFIX) else layout.TOKENIZER
-        if not os.path.exists(os.path.join(work, name)):
-            shutil.copyfile(given, os.path.join(work, name + ".tmp"))  # the data dir must be self-contained
-            os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
+        if tok.hf_dir is not None:
+            copies = [(os.path.join(given, n), n) for n in (tok_lib.HF_TOKENIZER, tok_lib.HF_TOKENIZER_CONFIG)
+                      if os.path.isfile(os.path.join(given, n))]
+            name = layout.TOKENIZER
+        else:
+            name = layout.TOKENIZER_SPM if given.endswith(tok_lib.SENTENCEPIECE_SUFFIX) else layout.TOKENIZER
+            copies = [(given, name)]
+        for src, dst in copies:
+            if not os.path.exists(os.path.join(work, dst)):
+                shutil.copyfile(src, os.path.join(work, dst + ".tmp"))  # the data dir must be self-contained
+                os.replace(os.path.join(work, dst + ".tmp"), os.path.join(work, dst))
         return name, tok
     path = os.path.join(work, layout.TOKENIZER)
     if not os.path.exists(path):
@@ -534,7 +561,8 @@ def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size)
     return layout.TOKENIZER, tok_lib.load(path)
 
 
-def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtype, workers, print_fn) -> list[dict]:
+def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_token, dtype, workers,
+                  print_fn) -> list[dict]:
     """Builds every shard not already finished in `work`, in parallel worker processes, with a progress line."""
     tok_sha = files.file_hash(os.path.join(work, tok_file))
     jobs, records = [], {}
@@ -547,8 +575,8 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, eos_token, dtyp
             records[plan.index] = done
         else:
             jobs.append({"plan": plan, "work_dir": work, "num_shards": len(plans), "sources": srcs,
-                         "text_split": text_split, "seed": seed, "tokenizer_file": tok_file, "eos_token": eos_token,
-                         "dtype": dtype.name, "key": key})
+                         "text_split": text_split, "seed": seed, "tokenizer_file": tok_file, "tokenizer_dir": tok_dir,
+                         "eos_token": eos_token, "dtype": dtype.name, "key": key})
     if records and jobs:
         print_fn(f"prepare: resuming, {len(records)} of {len(plans)} shards already done", file=sys.stderr)
     todo = sum(j["plan"].size for j in jobs)

@@ -1,8 +1,15 @@
 """Tokenizers: a byte-level BPE trained locally with HF `tokenizers` (no downloads), or a given HF
-`tokenizer.json` or SentencePiece `.model`, behind one small interface (`Tokenizer`)."""
+`tokenizer.json`, SentencePiece `.model` or Hugging Face model directory, behind one small interface (`Tokenizer`).
+
+A directory is read as transformers 5's AutoTokenizer reads it with a tokenizer.json (PreTrainedTokenizerFast):
+the EOS is tokenizer_config.json's `eos_token`, and encoding applies tokenizer.json's post-processor (Llama 3's
+and Gemma's BOS). transformers drops tokenizer_config.json's add_bos_token/add_eos_token when a tokenizer.json
+exists, and so do we. A lone tokenizer.json file is used without its post-processor, as before.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
@@ -16,14 +23,24 @@ PAD_ID, EOS_ID = 0, 1  # Fixed ids in the BPE we train: the trainer assigns spec
 # End-of-document tokens of common tokenizers, tried in order when a given tokenizer.json is used.
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
 SENTENCEPIECE_SUFFIX = ".model"
+# A Hugging Face model directory's tokenizer files.
+HF_TOKENIZER, HF_TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
 
 class Tokenizer:
     """What prepare and the trainer need from a tokenizer: batch encode, decode, vocab size and EOS id.
-    `kind` is "hf" (a tokenizer.json) or "sentencepiece" (a .model file)."""
+    `kind` is "hf" (a tokenizer.json) or "sentencepiece" (a .model file); `hf_dir` is the Hugging Face
+    directory it came from (None for a file), whose template tokens `encode` adds (module docstring)."""
 
     def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
-        self.path = os.fspath(path)
+        self.path, self.hf_dir = os.fspath(path), None
+        if os.path.isdir(self.path):
+            self.hf_dir, self.path = self.path, os.path.join(self.path, HF_TOKENIZER)
+            if not os.path.isfile(self.path):
+                spm = os.path.join(self.hf_dir, "tokenizer.model")
+                hint = f"; for its SentencePiece model pass {spm}" if os.path.isfile(spm) else ""
+                raise TokenizerError(f"{self.path}: not found: {self.hf_dir} has no Hugging Face tokenizer{hint}")
+            eos_token = eos_token or _special_token(read_hf_config(self.hf_dir), "eos_token")
         try:
             if self.path.endswith(SENTENCEPIECE_SUFFIX):
                 self.kind, self._impl = "sentencepiece", _load_sentencepiece(self.path)
@@ -34,6 +51,12 @@ class Tokenizer:
         except Exception as e:  # both libraries raise their own exception types for a bad file
             raise TokenizerError(f"{self.path}: not a readable {self.kind_name()} ({e})") from None
         self.eos_id = self._find_eos(eos_token)
+        # A template that ends with EOS (add_eos_token style) would end each document twice: callers append it.
+        self._drop_eos = self.hf_dir is not None and self._template_ends_with_eos()
+
+    def _template_ends_with_eos(self) -> bool:
+        plain, templated = (self._impl.encode("a", add_special_tokens=t).ids for t in (False, True))
+        return templated[-1:] == [self.eos_id] and plain[-1:] != [self.eos_id]
 
     def kind_name(self) -> str:
         return "SentencePiece model" if self.path.endswith(SENTENCEPIECE_SUFFIX) else "tokenizer.json"
@@ -56,10 +79,12 @@ class Tokenizer:
         return self._impl.get_piece_size() if self.kind == "sentencepiece" else self._impl.get_vocab_size()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """No BOS/EOS or other template tokens: the caller appends EOS between documents."""
+        """Without EOS: the caller appends it where a document ends. A file adds no template tokens; an HF
+        directory adds its post-processor's (e.g. a BOS), as AutoTokenizer would."""
         if self.kind == "sentencepiece":
             return self._impl.encode(texts)
-        return [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=False)]
+        ids = [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=self.hf_dir is not None)]
+        return [i[:-1] if i[-1:] == [self.eos_id] else i for i in ids] if self._drop_eos else ids
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -99,7 +124,29 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
 
 
 def load(path: str | os.PathLike, eos_token: str | None = None) -> Tokenizer:
+    """A tokenizer.json, a SentencePiece .model or a Hugging Face model directory (see the module docstring)."""
     return Tokenizer(path, eos_token)
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    """A Hugging Face directory's tokenizer_config.json ({} when it has none)."""
+    path = os.path.join(hf_dir, HF_TOKENIZER_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return config
+
+
+def _special_token(config: dict, name: str) -> str | None:
+    # A plain string, or a serialized AddedToken {"content": ...}.
+    value = config.get(name)
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
 def _treat_text_as_text(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:

@@ -1,7 +1,7 @@
 """Sampling from a trained model with a K/V cache (`jaxtrain generate` is its command line).
 
 The prompt is prefilled in one jitted call, padded to the cache length so prompts of different lengths share a
-compile; one jitted `lax.while_loop` then samples the new tokens, stopping once every sample has produced the
+compile; one jitted `lax.while_loop` then samples the new tokens, stopping once every sample has produced a
 stop id. Sampling settings are traced values and never recompile. `window` (the trained seq_len) bounds the
 cache: past it the cache slides, each new token attending to the newest `window` tokens, and RoPE never sees a
 distance longer than training did. Temperature 0 is greedy; otherwise softmax(logits / temperature) restricted
@@ -12,6 +12,7 @@ to the top_k ids, then to the smallest set whose probability reaches top_p. New 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,10 +64,15 @@ def decode(graphdef, params, logits, cache, prompt_len, key, temperature, top_k,
            num_samples: int, max_new_tokens: int):
     """Samples `max_new_tokens` ids per sample from a prefill of one prompt (batch 1, broadcast here).
 
-    Returns ids [num_samples, max_new_tokens]. The loop ends once every sample has drawn `stop_id` and
-    leaves the rest -1; samples run in lockstep, so one that stopped earlier keeps drawing: cut each at
-    its first stop id."""
+    Returns ids [num_samples, max_new_tokens]. The loop ends once every sample has drawn `stop_id` (a scalar,
+    or [S] ids any of which stops) and leaves the rest -1; samples run in lockstep, so one that stopped
+    earlier keeps drawing: cut each at its first stop id."""
     model = nnx.merge(graphdef, params)
+    stop_ids = jnp.atleast_1d(stop_id)
+
+    def stops(token):
+        return jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+
     logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
     cache = jax.tree.map(lambda c: jnp.broadcast_to(c, (c.shape[0], num_samples, *c.shape[2:])), cache)
 
@@ -84,9 +90,9 @@ def decode(graphdef, params, logits, cache, prompt_len, key, temperature, top_k,
         i, token, done, cache, out = carry  # token i is drawn but not yet run through the model
         logits, cache = model.decode(token[:, None], cache, prompt_len + i)
         token = draw(i + 1, logits)
-        return i + 1, token, done | (token == stop_id), cache, out.at[:, i + 1].set(token)
+        return i + 1, token, done | stops(token), cache, out.at[:, i + 1].set(token)
 
-    carry = (jnp.int32(0), first, first == stop_id, cache, out)
+    carry = (jnp.int32(0), first, stops(first), cache, out)
     return jax.lax.while_loop(running, step, carry)[-1]
 
 
@@ -105,8 +111,11 @@ def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples=1, 
 
 def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_id: int | None = None, num_samples: int = 1) -> list[list[int]]:
-    """`num_samples` continuations of one prompt: the generated ids of each (prompt and stop id excluded)."""
+             stop_id: int | Sequence[int] | None = None, num_samples: int = 1,
+             keep_stop: bool = False) -> list[list[int]]:
+    """`num_samples` continuations of one prompt: the generated ids of each, prompt excluded. Each ends at
+    its first `stop_id` (one id, or any of several), which is left out unless `keep_stop` (as transformers'
+    `generate` returns it)."""
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    num_samples=num_samples, window=window)
     if not prompt_ids:
@@ -118,16 +127,16 @@ def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_to
     cache_len = min(window, -(-wanted // CACHE_BUCKET) * CACHE_BUCKET)
     tokens = np.zeros((1, cache_len), np.int32)
     tokens[0, :len(prompt)] = prompt
+    stops = [] if stop_id is None else [int(stop_id)] if np.ndim(stop_id) == 0 else [int(t) for t in stop_id]
 
     logits, cache = prefill(graphdef, params, tokens, np.int32(len(prompt)))
     ids = decode(graphdef, params, logits, cache, np.int32(len(prompt)), jax.random.key(seed),
                  np.float32(temperature), np.int32(top_k), np.float32(top_p),
-                 np.int32(-1 if stop_id is None else stop_id),
-                 num_samples=num_samples, max_new_tokens=max_new_tokens)
+                 np.asarray(stops or [-1], np.int32), num_samples=num_samples, max_new_tokens=max_new_tokens)
     samples = []
     for row in np.asarray(ids).tolist():
-        end = next((i for i, t in enumerate(row) if t == -1 or t == stop_id), len(row))
-        samples.append(row[:end])
+        end = next((i for i, t in enumerate(row) if t == -1 or t in stops), len(row))
+        samples.append(row[:end + 1] if keep_stop and end < len(row) and row[end] != -1 else row[:end])
     return samples
 
 

@@ -12,9 +12,9 @@ import sys
 COMMANDS = {
     "train": ("jaxtrain.main", "cli", "train a model from a config file (the same as python -m jaxtrain.main)"),
     "prepare": ("jaxtrain.tools.prepare", "main", "tokenize text into a prepared data dir"),
-    "generate": ("jaxtrain.tools.generate", "main", "sample text from a run's checkpoint"),
+    "generate": ("jaxtrain.tools.generate", "main", "sample text from a run's checkpoint or a Hugging Face directory"),
     "hf": ("jaxtrain.tools.hf", "main",
-           "export a checkpoint as a Hugging Face Llama directory, or print the flags to start from one"),
+           "export a checkpoint as a Hugging Face directory, or print the flags to start from one"),
     "plan": ("jaxtrain.tools.plan.cli", "main",
              "compile the step ahead of time: memory, FLOPs and collectives per device, no training"),
     "sweep": ("jaxtrain.tools.sweep.cli", "main", "a hyperparameter sweep over a config (Optuna)"),

@@ -2,7 +2,7 @@
 
 Usage:
   jaxtrain prepare --output DIR --vocab_size 8192            # the default corpus (KJV)
-  jaxtrain prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json]
+  jaxtrain prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json|HF_MODEL_DIR]
   jaxtrain prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
 """
 
@@ -28,9 +28,11 @@ def _prepare(argv) -> int:
                         help="a .txt document is the whole file, each blank-line paragraph, or each line")
     parser.add_argument("--split", default="train", help="split of hf:/tfds: inputs (tfds slicing works)")
     parser.add_argument("--tfds_data_dir", help="where tfds: datasets are prepared (default: TFDS's)")
-    parser.add_argument("--tokenizer", help="an HF tokenizer.json or a SentencePiece .model to use instead of "
-                        "training a BPE")
-    parser.add_argument("--eos_token", help="the given tokenizer's end-of-document token (default: found by name)")
+    parser.add_argument("--tokenizer", help="an HF tokenizer.json, a SentencePiece .model, or a Hugging Face model "
+                        "directory (its tokenizer.json and tokenizer_config.json: its EOS, and BOS if its "
+                        "tokenizer adds one) to use instead of training a BPE")
+    parser.add_argument("--eos_token", help="the given tokenizer's end-of-document token (default: a directory's "
+                        "eos_token, else found by name)")
     parser.add_argument("--num_shards", type=int, help="train shards (default: one per ~256 MB of text)")
     parser.add_argument("--workers", type=int, help="tokenizing processes (default: one per CPU)")
     args = parser.parse_args(argv)

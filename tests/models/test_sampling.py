@@ -62,7 +62,7 @@ def make_reference_forward(graphdef, window):
         mask = (key <= query) & (query - key < window) & (key < length)
         block_def, block_state = nnx.split(model.blocks)
         x = jnp.take(model.embed[...], tokens[None], axis=0)
-        tables = layers.rotary(positions[None], model.cfg.head_dim, model.cfg.rope_theta)
+        tables = layers.rotary(positions[None], layers.rope_frequencies(model.cfg))
         x, _ = jax.lax.scan(lambda x, s: nnx.merge(block_def, s)(x, tables, mask[None, None]),  # (x, aux)
                             x, block_state)
         return (model.final_norm(x[0, length - 1]) @ model.embed[...].T)
