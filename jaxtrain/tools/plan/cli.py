@@ -26,6 +26,11 @@ from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.report import format_report
 
 
+# Fake CPU devices one host simulates: each has its own runtime state, and past a few thousand jax takes minutes
+# and gigabytes just to start them. Described GPUs (--compiler gpu) cost nothing until compiled.
+MAX_FAKE_DEVICES = 4096
+
+
 def _prescan_devices(argv: list[str]) -> int | None:
     """--devices before absl parses the flags (which imports jax through the config file)."""
     value = flag_value(argv, "devices")
@@ -36,6 +41,9 @@ def _prescan_devices(argv: list[str]) -> int | None:
             raise PlanError(f"devices: must be an integer >= 1, got {value!r}") from None
         if n < 1:
             raise PlanError(f"devices: must be an integer >= 1, got {n}")
+        if n > MAX_FAKE_DEVICES and flag_value(argv, "compiler") != "gpu":
+            raise PlanError(f"devices: {n} fake CPU devices is more than one host can simulate (at most "
+                            f"{MAX_FAKE_DEVICES}); plan a slice of the mesh, or use --compiler gpu")
         return n
     return None
 
