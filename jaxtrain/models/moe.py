@@ -1,14 +1,16 @@
-"""Mixture-of-experts feed-forward layer (GShard / Switch style): top-k routing with a capacity per expert.
+"""Mixture-of-experts feed-forward layer: top-k routing, with a capacity per expert (GShard) or dropless (Mixtral).
 
 `MoE(cfg, rngs)(x) -> (y, stats)`: stats are each batch row's routing counts (`route`), which `summarize` turns
 into {"load_balance_loss", "dropped_fraction"} of any set of rows, so a pipelined model, which routes each
-microbatch on its own, still gets the whole batch's loss. Experts are SwiGLU MLPs stacked on an "experts" axis.
-The router runs in float32; each token takes its top `moe_top_k` experts with their probabilities renormalised
-(Mixtral). Within a routing group of G tokens (a row, or `moe_group_tokens` of it) an expert takes at most
-C = ceil(capacity_factor * G * k / E) tokens, first choices before second ones; the rest are dropped (the
-residual carries them). Dispatch and combine are one-hot einsums with static shapes, so with experts on the
-`expert` mesh axis XLA inserts the all-to-alls. load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only
-P_e carries a gradient). Every token counts, padding included (docs/parallelism.md).
+microbatch on its own, still gets the whole batch's loss. Experts are gated MLPs (`mlp_activation`) stacked on an
+"experts" axis. The router runs in float32; each token takes its top `moe_top_k` experts, gated by their
+probabilities (renormalised to sum to 1 with `moe_renormalize`). "capacity": within a routing group of G tokens
+(a row, or `moe_group_tokens` of it) an expert takes at most C = ceil(capacity_factor * G * k / E) tokens, first
+choices before second ones; the rest are dropped (the residual carries them); dispatch and combine are one-hot
+einsums with static shapes, so with experts on the `expert` mesh axis XLA inserts the all-to-alls. "dropless":
+the call's assignments sorted by expert run through jax.lax.ragged_dot (`dropless_experts`). load_balance_loss =
+E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts, padding included
+(docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
-from jaxtrain.models.layers import param, split_last, weight
+from jaxtrain.models.layers import activation, param, split_last, weight
 from jaxtrain.parallel.mesh import constrain, split_ways
 
 
@@ -43,7 +45,16 @@ def _top_k(probs: jax.Array, k: int):
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
 
 
-def route(logits: jax.Array, top_k: int, capacity: int):
+def choose(logits: jax.Array, top_k: int, renormalize: bool = True):
+    """Router logits [..., E] -> (probs [..., E] f32 softmax, experts [..., k] int32 best first, gates [..., k] f32:
+    the top-k probabilities, renormalised to sum to 1 if `renormalize` (Mixtral; Qwen3-MoE's norm_topk_prob))."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top_probs, top_idx = _top_k(probs, top_k)
+    gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
+    return probs, top_idx, gates
+
+
+def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True):
     """Router logits [..., T, E] (f32; the leading dims index groups) -> (dispatch [..., T, E, C] f32 0/1,
     combine [..., T, E, C] f32, stats).
 
@@ -52,9 +63,7 @@ def route(logits: jax.Array, top_k: int, capacity: int):
     (before capacity), "prob" [..., E] summed router probabilities, "dropped" [...] assignments past capacity,
     "tokens" [...]; `summarize` turns any set of them into the load-balancing loss and dropped fraction."""
     *groups, tokens, n_experts = logits.shape
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_probs, top_idx = _top_k(probs, top_k)  # [..., T, k], best first
-    gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    probs, top_idx, gates = choose(logits, top_k, renormalize)  # [..., T, k], best first
     chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32)  # [..., T, k, E]
 
     # Slot of each assignment in its expert: count earlier assignments in priority order (choice rank, then token).
@@ -75,6 +84,103 @@ def route(logits: jax.Array, top_k: int, capacity: int):
         "tokens": jnp.full(groups, tokens, jnp.float32),
     }
     return dispatch, combine, stats
+
+
+def dropless_route(logits: jax.Array, top_k: int, renormalize: bool = True):
+    """Router logits [..., T, E] -> (experts [..., T, k] int32, gates [..., T, k] f32, stats): every assignment
+    kept. stats are `route`'s per leading index ("dropped" 0)."""
+    *groups, tokens, n_experts = logits.shape
+    probs, top_idx, gates = choose(logits, top_k, renormalize)
+    routed = jnp.sum(jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32), axis=(-3, -2))
+    stats = {"routed": routed.astype(jnp.float32), "prob": jnp.sum(probs, axis=-2),
+             "dropped": jnp.zeros(groups, jnp.float32), "tokens": jnp.full(groups, tokens, jnp.float32)}
+    return top_idx, gates, stats
+
+
+@jax.custom_vjp
+def _permute(x, order, inverse):
+    """x[order] for a permutation `order` whose inverse is `inverse`: the backward is the gather x[inverse], not
+    the scatter-add XLA would write for a general gather's transpose."""
+    return jnp.take(x, order, axis=0, unique_indices=True, indices_are_sorted=False)
+
+
+def _permute_fwd(x, order, inverse):
+    return _permute(x, order, inverse), (order, inverse)
+
+
+def _permute_bwd(res, g):
+    order, inverse = res
+    return _permute(g, inverse, order), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _flat_batch(op):
+    """`op(a, b, sizes)` (group sizes [E]) made safe to vmap any number of times: each vmap over it becomes one
+    more leading dim of all three arguments, and those dims run as a single jax.vmap of op."""
+    def batched(a, b, sizes):
+        lead = sizes.shape[:-1]
+        if not lead:
+            return op(a, b, sizes)
+        flat = [x.reshape(-1, *x.shape[len(lead):]) for x in (a, b, sizes)]
+        out = jax.vmap(op)(*flat)
+        return out.reshape(*lead, *out.shape[1:])
+
+    # jax 0.10's ragged_dot fails to lower on CPU under two vmaps (a numpy int reaches vmap's in_axes); a pipeline
+    # runs the layer under two (its stages, then the weight copies of each data replica).
+    folded = jax.custom_batching.custom_vmap(batched)
+
+    @folded.def_vmap
+    def _(axis_size, in_batched, *args):
+        return folded(*(x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched))), True
+
+    return folded
+
+
+_ragged_dot = _flat_batch(jax.lax.ragged_dot)  # x [m, k], w [E, k, n] -> [m, n]
+# x [m, k], g [m, n] -> [E, k, n]: each group's x rows^T @ its g rows (ragged_dot's weight gradient).
+_ragged_weight_grad = _flat_batch(lambda x, g, sizes: jax.lax.ragged_dot_general(
+    x, g, sizes, jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])))
+
+
+@jax.custom_vjp
+def _grouped_matmul(x, w, sizes):
+    """jax.lax.ragged_dot(x [m, k], w [E, k, n], sizes [E]) -> [m, n], its backward written out so that its
+    ragged_dots, too, go through `_flat_batch`."""
+    return _ragged_dot(x, w, sizes)
+
+
+def _grouped_matmul_fwd(x, w, sizes):
+    return _ragged_dot(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_matmul_bwd(res, g):
+    x, w, sizes = res
+    return _ragged_dot(g, jnp.swapaxes(w, -1, -2), sizes), _ragged_weight_grad(x, g, sizes).astype(w.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def dropless_experts(x, experts, gates, w_gate_up, w_down, act):
+    """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
+    [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
+    (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run as one
+    ragged_dot per projection, the group sizes the assignments per expert: no capacity, nothing dropped."""
+    n, k = experts.shape
+    flat = experts.reshape(n * k)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32), unique_indices=True)
+    sizes = jnp.sum(jax.nn.one_hot(flat, w_down.shape[0], dtype=jnp.int32), axis=0)
+    # Each token's row repeated k times (the backward sums the copies), then sorted by expert.
+    rows = _permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
+    e, d, ways, width = w_gate_up.shape
+    joined = _grouped_matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(n * k, ways, width)
+    gate, up = (h.reshape(n * k, -1) for h in split_last(joined, (width // 2,)))
+    out = _grouped_matmul(act(gate) * up, w_down, sizes)
+    out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
+    return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
 
 
 def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
@@ -115,22 +221,29 @@ class MoE(nnx.Module):
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
+    def gate_up_weights(self, dt):
+        """w_gate and w_up [E, d, f] joined as [E, d, T, 2f/T], T the ways "mlp" is split (1 if that does not divide
+        f): each device's gate and up blocks side by side, so joining moves nothing and the input's gradient under
+        tensor parallelism is one all-reduce (as layers.project_fused)."""
+        w_gate, w_up = weight(self.w_gate, dt), weight(self.w_up, dt)
+        e, d, f = w_gate.shape
+        ways = split_ways("mlp") if f % split_ways("mlp") == 0 else 1
+        joined = jnp.concatenate([w.reshape(e, d, ways, f // ways) for w in (w_gate, w_up)], axis=-1)
+        return constrain(joined, ("experts", None, "mlp", None))
+
     def gate_up(self, expert_in, dt):
         """The gate and up projections of the expert buffer [E, B, N, C, d] as one matmul per expert, joined as
         layers.project_fused joins them (one input-gradient all-reduce under tensor parallelism)."""
-        w_gate, w_up = weight(self.w_gate, dt), weight(self.w_up, dt)
-        ways = split_ways("mlp")
-        if w_gate.shape[-1] % ways:
-            return [jnp.einsum("ebncd,edf->ebncf", expert_in, w) for w in (w_gate, w_up)]
-        e, d, f = w_gate.shape
-        joined = jnp.concatenate([w.reshape(e, d, ways, f // ways) for w in (w_gate, w_up)], axis=-1)
-        joined = constrain(joined, ("experts", None, "mlp", None))
-        y = jnp.einsum("ebncd,edtg->ebnctg", expert_in, joined)
-        return [part.reshape(*y.shape[:4], f) for part in split_last(y, (y.shape[-1] // 2,))]
+        if self.w_gate.shape[-1] % split_ways("mlp"):
+            return [jnp.einsum("ebncd,edf->ebncf", expert_in, weight(w, dt)) for w in (self.w_gate, self.w_up)]
+        y = jnp.einsum("ebncd,edtg->ebnctg", expert_in, self.gate_up_weights(dt))
+        return [part.reshape(*y.shape[:4], -1) for part in split_last(y, (y.shape[-1] // 2,))]
 
     def __call__(self, x):
         """x [B, T, d] -> (y [B, T, d] in x's dtype, routing stats per row: `route`'s summed over each row's groups,
         leading dim B, which `summarize` turns into the load-balancing loss and dropped fraction)."""
+        if self.cfg.moe_routing == "dropless":
+            return self.dropless(x)
         cfg, dt = self.cfg, x.dtype
         batch, tokens, d = x.shape
         # Groups [B, N, G]: the sequence's groups N carry its sequence split (config validation: N divides it); one
@@ -141,7 +254,8 @@ class MoE(nnx.Module):
         logits = checkpoint_name(jnp.einsum("bngd,de->bnge", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         dispatch, combine, stats = route(logits, cfg.moe_top_k,
-                                         capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts))
+                                         capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts),
+                                         cfg.moe_renormalize)
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
         combine = constrain(combine.astype(dt), (*seq, None, None))
 
@@ -149,7 +263,7 @@ class MoE(nnx.Module):
         rows = ("act_experts", "batch", "seq" if group < tokens else None, None)
         expert_in = constrain(jnp.einsum("bngec,bngd->ebncd", dispatch, x), (*rows, "act_embed"))
         gate, up = self.gate_up(expert_in, dt)
-        hidden = constrain(jax.nn.silu(gate) * up, (*rows, "act_mlp"))
+        hidden = constrain(activation(cfg.mlp_activation)(gate) * up, (*rows, "act_mlp"))
         expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, weight(self.w_down, dt)),
                                (*rows, "act_embed"))
         # Back to the token layout here, so that the combine's backward keeps this copy for the gates' gradient (left
@@ -157,3 +271,20 @@ class MoE(nnx.Module):
         expert_out = constrain(expert_out, (None, "batch", rows[2], None, "act_embed"))
         y = jnp.einsum("bngec,ebncd->bngd", combine, expert_out).reshape(batch, tokens, d)
         return constrain(y, ("batch", "seq", "act_embed")), jax.tree.map(lambda v: jnp.sum(v, axis=1), stats)
+
+    def dropless(self, x):
+        """`__call__` with moe_routing="dropless": the whole call's B*T tokens routed together, none dropped."""
+        cfg, dt = self.cfg, x.dtype
+        batch, tokens, d = x.shape
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
+                                            weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
+        experts, gates, stats = dropless_route(logits, cfg.moe_top_k, cfg.moe_renormalize)  # stats per row
+        # Under a mesh XLA gathers the call's expert choices and token rows onto every device, which sorts them
+        # all (replicas along data/fsdp repeat that work). The expert weights are not gathered along `expert`:
+        # each device multiplies by its own experts (on CPU ragged_dot is a dense dot masked per expert) and the
+        # partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
+        y = dropless_experts(x.reshape(batch * tokens, d), experts.reshape(batch * tokens, -1),
+                             gates.reshape(batch * tokens, -1), self.gate_up_weights(dt), weight(self.w_down, dt),
+                             activation(cfg.mlp_activation))
+        return constrain(y.reshape(batch, tokens, d), ("batch", "seq", "act_embed")), stats

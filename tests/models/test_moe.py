@@ -1,6 +1,8 @@
 """Mixture of experts: routing, capacity and dispatch against a plain loop reference, gradients against a dense
-reference, expert sharding on 8 devices against one device, and config guards."""
+reference, expert sharding on 8 devices against one device, and config guards; dropless routing (ragged_dot)
+against the dense reference, alone, under vmap and on 8 devices."""
 
+import functools
 import math
 
 import jax
@@ -87,15 +89,16 @@ def loop_reference(x, params, top_k, capacity_factor):
     return y, E * np.sum(chose / n * prob_sum / (B * T)), dropped / n
 
 
-def dense_reference(params, x, top_k):
-    """jax.numpy, no capacity: every expert runs on every token, weighted by the renormalised top-k gates."""
+def dense_reference(params, x, top_k, renormalize=True, act=jax.nn.silu):
+    """jax.numpy, no capacity: every expert runs on every token, weighted by the top-k gates (renormalised, or the
+    raw probabilities); zero for the experts a token did not choose."""
     probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, params["w_router"]), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, top_k)
-    weights = jnp.einsum("btk,btke->bte", top_p / top_p.sum(-1, keepdims=True),
-                         jax.nn.one_hot(top_i, probs.shape[-1]))
+    gates = top_p / top_p.sum(-1, keepdims=True) if renormalize else top_p
+    weights = jnp.einsum("btk,btke->bte", gates, jax.nn.one_hot(top_i, probs.shape[-1]))
     gate = jnp.einsum("btd,edf->btef", x, params["w_gate"])
     up = jnp.einsum("btd,edf->btef", x, params["w_up"])
-    out = jnp.einsum("btef,efd->bted", jax.nn.silu(gate) * up, params["w_down"])
+    out = jnp.einsum("btef,efd->bted", act(gate) * up, params["w_down"])
     E = probs.shape[-1]
     f = jax.nn.one_hot(top_i, E).sum(axis=(0, 1, 2)) / top_i.size  # fraction of the assignments per expert
     lb = E * jnp.sum(f * probs.mean(axis=(0, 1)))
@@ -258,6 +261,192 @@ def test_expert_sharding_matches_single_device():
         np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-6)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+# --- Dropless routing --------------------------------------------------------------------------------
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+@pytest.mark.parametrize("routing", ["dropless", "capacity"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_matches_dense_reference(routing, renormalize, act):
+    """Dropless (and capacity with room for every token) is the dense reference: every expert on every token,
+    weighted by the top-k gates, renormalised or raw (Qwen3-MoE's norm_topk_prob=False), either activation."""
+    cfg, graphdef, params = build(moe_routing=routing, moe_capacity_factor=4.0, moe_renormalize=renormalize,
+                                  mlp_activation=act)
+    x = np.random.default_rng(7).normal(size=(3, 8, cfg.d_model)).astype(np.float32)
+    y, aux = run(graphdef, params, x)
+    want, want_lb = jax.jit(dense_reference, static_argnums=(2, 3, 4))(params, x, cfg.moe_top_k, renormalize,
+                                                                       ACTIVATIONS[act])
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(aux["load_balance_loss"]), float(want_lb), rtol=1e-6)
+    assert float(aux["dropped_fraction"]) == 0
+    assert np.abs(np.asarray(want)).max() > 0.1
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_dropless_gradients_match_dense_reference(renormalize):
+    cfg, graphdef, params = build(moe_routing="dropless", moe_renormalize=renormalize)
+    x = np.random.default_rng(8).normal(size=(2, 6, cfg.d_model)).astype(np.float32)
+    probe = np.random.default_rng(9).normal(size=x.shape).astype(np.float32)
+
+    def loss(params, x):
+        y, aux = apply(graphdef, params, x)
+        return jnp.sum(y * probe) + 3.0 * aux["load_balance_loss"]
+
+    def ref_loss(params, x):
+        y, lb = dense_reference(params, x, cfg.moe_top_k, renormalize)
+        return jnp.sum(y * probe) + 3.0 * lb
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    assert np.abs(np.asarray(got[0]["w_router"])).max() > 1e-3
+
+
+def test_dropless_stats_count_every_choice_and_drop_nothing():
+    """Per row: "routed" = how many of the row's top-k choices name each expert, "prob" the summed
+    probabilities, "dropped" 0. Expert 0 is never chosen here (an empty group for ragged_dot); one expert takes
+    more than capacity routing could give it."""
+    cfg, graphdef, params = build(n_experts=6, moe_routing="dropless")
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=(3, 8, cfg.d_model)).astype(np.float32)
+    x[..., 0] = 4.0 + np.abs(x[..., 0])
+    params["w_router"][0] = 0.0
+    params["w_router"][0, 0] = -10.0  # expert 0's logit is about -40 on every token
+    params["w_router"][0, 1] = 2.0  # expert 1 is everyone's first choice
+    y, stats = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x)
+    assert set(stats) == {"routed", "prob", "dropped", "tokens"}
+    assert stats["routed"].shape == stats["prob"].shape == (3, 6) and stats["dropped"].shape == (3,)
+
+    probs = np.asarray(jax.nn.softmax(x.astype(np.float64) @ params["w_router"], axis=-1))
+    top = np.argsort(-probs, axis=-1, kind="stable")[..., :cfg.moe_top_k]
+    want_routed = np.stack([np.bincount(top[b].ravel(), minlength=6) for b in range(3)])
+    np.testing.assert_array_equal(np.asarray(stats["routed"]), want_routed)
+    assert want_routed[:, 0].sum() == 0 and want_routed[:, 1].min() == 8  # more than capacity(1.25, 8, 2, 6) = 4
+    np.testing.assert_array_equal(np.asarray(stats["dropped"]), 0)
+    np.testing.assert_array_equal(np.asarray(stats["tokens"]), 8)
+    np.testing.assert_allclose(np.asarray(stats["prob"]), probs.sum(1), rtol=1e-5)
+    assert float(moe.summarize(stats)["dropped_fraction"]) == 0
+    want, _ = dense_reference(params, x, cfg.moe_top_k)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_under_nested_vmap_equals_each_copy():
+    """A pipeline runs the layer under two vmaps (stages, and weight copies per data replica), with a group size
+    per copy: outputs and gradients of each copy are what it gives alone (jax 0.10's ragged_dot alone fails to
+    lower on CPU under two vmaps)."""
+    cfg, graphdef, params = build(moe_routing="dropless", mlp_activation="gelu_tanh")
+    rng = np.random.default_rng(11)
+    copies = [jax.tree.map(lambda p: rng.normal(0.0, 0.5, p.shape).astype(np.float32), params) for _ in range(4)]
+    stacked = jax.tree.map(lambda *c: np.stack(c).reshape(2, 2, *c[0].shape), *copies)
+    x = rng.normal(size=(2, 2, 2, 5, cfg.d_model)).astype(np.float32)
+    probe = rng.normal(size=x.shape[2:]).astype(np.float32)
+
+    def loss(p, x):
+        y, stats = nnx.merge(graphdef, p)(x)
+        return jnp.sum(y * probe) + moe.summarize(stats)["load_balance_loss"], y
+
+    nested = jax.vmap(jax.vmap(jax.value_and_grad(loss, has_aux=True)))
+    (_, ys), grads = jax.jit(nested)(stacked, x)
+    single = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    for i, p in enumerate(copies):
+        (_, y), g = single(p, x[i // 2, i % 2])
+        np.testing.assert_allclose(np.asarray(ys[i // 2, i % 2]), np.asarray(y), rtol=1e-5, atol=1e-5)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g)):
+            np.testing.assert_allclose(np.asarray(got[i // 2, i % 2]), np.asarray(want), rtol=1e-5,
+                                       atol=1e-5 * np.abs(want).max())
+
+
+def test_dropless_bfloat16_compute():
+    cfg, graphdef, params = build(moe_routing="dropless")
+    _, graphdef16, _ = build(moe_routing="dropless", dtype="bfloat16")
+    x = np.random.default_rng(14).normal(size=(2, 8, cfg.d_model)).astype(np.float32)
+    y32, _ = run(graphdef, params, x)
+    y16, aux16 = run(graphdef16, params, jnp.asarray(x, jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16 and all(v.dtype == jnp.float32 for v in aux16.values())
+    assert float(jnp.abs(y16.astype(jnp.float32) - y32).max()) < 3e-2 * float(jnp.abs(y32).max())
+
+
+def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device():
+    """fsdp 2 x expert 4 (the `fsdp` preset): outputs, routing scalars and gradients as on one device, the
+    experts' weights and gradients split over `expert`."""
+    cfg, graphdef, params = build(n_experts=8, moe_routing="dropless")
+    x = np.random.default_rng(12).normal(size=(8, 8, cfg.d_model)).astype(np.float32)
+    probe = np.random.default_rng(13).normal(size=x.shape).astype(np.float32)
+
+    def loss(params, x):
+        y, aux = apply(graphdef, params, x)
+        return jnp.sum(y * probe) + aux["load_balance_loss"], (y, aux)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (_, (want_y, want_aux)), want_grads = jax.jit(step)(params, x)
+
+    mesh = mesh_lib.make_mesh({"fsdp": 2, "expert": 4})
+    rules = mesh_lib.resolve_rules("fsdp")
+    layer = nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=0)))
+    names = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer)))
+    param_shardings = mesh_lib.tree_shardings(params, names, mesh, rules)
+    assert param_shardings["w_gate"].spec == P("expert", "fsdp", None)
+    sharded_params = jax.device_put(params, param_shardings)
+    sharded_x = jax.device_put(x, mesh_lib.batch_sharding(mesh, rules))
+    with mesh_lib.activation_sharding(mesh, rules):
+        compiled = jax.jit(step).lower(sharded_params, sharded_x).compile()
+    (_, (y, aux)), grads = compiled(sharded_params, sharded_x)
+
+    # No device holds all 8 experts' weights (w_gate and w_up joined [E, d, 1, 2f], w_down [E, f, d]).
+    hlo = compiled.as_text()
+    assert not any(s in hlo for s in ("f32[8,8,1,24]", "f32[8,8,24]", "f32[8,8,12]", "f32[8,12,8]"))
+    assert tuple(grads[0]["w_gate"].sharding.spec)[:1] == ("expert",)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    for key in want_aux:
+        np.testing.assert_allclose(float(aux[key]), float(want_aux[key]), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.mark.slow  # about 25 s each on 2 cores
+@pytest.mark.parametrize("mesh", [{"fsdp": 2, "expert": 4}, {"data": 2, "expert": 4}], ids=["fsdp2_expert4",
+                                                                                             "data2_expert4"])
+def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh):
+    """The whole model (the tiny config, 4 experts of top 2, dropless) on 8 devices with an expert axis: the loss,
+    the routing scalars and every gradient as on one device."""
+    from parallel_worker import leaf_errors, synthetic_batches
+
+    from jaxtrain import config as config_lib, step as step_lib, trainer as trainer_lib
+
+    cfg = tiny_config(**{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()},
+                      **{"mesh.rules": "fsdp" if "fsdp" in mesh else "dp", "model.n_experts": 4, "model.moe_top_k": 2,
+                         "model.moe_routing": "dropless", "model.moe_renormalize": False})
+    facts = config_lib.validate(cfg, 8)
+    one = cfg.copy_and_resolve_references()
+    one.mesh.update({a: 1 for a in mesh})
+    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    reference = trainer_lib.build_trainer(one, {}, facts["rules"], devices=jax.devices()[:1])
+    params = trainer.init()["params"]
+    batch = synthetic_batches(1, 8, 32, 512)[0]
+
+    def loss_and_grads(t, p):
+        def f(p, b):
+            with mesh_lib.activation_sharding(t.mesh, t.rules):
+                total, count, aux = step_lib.loss_terms(t.graphdef, p, b)
+                return total / count + aux["load_balance_loss"], aux
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, trainer_lib.global_batch(batch, t.batch_sharding))
+
+    (loss, aux), grads = loss_and_grads(trainer, params)
+    (want_loss, want_aux), want_grads = loss_and_grads(reference, jax.device_put(jax.device_get(params),
+                                                                                 jax.devices()[0]))
+    assert grads["blocks"]["mlp"]["w_gate"].sharding.spec[1] == "expert"  # [layers, experts, d, f]
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert float(aux["dropped_fraction"]) == 0
+    np.testing.assert_allclose(float(aux["load_balance_loss"]), float(want_aux["load_balance_loss"]), rtol=1e-5)
+    errors = leaf_errors(jax.device_get(grads), jax.device_get(want_grads))
+    assert max(errors.values()) < 1e-5, errors
 
 
 # --- Config guards -----------------------------------------------------------------------------------

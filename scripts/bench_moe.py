@@ -1,0 +1,92 @@
+"""Train-step throughput of a mixture of experts: capacity routing against dropless routing, in one process.
+
+    python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
+                                [--capacity_factor 1.25] [--steps 3]
+
+The model is the config's with its MLPs made `--experts` experts of width `--expert_d_ff`, each token routed to
+its top `--top_k` (bench_cpu's defaults here: 8 experts of 512, top 2, so a token's active MLP width is the dense
+model's 1024). It is built twice, `model.moe_routing` "capacity" (`--capacity_factor`) and "dropless", and each
+jitted train step is timed on the same synthetic batch as scripts/bench_step.py: compile and one warm step each,
+then `--steps` steps of the two in turn (a change in the machine's load hits both), medians. Ends with one JSON
+line, e.g.
+{"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_step import synthetic_batch  # the same batch as the dense benchmark
+
+
+def moe_config(base, routing: str):
+    cfg = base.copy_and_resolve_references()
+    cfg.model.update(n_experts=_EXPERTS.value, moe_top_k=_TOP_K.value, d_ff=_EXPERT_D_FF.value,
+                     moe_capacity_factor=_CAPACITY_FACTOR.value, moe_routing=routing)
+    return cfg
+
+
+def main(argv):
+    del argv
+    import jax
+    import numpy as np
+
+    from jaxtrain import config as config_lib, host_memory, trainer as trainer_lib
+
+    host_memory.keep_freed_memory()  # as train.run does (CPU runs)
+    base = _CONFIG.value
+    runs = {}
+    for routing in ("capacity", "dropless"):
+        t = time.perf_counter()
+        cfg = moe_config(base, routing)
+        facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
+        trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+        state = trainer.init()
+        batch = trainer_lib.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
+        for _ in range(2):  # compile + one warm step
+            state, m = trainer.train_step(state, batch)
+        jax.block_until_ready(m)
+        runs[routing] = {"trainer": trainer, "state": state, "batch": batch, "times": [],
+                         "startup_to_warm_s": time.perf_counter() - t}
+    # The two steps alternate, so that a change in the machine's load (other processes) hits both alike.
+    for _ in range(_STEPS.value):
+        for run in runs.values():
+            t = time.perf_counter()
+            run["state"], run["metrics"] = run["trainer"].train_step(run["state"], run["batch"])
+            jax.block_until_ready(run["metrics"])
+            run["times"].append(time.perf_counter() - t)
+
+    tokens = base.train.batch_size * base.train.seq_len
+    result = {}
+    for routing, run in runs.items():
+        step_s = float(np.median(run["times"]))
+        result[routing] = r = {"step_ms": 1e3 * step_s, "tokens_per_sec": tokens / step_s,
+                               "startup_to_warm_s": run["startup_to_warm_s"], "loss": float(run["metrics"]["loss"]),
+                               "dropped_fraction": float(run["metrics"]["moe/dropped_fraction"])}
+        print(f"{routing:>8}: step {r['step_ms']:.1f} ms (median of {_STEPS.value}) | {r['tokens_per_sec']:,.0f} tok/s "
+              f"| dropped {100 * r['dropped_fraction']:.1f}% | warm after {r['startup_to_warm_s']:.0f} s",
+              file=sys.stderr)
+    ratio = result["dropless"]["tokens_per_sec"] / result["capacity"]["tokens_per_sec"]
+    dtype = runs["dropless"]["trainer"].model_cfg.dtype
+    print(f"dropless / capacity tokens/s: {ratio:.2f} ({jax.device_count()} {jax.devices()[0].device_kind} "
+          f"device(s), {dtype})", file=sys.stderr)
+    print(json.dumps({**result, "dropless_over_capacity": ratio, "config": base.workdir, "experts": _EXPERTS.value,
+                      "top_k": _TOP_K.value, "expert_d_ff": _EXPERT_D_FF.value,
+                      "capacity_factor": _CAPACITY_FACTOR.value, "devices": jax.device_count(),
+                      "device_kind": jax.devices()[0].device_kind, "dtype": dtype}))
+
+
+if __name__ == "__main__":
+    _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Model/batch config.",
+                                              lock_config=True)
+    _EXPERTS = flags.DEFINE_integer("experts", 8, "Experts per MoE layer.")
+    _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
+    _EXPERT_D_FF = flags.DEFINE_integer("expert_d_ff", 512, "Each expert's hidden width (model.d_ff).")
+    _CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.25, "Capacity routing's model.moe_capacity_factor.")
+    _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per routing (after 2 warm-up steps each).")
+    app.run(main)
