@@ -1,0 +1,27 @@
+"""Llama 3.2 1B (`meta-llama/Llama-3.2-1B`): d_model 2048, 16 layers, 32 heads / 8 KV heads of 64, d_ff 8192,
+vocab 128256 tied, llama3 RoPE (theta 500000, factor 32 over 8192 positions); 1.24B parameters.
+
+The weights come from the Hugging Face checkpoint: `--config.model.init_from=DIR` (its config.json must match
+these fields; `jaxtrain hf overrides DIR` prints them), with data prepared by its tokenizer
+(`jaxtrain prepare --tokenizer DIR ...`, then `--config.data.dir`). Continued pretraining / fine-tuning on GPUs:
+256 x 4096 tokens a step (1M) in 8 microbatches, FSDP over all devices, remat keeps the matmul outputs.
+
+    jaxtrain plan --config configs/models/llama3_1b.py --devices 8 --backend gpu --device_kind H100
+"""
+
+from jaxtrain.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.workdir = "runs/llama3_1b"
+    c.model.update(family="llama", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                   head_dim=64, d_ff=8192, tie_embeddings=True, rope_theta=500000.0, rope_scaling="llama3",
+                   rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+                   norm_eps=1e-5, remat="dots_with_no_batch_dims_saveable", loss_chunk_tokens=4096)
+    c.train.update(batch_size=256, seq_len=4096, microbatches=8, steps=5000)
+    c.mesh.update(data=1, fsdp=-1, tensor=1, rules="fsdp")
+    c.optim.update(lr=2e-5, warmup_steps=100, weight_decay=0.1)
+    c.data.update(vocab_size=128256)
+    c.sample.update(max_new_tokens=0)
+    return c

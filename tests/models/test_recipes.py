@@ -1,0 +1,34 @@
+"""The recipes in configs/models/ hold the published architectures and validate for 8 devices (no compile)."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import config as config_lib
+from jaxtrain import files
+from jaxtrain.models import families
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.py"))
+# Published totals (Hugging Face model cards), in billions.
+PARAMS = {"llama3_1b": 1.24, "llama3_8b": 8.03, "qwen3_0_6b": 0.60, "qwen3_8b": 8.19, "mistral_7b": 7.25,
+          "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7, "qwen3_moe_30b_a3b": 30.5}
+
+
+def n_params(m) -> float:
+    attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.head_dim * m.qk_norm
+    mlp = 3 * m.d_model * m.d_ff * max(m.n_experts, 1) + m.d_model * m.n_experts
+    norms = m.d_model * (4 if m.post_norms else 2)
+    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    return (m.n_layers * (attn + mlp + norms) + embed + m.d_model) / 1e9
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates_with_the_published_size(path):
+    cfg = files.run_python_file(path, "get_config", field="--config")
+    config_lib.validate(cfg, 8)
+    assert families.get(cfg.model.family) is not None
+    assert n_params(cfg.model) == pytest.approx(PARAMS[path.stem], rel=0.01)
+
+
+def test_every_recipe_is_listed():
+    assert {p.stem for p in RECIPES} == set(PARAMS)
