@@ -21,7 +21,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import synthetic_batch  # the same batch as the dense benchmark
+from bench_step import warm_trainer  # the same batch and warm-up as the dense benchmark
 
 
 def moe_config(base, routing: str):
@@ -36,23 +36,12 @@ def main(argv):
     import jax
     import numpy as np
 
-    from jaxtrain import config as config_lib, host_memory, trainer as trainer_lib
-
-    host_memory.keep_freed_memory()  # as train.run does (CPU runs)
     base = _CONFIG.value
     runs = {}
     for routing in ("capacity", "dropless"):
-        t = time.perf_counter()
-        cfg = moe_config(base, routing)
-        facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-        trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-        state = trainer.init()
-        batch = trainer_lib.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
-        for _ in range(2):  # compile + one warm step
-            state, m = trainer.train_step(state, batch)
-        jax.block_until_ready(m)
+        trainer, state, batch, _, startup_s = warm_trainer(moe_config(base, routing))
         runs[routing] = {"trainer": trainer, "state": state, "batch": batch, "times": [],
-                         "startup_to_warm_s": time.perf_counter() - t}
+                         "startup_to_warm_s": startup_s}
     # The two steps alternate, so that a change in the machine's load (other processes) hits both alike.
     for _ in range(_STEPS.value):
         for run in runs.values():

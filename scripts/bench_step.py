@@ -29,9 +29,9 @@ def synthetic_batch(cfg) -> dict:
             "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
 
 
-def time_train_step(cfg, steps: int):
-    """(median step seconds, seconds to a warm step, trainer, last metrics): `steps` timed steps on a
-    synthetic batch, after compiling and one warm-up step."""
+def warm_trainer(cfg):
+    """(trainer, state, batch, last metrics, seconds to a warm step): the train step on a synthetic batch,
+    compiled and run once warm."""
     import jax
 
     from jaxtrain import config as config_lib, host_memory
@@ -45,7 +45,15 @@ def time_train_step(cfg, steps: int):
     for _ in range(2):  # compile + one warm step
         state, m = trainer.train_step(state, batch)
     jax.block_until_ready(m)
-    startup_s = time.perf_counter() - t
+    return trainer, state, batch, m, time.perf_counter() - t
+
+
+def time_train_step(cfg, steps: int):
+    """(median step seconds, seconds to a warm step, trainer, last metrics): `steps` timed steps on a
+    synthetic batch, after compiling and one warm-up step."""
+    import jax
+
+    trainer, state, batch, m, startup_s = warm_trainer(cfg)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
