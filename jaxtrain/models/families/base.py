@@ -49,8 +49,12 @@ class HFConfig:
 # ===== Config fields ===================================================================================
 
 
-def dense_fields(c: HFConfig, *, norm_eps_default: float = 1e-6, tie_default: bool = False) -> dict:
-    """The sizes every family shares (Llama's keys), and the global RoPE."""
+def dense_fields(c: HFConfig, *, norm_eps_default: float = 1e-6, tie_default: bool = False,
+                 swiglu: bool = True) -> dict:
+    """The sizes every family shares (Llama's keys), and the global RoPE. `swiglu`: the MLP (or each expert) is
+    SwiGLU, so `hidden_act` must be silu (Gemma checks its own GeGLU)."""
+    if swiglu and c.get("hidden_act", "silu") != "silu":
+        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the MLP is SwiGLU (silu)")
     c.absent("mlp_bias", why="the model's MLP has no biases")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         c.refuse("partial_rotary_factor", f"{c.values['partial_rotary_factor']}; the model rotates the whole head")

@@ -21,9 +21,9 @@ def gemma_fields(c: base.HFConfig) -> dict:
         c.refuse("hidden_activation", f"{act!r}; Gemma's MLP is GeGLU with tanh-approximated GELU")
     c.absent("attention_bias", why="the model has no attention biases")
     c.absent("use_bidirectional_attention", why="the decoder is causal")
-    fields = {**base.dense_fields(c, tie_default=True), "mlp_activation": "gelu_tanh", "norm_offset": True,
-              "post_norms": True, "embed_scale": True,
-              "attn_scale": c.number("query_pre_attn_scalar", fields_head_dim(c)) ** -0.5,
+    fields = base.dense_fields(c, tie_default=True, swiglu=False)
+    fields = {**fields, "mlp_activation": "gelu_tanh", "norm_offset": True, "post_norms": True, "embed_scale": True,
+              "attn_scale": c.number("query_pre_attn_scalar", fields["head_dim"]) ** -0.5,
               "attn_softcap": c.number("attn_logit_softcapping", 0.0, positive=False),
               "final_softcap": c.number("final_logit_softcapping", 0.0, positive=False)}
     window = c.get("sliding_window")
@@ -47,15 +47,12 @@ def pattern(n_layers: int, every: int) -> list[str]:
     return ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
 
 
-def fields_head_dim(c: base.HFConfig) -> int:
-    return c.size("head_dim", c.size("hidden_size") // c.size("num_attention_heads"))
-
-
 def gemma_hf(cfg, architecture: str, model_type: str) -> dict:
     scalar = cfg.attn_scale ** -2 if cfg.attn_scale else cfg.head_dim
     out = {**base.dense_hf(cfg, architecture, model_type), "hidden_activation": "gelu_pytorch_tanh",
-           "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6
-           else scalar, "attn_logit_softcapping": cfg.attn_softcap or None,
+           "hidden_act": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+           "attn_logit_softcapping": cfg.attn_softcap or None,
            "final_logit_softcapping": cfg.final_softcap or None, "attention_bias": False}
     if cfg.sliding_window:
         out.update(sliding_window=cfg.sliding_window, layer_types=pattern(cfg.n_layers, cfg.global_every))

@@ -8,8 +8,6 @@ NAME, MODEL_TYPES, ARCHITECTURE = "llama", ("llama",), "LlamaForCausalLM"
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Llama MLP is SwiGLU (silu)")
     c.absent("attention_bias", why="the model has no attention biases")
     return base.dense_fields(c, tie_default=False)
 

@@ -8,8 +8,6 @@ NAME, MODEL_TYPES, ARCHITECTURE = "mistral", ("mistral",), "MistralForCausalLM"
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Mistral MLP is SwiGLU (silu)")
     return {**base.dense_fields(c), **base.window_fields(c)}
 
 

@@ -14,8 +14,6 @@ EXPERTS = {
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Mixtral experts are SwiGLU (silu)")
     return {**base.dense_fields(c), **base.window_fields(c), "n_experts": c.size("num_local_experts"),
             "moe_top_k": c.size("num_experts_per_tok"), "moe_routing": "dropless", "moe_renormalize": True}
 

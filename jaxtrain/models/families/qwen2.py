@@ -8,8 +8,6 @@ NAME, MODEL_TYPES, ARCHITECTURE = "qwen2", ("qwen2",), "Qwen2ForCausalLM"
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Qwen2 MLP is SwiGLU (silu)")
     c.absent("use_sliding_window", why="Qwen2's windows on the upper layers only are not supported")
     return {**base.dense_fields(c), "qkv_bias": True}
 

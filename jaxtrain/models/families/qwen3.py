@@ -8,8 +8,6 @@ NAME, MODEL_TYPES, ARCHITECTURE = "qwen3", ("qwen3",), "Qwen3ForCausalLM"
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Qwen3 MLP is SwiGLU (silu)")
     c.absent("attention_bias", why="the model has no attention biases")
     c.absent("use_sliding_window", why="Qwen3's windows on the upper layers only are not supported")
     return {**base.dense_fields(c), "qk_norm": True}

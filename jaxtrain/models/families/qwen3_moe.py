@@ -15,8 +15,6 @@ EXPERTS = {
 
 
 def from_hf(c: base.HFConfig) -> dict:
-    if c.get("hidden_act", "silu") != "silu":
-        c.refuse("hidden_act", f"{c.values['hidden_act']!r}; the Qwen3-MoE experts are SwiGLU (silu)")
     c.absent("attention_bias", why="the model has no attention biases")
     c.absent("use_sliding_window", why="Qwen3's windows on the upper layers only are not supported")
     c.absent("mlp_only_layers", why="every layer must be a mixture of experts")
