@@ -24,10 +24,21 @@ from flax import nnx
 from jaxtrain.models import moe
 from jaxtrain.models.attention import attention_mask, causal_attention
 from jaxtrain.models.config import REMAT_POLICIES, ModelConfig
-from jaxtrain.models.layers import (RMSNorm, activation, param, project, project_fused, rope, rope_frequencies, rotary,
-                                    rotary_lookup, weight)
+from jaxtrain.models.layers import (
+    RMSNorm,
+    activation,
+    param,
+    project,
+    project_fused,
+    rope,
+    rope_frequencies,
+    rotary,
+    rotary_lookup,
+    weight,
+)
 from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.parallel.mesh import constrain, split_ways
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -325,6 +336,14 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
 def build(cfg: ModelConfig, seed: int) -> Transformer:
     with nnx.use_eager_sharding(False):
         return Transformer(cfg, nnx.Rngs(params=seed))
+
+
+def from_params(cfg: ModelConfig, params: dict):
+    """(graphdef, state) of the model holding `params` (a pure dict, e.g. imported weights); the initializers
+    never run."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg, 0)))
+    nnx.replace_by_pure_dict(state, params)
+    return graphdef, state
 
 
 def matmul_params(cfg: ModelConfig) -> int:

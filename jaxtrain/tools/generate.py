@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import jax
-from flax import nnx
 
 from jaxtrain import trainer
 from jaxtrain.data import layout
@@ -109,9 +108,7 @@ def _from_hf(args):
         tok = tok_lib.load(hf_dir)
     fields, host_params = hf.import_dir(hf_dir)
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32"})
-    # Shapes only: the model's own initializers would run for nothing.
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, 0)))
-    nnx.replace_by_pure_dict(state, host_params)
+    graphdef, state = transformer.from_params(cfg, host_params)
     stops = _eos_ids(hf_dir, config) + ([tok.eos_id] if tok is not None else [])
     window = config.get("max_position_embeddings")
     window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None

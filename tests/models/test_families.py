@@ -67,8 +67,7 @@ def hf_logits(path, tokens):
 
 def our_logits(fields, params, tokens):
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32", "loss_chunk_tokens": 0})
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, 0)))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    graphdef, state = transformer.from_params(cfg, jax.tree.map(jnp.asarray, params))
     b, t = tokens.shape
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     return np.asarray(nnx.merge(graphdef, state)(tokens, positions, np.ones((b, t), np.int32)))
