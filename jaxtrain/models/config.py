@@ -33,6 +33,7 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ROUTINGS = ("capacity", "dropless")
+QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
 PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
@@ -122,6 +123,9 @@ class ModelConfig:
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "gpipe"
     pipeline_repeats: int = 1
+    # The layers' weight matmuls in "fp8" or "int8" (jaxtrain.models.quant), or "none": a compute choice, the
+    # weights stay in param_dtype.
+    quant: str = "none"
     # The training loss: the output projection and cross-entropy run fused, about `loss_chunk_tokens` tokens per
     # device at a time (jaxtrain.models.cross_entropy), so the [B, T, vocab] logits never exist whole. 0 = unfused.
     loss_chunk_tokens: int = 512
@@ -204,7 +208,11 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     if m.attention_impl == "cudnn" and m.attention_block:
         raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
                           f"model.attention_block=0, got {m.attention_block}")
+    if m.attention_impl == "cudnn" and (m.head_dim > 128 or m.head_dim % 8):  # jax's cuDNN flash-attention bounds
+        raise ConfigError("model.attention_impl", f"cudnn's flash attention needs model.head_dim <= 128 and a "
+                          f"multiple of 8, got {m.head_dim} (use 'xla')")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
+    g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:
         g.positive_int("moe_top_k")
         if m.moe_top_k > m.n_experts:

@@ -271,8 +271,9 @@ def test_written_out_attention_matches_library_call(block, kv_heads):
     ({"attention_impl": "cudnn", "attention_block": 64}, "gpu", "needs model.attention_block=0"),
     ({"attention_impl": "cudnn"}, "cpu", "cudnn runs on GPUs only"),
     ({"attention_impl": "cudnn", "dtype": "float32"}, "gpu", "needs bfloat16 or float16 compute"),
+    ({"attention_impl": "cudnn", "head_dim": 256}, "gpu", "needs model.head_dim <= 128"),  # Gemma's
     ({"attention_impl": "cudnn"}, "gpu", None),  # auto: bf16 compute on a GPU
-], ids=["unknown", "with_blocks", "on_cpu", "f32_on_gpu", "ok_on_gpu"])
+], ids=["unknown", "with_blocks", "on_cpu", "f32_on_gpu", "head_dim_256", "ok_on_gpu"])
 def test_attention_impl_is_checked_before_anything_compiles(setting, backend, reason):
     from jaxtrain import config as config_lib
 
