@@ -8,6 +8,7 @@ anything compiles or touches the workdir, raising `ConfigError` naming the first
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 
 from jaxtrain import checkpoint, faults, hooks, optim
@@ -74,6 +75,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     if cfg.model.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
         hf.check_init_from(cfg.model.init_from, model_config(cfg, "cpu"))
     optim.check_config(cfg.optim, total_steps=cfg.train.steps)
+    if cfg.optim.groups:
+        optim.check_groups(cfg.optim.groups, param_paths(model_config(cfg, "cpu")))
     data_pipeline.check_config(cfg.data, model_vocab_size=cfg.model.vocab_size)
     hooks.check_eval_config(cfg.eval)
     checkpoint.check_config(cfg.checkpoint)
@@ -81,6 +84,15 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     metrics.check_log_config(cfg.log)
     sampling.check_config(cfg.sample)
     return {"mesh_shape": shape, "rules": rules, "data_parallel": dp, "dcn": dcn}
+
+
+def param_paths(model_cfg) -> list[str]:
+    """Every parameter's path as optim.groups matches it, from the model's shapes alone (nothing allocated)."""
+    from flax import nnx  # noqa: PLC0415 - flax only where the model is needed
+    from jaxtrain.models import transformer  # noqa: PLC0415
+
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, 0))))
+    return [optim.param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
 
 
 def _check_train(t, shape: dict, rules: dict, dp: int, process_count: int) -> int:
@@ -111,7 +123,7 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
 # Settings a workdir's checkpoints are tied to: the state's shapes and the data order.
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
-                "train.seed", "data.corpus", "data.vocab_size", "data.heldout_docs")
+                "optim.name", "optim.moments_dtype", "train.seed", "data.corpus", "data.vocab_size", "data.heldout_docs")
 
 
 def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -> None:

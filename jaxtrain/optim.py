@@ -1,24 +1,101 @@
-"""Optimizer and learning-rate schedules from `config.optim`."""
+"""Optimizers and learning-rate schedules from `config.optim`.
+
+Every optimizer is optax's, built as one chain: clipping, the optimizer's own direction (`optim.name`: AdamW's
+moments, Muon's orthogonalised momentum, Adafactor's factored second moments, Lion's sign, SGD's momentum),
+decoupled weight decay, then the learning rate. `optim.groups` sets the weight decay and a learning-rate factor by
+parameter path; `optim.moments_dtype` stores the optimizer's moments in bfloat16. The default (AdamW, f32 moments,
+no groups) is exactly `optax.chain(clip_by_global_norm, optax.adamw)`, so its checkpoints keep their layout.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax import contrib
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-# The config's `optim` group: AdamW with linear warmup, then `schedule` down to lr * min_lr_ratio (wsd decays over
-# the last `decay_fraction`); no weight decay on norm scales; global-norm clipping at `clip_norm` (0 = off).
-CONFIG = dict(lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
-              weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
+OPTIMIZERS = ("adamw", "muon", "adafactor", "lion", "sgd")
+MOMENTS_DTYPES = ("float32", "bfloat16")
+# The config's `optim` group: `name` with linear warmup, then `schedule` down to lr * min_lr_ratio (wsd decays over
+# the last `decay_fraction`); no weight decay on norm scales and biases; global-norm clipping at `clip_norm` (0 =
+# off). b1, b2: Adam's and Lion's betas (and those of the AdamW that Muon runs on the non-matrix weights); eps:
+# Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`.
+CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+              weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
+              moments_dtype="float32")
+# Muon's update scaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)), Liu et al. 2025), so that one lr and one
+# weight decay suit both the matrices and the AdamW-trained rest.
+MUON_RMS = 0.2
+GROUP_KEYS = {"lr": "a factor on the learning rate", "wd": "the weight decay"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRule:
+    """Parameters whose path (e.g. "blocks/attn/wq") `pattern` matches (re.search) get these settings."""
+    pattern: str
+    lr: float | None = None  # factor on the schedule's learning rate
+    wd: float | None = None  # weight decay, replacing optim.weight_decay (0: none)
+
+
+def parse_groups(text: str) -> list[GroupRule]:
+    """`optim.groups`: rules separated by ';', each `PATTERN: key=value, ...` with keys lr (a factor on the learning
+    rate) and wd (the weight decay), e.g. "embed|unembed: lr=0.1; attn/w[qk]: wd=0". A parameter takes the first
+    rule whose regex matches its path (jax key names joined by '/'); the rest keep optim.weight_decay (none on
+    norm scales and biases) and the plain learning rate. ConfigError naming optim.groups for a bad rule."""
+    rules = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        pattern, sep, settings = part.rpartition(":")
+        if not sep or not pattern.strip():
+            raise ConfigError("optim.groups", f"{part!r} is not 'PATTERN: key=value, ...'")
+        try:
+            re.compile(pattern.strip())
+        except re.error as e:
+            raise ConfigError("optim.groups", f"{pattern.strip()!r} is not a regular expression ({e})") from None
+        values = {}
+        for item in filter(None, (i.strip() for i in settings.split(","))):
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or key not in GROUP_KEYS:
+                raise ConfigError("optim.groups", f"{item!r} in {part!r}: set one of "
+                                  f"{', '.join(f'{k} ({v})' for k, v in GROUP_KEYS.items())}")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ConfigError("optim.groups", f"{key}={value!r} in {part!r} is not a number") from None
+            if not values[key] >= 0 or values[key] == float("inf"):
+                raise ConfigError("optim.groups", f"{key}={value} in {part!r} must be a finite number >= 0")
+        if not values:
+            raise ConfigError("optim.groups", f"{part!r} sets nothing (keys: {', '.join(GROUP_KEYS)})")
+        rules.append(GroupRule(pattern.strip(), **values))
+    return rules
+
+
+def param_path(path) -> str:
+    """A parameter's tree path as optim.groups matches it: "blocks/attn/wq"."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_groups(text: str, paths) -> None:
+    """ConfigError naming optim.groups when a rule matches none of the model's parameter `paths` (a typo would
+    otherwise change nothing, silently)."""
+    for rule in parse_groups(text):
+        if not any(re.search(rule.pattern, p) for p in paths):
+            raise ConfigError("optim.groups", f"{rule.pattern!r} matches no parameter; the paths are "
+                              f"{', '.join(sorted(paths))}")
 
 
 def check_config(o, *, total_steps: int) -> None:
     """ConfigError naming the first bad field of the `optim` group."""
     g = Group(o, "optim")
+    g.choice("name", OPTIMIZERS, what="optimizer")
     g.number("lr", lo=0, lo_open=True)
     g.positive_int("warmup_steps", allow_zero=True)
     if o.warmup_steps > total_steps:
@@ -31,6 +108,9 @@ def check_config(o, *, total_steps: int) -> None:
     g.number("b1", lo=0, hi=1)
     g.number("b2", lo=0, hi=1)
     g.number("eps", lo=0, lo_open=True)
+    g.number("momentum", lo=0, hi=1)
+    g.choice("moments_dtype", MOMENTS_DTYPES, what="dtype")
+    parse_groups(g.string("groups"))
 
 
 def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
@@ -59,12 +139,15 @@ def schedule(optim_cfg, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
+def _decays(path) -> bool:
+    """Whether optim.weight_decay applies to the parameter at `path`: every weight but norm scales and biases."""
+    names = [str(getattr(k, "key", k)) for k in path]
+    return not any("norm" in n or "bias" in n for n in names)
+
+
 def decay_mask(params):
     """True where weight decay applies: every weight except norm scales and biases."""
-    def decays(path, _):
-        names = [str(getattr(k, "key", k)) for k in path]
-        return not any("norm" in n or "bias" in n for n in names)
-    return jax.tree_util.tree_map_with_path(decays, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: _decays(path), params)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
@@ -85,12 +168,124 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformationExtraArgs:
-    """Clipping (optional) then AdamW with decoupled weight decay. `update` takes `global_norm=` (the gradients'
-    global norm, when the caller has it) for the clip."""
+def _is_names(x) -> bool:
+    return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def muon_dims(param_names) -> dict:
+    """{parameter path: contrib.MuonDimensionNumbers} for the layers' weight matrices, which Muon orthogonalises
+    (per layer and expert: those axes are its batch axes); every other parameter (embeddings, the output head,
+    norms, biases, the MoE router) is absent and trains with AdamW. `param_names`: the params' logical axis names.
+    A matrix whose input is d_model ("embed" first) maps embed to the rest; the others (wo, w_down) map the rest to
+    embed."""
+    dims = {}
+    for path, names in jax.tree_util.tree_leaves_with_path(param_names, is_leaf=_is_names):
+        p, names = param_path(path), tuple(names or ())
+        free = [i for i, n in enumerate(names) if n not in ("layers", "experts")]
+        if not p.startswith("blocks/") or "router" in p or "embed" not in names or len(free) < 2:
+            continue
+        e = names.index("embed")
+        rest = tuple(i for i in free if i != e)
+        dims[p] = (contrib.MuonDimensionNumbers(reduction_axis=(e,), output_axis=rest) if e == free[0] else
+                   contrib.MuonDimensionNumbers(reduction_axis=rest, output_axis=(e,)))
+    return dims
+
+
+def _muon(o, param_names) -> optax.GradientTransformation:
+    """Muon on the layers' matrices (`muon_dims`), Adam on the rest: both directions only (decay and lr follow)."""
+    if param_names is None:
+        raise ValueError("optim.name=muon needs the params' logical names (make_optimizer's param_names)")
+    dims = muon_dims(param_names)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+
+    def dims_of(updates):  # the Muon branch sees the other parameters as MaskedNode
+        return jax.tree_util.tree_map_with_path(lambda path, u: u if masked(u) else dims[param_path(path)],
+                                                updates, is_leaf=masked)
+
+    labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "muon" if param_path(path) in dims else "adam", params)
+    def rms_matched(updates, state, params=None):  # MUON_RMS * sqrt(max(fan_in, fan_out)), as optax's muon's
+        def scaled(path, u):
+            if masked(u):
+                return u
+            d = dims[param_path(path)]
+            fans = (math.prod(u.shape[i] for i in d.reduction_axis), math.prod(u.shape[i] for i in d.output_axis))
+            return u * jnp.asarray(MUON_RMS * math.sqrt(max(fans)), u.dtype)
+        return jax.tree_util.tree_map_with_path(scaled, updates, is_leaf=masked), state
+
+    muon = optax.chain(contrib.scale_by_muon(beta=o.momentum, weight_dimension_numbers=dims_of),
+                       optax.GradientTransformation(optax.init_empty_state, rms_matched))
+    return optax.partition({"muon": muon, "adam": optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)}, labels)
+
+
+def _direction(o, param_names) -> optax.GradientTransformation:
+    """The optimizer's update direction, before weight decay and the learning rate."""
+    if o.name == "adamw":
+        return optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+    if o.name == "lion":
+        return optax.scale_by_lion(b1=o.b1, b2=o.b2)
+    if o.name == "sgd":
+        return optax.trace(decay=o.momentum, nesterov=True)
+    if o.name == "adafactor":  # factored second moments, updates clipped to RMS 1; no parameter-scale factor
+        return optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0))
+    if o.name == "muon":
+        return _muon(o, param_names)
+    raise ValueError(f"optim.name: unknown optimizer {o.name!r}")
+
+
+def stored_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`inner` with its per-parameter float state (moments) stored in `dtype` and computed in float32: bf16
+    moments halve the optimizer state. Counters and other non-parameter state are left alone."""
+    def cast(state, to):
+        return optax.tree_map_params(inner, lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                     state)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
+def _by_path(fn: Callable) -> optax.GradientTransformation:
+    """A stateless transform: update <- fn(path string, update, param) for every parameter."""
+    def update(updates, state, params=None):
+        return jax.tree_util.tree_map_with_path(lambda path, u, w: fn(param_path(path), u, w), updates, params), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _decay_and_lr(o, lr_schedule) -> list:
+    """Decoupled weight decay, then the learning rate: optax.adamw's tail, or per optim.groups rule."""
+    rules = parse_groups(o.groups)
+    if not rules:
+        return [optax.add_decayed_weights(o.weight_decay, decay_mask), optax.scale_by_learning_rate(lr_schedule)]
+
+    def rule(path: str):
+        return next((r for r in rules if re.search(r.pattern, path)), GroupRule(""))
+
+    def decay(path, u, w):
+        r = rule(path)
+        wd = r.wd if r.wd is not None else o.weight_decay if _decays(path.split("/")) else 0.0
+        return u + wd * w if wd else u
+
+    def scale(path, u, _):
+        factor = rule(path).lr
+        return u if factor is None or factor == 1 else u * jnp.asarray(factor, u.dtype)
+
+    return [_by_path(decay), _by_path(scale), optax.scale_by_learning_rate(lr_schedule)]
+
+
+def make_optimizer(optim_cfg, total_steps: int, param_names=None) -> optax.GradientTransformationExtraArgs:
+    """Clipping (optional), `optim.name`'s direction (its moments in optim.moments_dtype), weight decay and the
+    learning rate. `update` takes `global_norm=` (the gradients' global norm, when the caller has it) for the clip.
+    `param_names`: the params' logical axis names (a tree of PartitionSpecs), which Muon needs."""
+    o = optim_cfg
     parts = []
-    if optim_cfg.clip_norm > 0:
-        parts.append(clip_by_global_norm(optim_cfg.clip_norm))
-    parts.append(optax.adamw(schedule(optim_cfg, total_steps), b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                             weight_decay=optim_cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    if o.clip_norm > 0:
+        parts.append(clip_by_global_norm(o.clip_norm))
+    direction = _direction(o, param_names)
+    if o.moments_dtype != "float32":
+        direction = stored_in(direction, jnp.dtype(o.moments_dtype))
+    # Nested as optax.adamw's own chain is, so the default's state keeps the layout of older checkpoints.
+    return optax.chain(*parts, optax.chain(direction, *_decay_and_lr(o, schedule(o, total_steps))))

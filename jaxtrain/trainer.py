@@ -29,11 +29,12 @@ from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
 
 
-def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
-    """(graphdef, abstract state, state shardings, init function), all without allocating a parameter."""
+def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int):
+    """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter."""
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    optimizer = optim.make_optimizer(optim_cfg, total_steps, param_names)
 
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
         if params is None:
@@ -43,12 +44,18 @@ def abstract_train_state(model_cfg, optimizer, mesh, rules, seed: int):
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
     abstract_state = jax.eval_shape(init)
-    # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated.
-    opt_names = optax.tree_map_params(optimizer, lambda _, names: names, abstract_state["opt_state"], param_names,
-                                      transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, P))
+    # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated. Moments of another
+    # rank than their parameter's (Adafactor's factored row and column statistics) get no names, hence the
+    # unannotated fallback (FSDP on their largest divisible dimension). A state kept for some parameters only
+    # (Muon's) holds optax.MaskedNode for the others.
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    opt_names = optax.tree_map_params(
+        optimizer, lambda x, names: x if masked(x) else names if x.ndim == len(names) else None,
+        abstract_state["opt_state"], param_names, transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, P) or masked(x))
     names = {"step": None, "params": param_names, "opt_state": opt_names}
     shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
-    return graphdef, abstract_state, shardings, init
+    return graphdef, abstract_state, shardings, init, optimizer
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> dict:
@@ -109,9 +116,8 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
     config_lib.check_backend(config, platform)
     mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
     model_cfg = config_lib.model_config(config, platform)
-    optimizer = optim.make_optimizer(config.optim, config.train.steps)
-    graphdef, abstract_state, shardings, init = abstract_train_state(model_cfg, optimizer, mesh, rules,
-                                                                     config.train.seed)
+    graphdef, abstract_state, shardings, init, optimizer = abstract_train_state(
+        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(

@@ -191,7 +191,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
                   "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize}
                  for n, x in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes))]
-    optimizer = optim.make_optimizer(config.optim, t.steps)
+    optimizer = optim.make_optimizer(config.optim, t.steps, names)
     counters = sum(1 for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
                    if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,

@@ -1,0 +1,223 @@
+"""The optimizer zoo (optim.name), per-group settings (optim.groups) and bf16 moments (optim.moments_dtype).
+
+The default AdamW's layout and numerics are tested in test_step.py; here each other optimizer trains, runs the
+same on 8 devices as on one, shards its state like the parameters, and Muon equals a numpy reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain import config as config_lib
+from jaxtrain import optim
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.data import pipeline
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import mesh as mesh_lib
+
+# Each optimizer's learning rate for the tiny model (Lion's sign updates want a smaller one, SGD a larger one).
+LRS = {"adamw": 1e-2, "muon": 1e-2, "adafactor": 1e-2, "lion": 3e-3, "sgd": 0.3}
+
+
+def optimizer_for(params, names, **settings):
+    o = config_lib.base_config().optim
+    o.update(warmup_steps=0, schedule="constant", clip_norm=0.0, **settings)
+    return optim.make_optimizer(o, total_steps=10, param_names=names)
+
+
+# --- Muon -------------------------------------------------------------------------------------------------
+
+
+def newton_schulz(x, steps=5, coeffs=(3.4445, -4.775, 2.0315), eps=1e-8):
+    """Muon's quintic Newton-Schulz orthogonalisation (Jordan 2024), in float64."""
+    transposed = x.shape[0] > x.shape[1]
+    x = x.T if transposed else x
+    x = x / (np.linalg.norm(x) + eps)
+    a, b, c = coeffs
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def test_muon_first_update_equals_a_numpy_reference():
+    """One Muon step on a layer stack of two [8, 12] matrices (each orthogonalised alone) and AdamW on the
+    embedding: Nesterov momentum with bias correction, Newton-Schulz, the 0.2 * sqrt(max(fan_in, fan_out)) RMS
+    match, decoupled weight decay, times -lr."""
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"mlp": {"w_up": rng.normal(size=(2, 8, 12)).astype(np.float32)}},
+              "embed": rng.normal(size=(5, 8)).astype(np.float32)}
+    grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+    names = {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+    lr, wd, beta = 0.02, 0.1, 0.95
+    tx = optimizer_for(params, names, name="muon", lr=lr, weight_decay=wd, momentum=beta)
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    g = grads["blocks"]["mlp"]["w_up"].astype(np.float64)
+    # mu_1 = (1 - beta) g; Nesterov: beta * mu_1 / (1 - beta^2) + (1 - beta) g / (1 - beta)
+    nesterov = beta * (1 - beta) * g / (1 - beta**2) + g
+    want = np.stack([newton_schulz(m) for m in nesterov]) * 0.2 * np.sqrt(12)
+    want = -lr * (want + wd * params["blocks"]["mlp"]["w_up"])
+    np.testing.assert_allclose(updates["blocks"]["mlp"]["w_up"], want, rtol=2e-5, atol=1e-7)
+    # The embedding trains with AdamW: its first update is lr * g / (|g| + eps) plus decay.
+    e, ge = params["embed"], grads["embed"]
+    np.testing.assert_allclose(updates["embed"], -lr * (ge / (np.abs(ge) + 1e-8) + wd * e), rtol=1e-5)
+
+
+def test_muon_orthogonalises_the_layer_matrices_and_leaves_the_rest_to_adamw(tiny_config):
+    cfg = tiny_config(**{"model.tie_embeddings": False, "model.qkv_bias": True, "model.qk_norm": True})
+    from flax import nnx
+
+    from jaxtrain.models import transformer
+
+    model = nnx.eval_shape(lambda: transformer.build(config_lib.model_config(cfg, "cpu"), 0))
+    names = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
+    dims = optim.muon_dims(names)
+    # wq [layers, d, heads, hd] maps d to (heads, hd); wo [layers, heads, hd, d] maps (heads, hd) to d.
+    assert {k: tuple(v) for k, v in dims.items()} == {
+        "blocks/attn/wq": ((1,), (2, 3)), "blocks/attn/wk": ((1,), (2, 3)), "blocks/attn/wv": ((1,), (2, 3)),
+        "blocks/attn/wo": ((1, 2), (3,)), "blocks/mlp/w_gate": ((1,), (2,)), "blocks/mlp/w_up": ((1,), (2,)),
+        "blocks/mlp/w_down": ((1,), (2,))}  # embed, unembed, norms, q/k norms and biases: AdamW
+
+
+# --- Every optimizer: trains, runs the same on 8 devices, shards like the parameters --------------------------
+
+
+@pytest.mark.parametrize("name", ["muon", "adafactor", "lion", "sgd"])
+def test_optimizer_trains_and_runs_on_fsdp_x_tensor_like_one_device(tiny_config, tiny_data_dir, name):
+    """30 steps on one device lower the held-out loss by half a nat or more; the first 3 on fsdp 2 x tensor 2 x
+    data 2 give the same losses and gradient norms; the optimizer state is split like its parameters."""
+    cfg = tiny_config(**{"optim.name": name, "optim.lr": LRS[name], "optim.warmup_steps": 3,
+                         "mesh.fsdp": 2, "mesh.tensor": 2, "train.steps": 30})
+    one = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
+                                    devices=jax.devices()[:1])
+    facts = config_lib.validate(cfg, 8)
+    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
+    batches = [next(stream) for _ in range(30)]
+    held_out = list(pipeline.eval_batches(tiny_data_dir, seq_len=32, global_batch=8, num_batches=2))
+
+    def run(trainer, n):
+        state, history = trainer.init(), []
+        for batch in batches[:n]:
+            state, m = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
+            history.append((float(m["loss"]), float(m["grad_norm"])))
+        return state, np.array(history)
+
+    before = one.evaluate(one.init()["params"], held_out)
+    state, history = run(one, 30)
+    assert one.evaluate(state["params"], held_out) < before - 0.5, name
+    _, sharded = run(eight, 3)
+    np.testing.assert_allclose(sharded, history[:3], rtol=1e-5, atol=1e-7)
+
+    # Moments of a parameter's rank are split like it (wq's embed over fsdp, its heads over tensor).
+    def leaves(group):
+        return [(optim.param_path(p), x.shape, s) for (p, x), s in zip(
+            jax.tree_util.tree_leaves_with_path(eight.abstract_state[group]), jax.tree.leaves(eight.shardings[group]))]
+
+    params = {p: (shape, s) for p, shape, s in leaves("params")}
+    assert params["blocks/attn/wq"][1].shard_shape((2, 32, 8, 8)) == (2, 16, 4, 8)
+    split = 0
+    for path, shape, sharding in leaves("opt_state"):
+        owner = next((p for p in params if path.endswith("/" + p)), None)
+        if owner is None:  # counters, Muon's coefficients
+            assert sharding.shard_shape(shape) == shape, path
+        elif shape == params[owner][0]:
+            assert sharding.shard_shape(shape) == params[owner][1].shard_shape(shape), path
+            split += sharding.shard_shape(shape) != shape
+        else:  # Adafactor's factored row and column statistics: replicated
+            assert sharding.shard_shape(shape) == shape, path
+    assert split >= 7  # every layer matrix's moment at least
+
+
+def test_adafactor_factored_statistics_split_over_fsdp_like_unannotated_parameters(tiny_config):
+    """Weights with two dimensions of 128 or more get Adafactor's row and column statistics, of another rank than
+    the weight, so the weight's names do not fit them: they take the unannotated-parameter fallback, FSDP on their
+    largest divisible dimension."""
+    cfg = tiny_config(**{"optim.name": "adafactor", "model.d_model": 128, "model.d_ff": 256, "mesh.fsdp": 4})
+    facts = config_lib.validate(cfg, 8)
+    mesh = mesh_lib.make_mesh(facts["mesh_shape"])
+    _, abstract, shardings, _, _ = trainer_lib.abstract_train_state(
+        config_lib.model_config(cfg, "cpu"), cfg.optim, 10, mesh, facts["rules"], 0)
+    leaves = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in zip(
+        jax.tree_util.tree_leaves_with_path(abstract["opt_state"]), jax.tree.leaves(shardings["opt_state"]))}
+    row = next(v for k, v in leaves.items() if k.endswith(".v_row['blocks']['mlp']['w_up']"))
+    col = next(v for k, v in leaves.items() if k.endswith(".v_col['blocks']['mlp']['w_up']"))
+    assert [(shape, s.shard_shape(shape)) for shape, s in (row, col)] == [((2, 128), (2, 32)), ((2, 256), (2, 64))]
+
+
+# --- Groups and bf16 moments ----------------------------------------------------------------------------------
+
+
+def test_groups_set_weight_decay_and_learning_rate_by_path():
+    """With zero gradients Adam's update is 0, so a step is pure decay, -lr * wd * p: per group. With gradients,
+    a group's lr factor scales its whole update."""
+    rng = np.random.default_rng(0)
+    params = {"embed": rng.normal(size=(4, 3)).astype(np.float32),
+              "blocks": {"attn": {"wq": rng.normal(size=(3, 3)).astype(np.float32),
+                                  "wk": rng.normal(size=(3, 3)).astype(np.float32)},
+                         "attn_norm": {"scale": rng.normal(size=(3,)).astype(np.float32)}}}
+    lr, wd = 0.5, 0.1
+    groups = "embed: lr=0.25, wd=0.4; attn/wq: wd=0"
+    tx = optimizer_for(params, None, lr=lr, weight_decay=wd, groups=groups)
+    zeros = jax.tree.map(np.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(updates["embed"], -lr * 0.25 * 0.4 * params["embed"], rtol=1e-6)
+    np.testing.assert_array_equal(updates["blocks"]["attn"]["wq"], 0)  # wd=0 for this group
+    np.testing.assert_allclose(updates["blocks"]["attn"]["wk"], -lr * wd * params["blocks"]["attn"]["wk"], rtol=1e-6)
+    np.testing.assert_array_equal(updates["blocks"]["attn_norm"]["scale"], 0)  # norms keep no decay
+
+    grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+    plain = optimizer_for(params, None, lr=lr, weight_decay=0.0)
+    grouped = optimizer_for(params, None, lr=lr, weight_decay=0.0, groups="embed: lr=0.25")
+    want, _ = plain.update(grads, plain.init(params), params)
+    got, _ = grouped.update(grads, grouped.init(params), params)
+    np.testing.assert_allclose(got["embed"], 0.25 * want["embed"], rtol=1e-6)
+    np.testing.assert_array_equal(got["blocks"]["attn"]["wq"], want["blocks"]["attn"]["wq"])
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_bf16_moments_halve_the_state_and_track_float32(name):
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"mlp": {"w_up": rng.normal(size=(2, 16, 24)).astype(np.float32)}},
+              "embed": rng.normal(size=(10, 16)).astype(np.float32)}
+    names = {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+    f32 = optimizer_for(params, names, name=name)
+    bf16 = optimizer_for(params, names, name=name, moments_dtype="bfloat16")
+    s32, s16 = f32.init(params), bf16.init(params)
+    assert jax.tree.structure(s16) == jax.tree.structure(s32)  # the same checkpoint layout, other dtypes
+    moments = [(a, b) for a, b in zip(jax.tree.leaves(s32), jax.tree.leaves(s16)) if a.shape in
+               {x.shape for x in jax.tree.leaves(params)}]
+    assert moments and all(a.dtype == jnp.float32 and b.dtype == jnp.bfloat16 for a, b in moments)
+    for _ in range(3):
+        grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+        u32, s32 = f32.update(grads, s32, params)
+        u16, s16 = bf16.update(grads, s16, params)
+        for a, b in zip(jax.tree.leaves(u32), jax.tree.leaves(u16)):
+            assert b.dtype == jnp.float32
+            np.testing.assert_allclose(b, a, rtol=0.05, atol=2e-3 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"optim.name": "adam"}, "^optim.name: unknown optimizer 'adam'"),
+    ({"optim.moments_dtype": "float16"}, "^optim.moments_dtype: unknown dtype"),
+    ({"optim.groups": "embed lr=0.1"}, "^optim.groups: 'embed lr=0.1' is not 'PATTERN: key=value"),
+    ({"optim.groups": "embed: lr=fast"}, "^optim.groups: lr='fast'"),
+    ({"optim.groups": "embed: beta=1"}, "^optim.groups: 'beta=1' in 'embed: beta=1': set one of lr"),
+    ({"optim.groups": "emebd: lr=0.1"}, "^optim.groups: 'emebd' matches no parameter"),
+    ({"optim.groups": "[: wd=0"}, r"^optim.groups: '\[' is not a regular expression"),
+], ids=["name", "moments_dtype", "syntax", "number", "key", "typo", "regex"])
+def test_bad_optimizer_settings_name_the_field(tiny_config, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        config_lib.validate(tiny_config(**settings), 1)
+
+
+def test_a_workdir_resumes_only_with_its_optimizer_and_moment_dtype(tiny_config):
+    saved = tiny_config().to_dict()
+    for field, value in (("name", "lion"), ("moments_dtype", "bfloat16")):
+        with pytest.raises(ConfigError, match=f"^optim.{field}: is '{value}' but the checkpoints"):
+            config_lib.check_resumable(saved, tiny_config(**{f"optim.{field}": value}), "w")
+    config_lib.check_resumable(saved, tiny_config(**{"optim.groups": "embed: lr=0.1", "model.quant": "fp8"}), "w")
