@@ -15,22 +15,28 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.models import cpu_bf16
+from jaxtrain.models import cpu_bf16, quant as quant_lib
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.parallel.mesh import constrain, split_ways
 
 
-def project(x, w, contract: int = 1, preferred_element_type=None):
+def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "none"):
     """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
     dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free.
     Not when the sequence is split over devices: merging batch and sequence into one dimension made XLA gather
-    every projection's input whole along the sequence (each device then computed every position)."""
+    every projection's input whole along the sequence (each device then computed every position).
+    `quant`: ModelConfig.quant, the matmul in fp8 or int8 (jaxtrain.models.quant)."""
     if split_ways("seq") > 1:
         dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
-        y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
+        if quant != "none":
+            y = quant_lib.dot_general(x, w, dims, quant)
+        else:
+            y = jax.lax.dot_general(x, w, dims, preferred_element_type=preferred_element_type)
     else:
         k = math.prod(w.shape[:contract])
-        if preferred_element_type is None and cpu_bf16.applies(x, w):
+        if quant != "none":
+            y = quant_lib.dot_general(x.reshape(-1, k), w.reshape(k, -1), (((1,), (0,)), ((), ())), quant)
+        elif preferred_element_type is None and cpu_bf16.applies(x, w):
             y = cpu_bf16.matmul(x.reshape(-1, k), w.reshape(k, -1))
         else:
             y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
@@ -38,7 +44,7 @@ def project(x, w, contract: int = 1, preferred_element_type=None):
     return checkpoint_name(y, WEIGHT_MATMUL)
 
 
-def project_fused(x, weights, name: str, act_name: str):
+def project_fused(x, weights, name: str, act_name: str, quant: str = "none"):
     """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
     mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...]
     (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last
@@ -47,10 +53,10 @@ def project_fused(x, weights, name: str, act_name: str):
     instead of several."""
     ways = split_ways(name)
     if any(w.shape[1] % ways for w in weights):  # some N_i not split evenly: nothing to join locally
-        return [project(x, w) for w in weights]
+        return [project(x, w, quant=quant) for w in weights]
     blocks = [w.reshape(w.shape[0], ways, -1) for w in weights]
     joined = constrain(jnp.concatenate(blocks, axis=-1), (None, name, None))
-    y = constrain(project(x, joined), ("batch", "seq", act_name, None))
+    y = constrain(project(x, joined, quant=quant), ("batch", "seq", act_name, None))
     parts = split_last(y, tuple(int(c) for c in np.cumsum([b.shape[-1] for b in blocks])[:-1]))
     return [part.reshape(*x.shape[:-1], *w.shape[1:]) for part, w in zip(parts, weights)]
 

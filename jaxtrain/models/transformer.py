@@ -63,10 +63,10 @@ class Attention(nnx.Module):
         """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike; then the
         biases and q/k norms where the family has them (before RoPE)."""
         if split_ways("kv_heads") != split_ways("q_heads"):
-            q, k, v = [project(x, weight(w, x.dtype)) for w in (self.wq, self.wk, self.wv)]
+            q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant) for w in (self.wq, self.wk, self.wv)]
         else:
             q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
-                                    "act_heads")
+                                    "act_heads", quant=self.cfg.quant)
         if self.cfg.qkv_bias:
             q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
         if self.cfg.qk_norm:
@@ -89,7 +89,7 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", None, "act_kv_heads", None))
         out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return project(out, weight(self.wo, dt), contract=2)
+        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant)
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
@@ -101,7 +101,7 @@ class Attention(nnx.Module):
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], cache_k.shape[1]))
         out = self.attend(q, cache_k.astype(dt), cache_v.astype(dt), mask, decoding=True)
-        return project(out, weight(self.wo, dt), contract=2), cache_k, cache_v
+        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -111,12 +111,14 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         self.act = activation(cfg.mlp_activation)
+        self.quant = cfg.quant
 
     def __call__(self, x):
         dt = x.dtype
-        gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp")
+        gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp",
+                                 quant=self.quant)
         hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
-        return project(hidden, weight(self.w_down, dt))
+        return project(hidden, weight(self.w_down, dt), quant=self.quant)
 
 
 class Block(nnx.Module):
