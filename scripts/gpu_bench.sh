@@ -6,6 +6,7 @@
 # On the device machine (`run` with carry [".whl"]; one call runs at most 10 minutes, so split the variants):
 #   bash scripts/gpu_bench.sh cudnn base lhs batch16
 #   bash scripts/gpu_bench.sh cudnn+lhs cudnn+batch16 cudnn+remat_none cudnn+chunk16k
+#   bash scripts/gpu_bench.sh cudnn cudnn+fp8 cudnn+int8 cudnn+muon cudnn+moments16   # quantization, optimizers
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu near
 # 25% MFU by `jaxtrain plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
@@ -14,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0"
+WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0 qwix==0.1.8"
 if [[ "${1:-}" == "--download" ]]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -35,6 +36,10 @@ one_variant() {  # variant -> "XLA_FLAGS|bench_step flags"
     chunk16k)   echo "|--config.model.loss_chunk_tokens=16384" ;;
     attn512)    echo "|--config.model.attention_block=512" ;;
     cudnn)      echo "|--config.model.attention_impl=cudnn" ;;
+    fp8)        echo "|--config.model.quant=fp8" ;;
+    int8)       echo "|--config.model.quant=int8" ;;
+    muon)       echo "|--config.optim.name=muon" ;;
+    moments16)  echo "|--config.optim.moments_dtype=bfloat16" ;;
     *) return 1 ;;
   esac
 }

@@ -3,6 +3,7 @@ machine (`jaxtrain.tools.plan.topology`; `make test` installs the CUDA PJRT plug
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,19 @@ def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f3
     assert "roofline of the XLA:GPU program" in stdout and len(roof["top"]) == 5
     # The same parameters and optimizer state either way: the arguments are the sharded state.
     assert gpu["memory"]["compiled"]["argument"] == pytest.approx(cpu["memory"]["compiled"]["argument"], rel=1e-3)
+
+    # model.quant=fp8: the layers' GEMMs take e4m3 operands in the H100 program, and the roofline counts them at
+    # twice the peak: the matmul part shrinks. (The quantization's own passes add bytes to the other kernels.)
+    fp8, fp8_hlo, fp8_stdout = _plan(tmp_path / "fp8", *base, "--compiler", "gpu", "--config.model.quant=fp8")
+    fp8_gemms = re.findall(r"\n%\S*gemm\S* \([\w.]+: f8e4m3fn\[[\d,]+\], [\w.]+: f8e4m3fn\[", fp8_hlo)
+    assert len(fp8_gemms) >= 4 and "f8e5m2" in fp8_hlo and "f8e4m3fn" not in gpu_hlo
+    # 6 x tokens x the layers' weight-matmul parameters (q, k, v, o: 3 x 2048^2; the MLP: 3 x 2048 x 5632), all 8-bit:
+    # forward and both gradients (remat saves the matmul outputs); not the head, nor attention's own matmuls.
+    layer_weights = 18 * (3 * 2048**2 + 3 * 2048 * 5632)
+    assert fp8["speed"]["roofline"]["matmul_flops_8bit"] == pytest.approx(6 * 16384 * layer_weights, rel=1e-3)
+    assert roof["matmul_flops_8bit"] == 0
+    assert fp8["speed"]["roofline"]["matmul_seconds"] < 0.85 * roof["matmul_seconds"]
+    assert "of them in 8-bit at 2x the peak" in fp8_stdout
 
 
 def test_fsdp_on_8_gpus_gathers_the_head_once_per_microbatch(tmp_path):

@@ -104,7 +104,9 @@ def format_report(r: dict) -> str:
         lines.append(f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each "
                      f"of its {roof['kernels']} kernels ran at max(FLOPs / peak, bytes / "
                      f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped)")
-        lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}); other kernels "
+        eight = roof.get("matmul_flops_8bit") or 0
+        in_8bit = f", {_f(eight)} of them in 8-bit at 2x the peak" if eight else ""
+        lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}{in_8bit}); other kernels "
                      f"{_t(roof['other_seconds'])} moving {_b(roof['other_bytes'])}, the largest:")
         for k in roof["top"]:
             lines.append(f"      {_t(k['seconds']):>10}  {k['name']} x{k['runs']:g}  {k['op_name'][-70:]}")
