@@ -2,6 +2,7 @@
 
     python scripts/bench_step.py [--config configs/bench_cpu.py] [--steps 20] [--config.model.remat=full]
     python scripts/bench_step.py --config configs/bench_gpu.py --steps 10      # one H100/H200, ~1B params, bf16
+    python scripts/bench_step.py --compare model.quant=none,fp8,int8 --compare optim.name=adamw,muon,adafactor,lion,sgd
 
 MFU is model FLOP/s over a peak: on CPU the matmul peak in the compute dtype measured in the same run (no vendor figure
 applies); on GPU/TPU the vendor's dense peak (`metrics.PEAK_FLOPS`, e.g. H100 989 TFLOP/s bf16, as MaxText and
@@ -63,9 +64,39 @@ def time_train_step(cfg, steps: int):
     return float(np.median(times)), startup_s, trainer, m
 
 
+def compare(cfg, specs, steps: int) -> dict:
+    """{field: {value: tokens/s}} for each `FIELD=v1,v2,...` of `specs`, every variant timed in this process (one
+    after another, so run them on an otherwise idle machine), with its ratio to the field's first value."""
+    import jax
+
+    from jaxtrain import config as config_lib
+
+    out = {}
+    for spec in specs:
+        field, _, values = spec.partition("=")
+        group, key = field.split(".")
+        out[field] = {}
+        for value in values.split(","):
+            c = cfg.copy_and_resolve_references()
+            with c.unlocked():
+                c[group][key] = type(c[group][key])(value) if not isinstance(c[group][key], str) else value
+            config_lib.validate(c, jax.device_count())
+            step_s = time_train_step(c, steps)[0]
+            out[field][value] = tok_s = c.train.batch_size * c.train.seq_len / step_s
+            first = next(iter(out[field].values()))
+            print(f"{field}={value}: step {1e3 * step_s:.1f} ms | {tok_s:,.0f} tok/s | {tok_s / first:.3f}x "
+                  f"{field}={values.split(',')[0]}", file=sys.stderr)
+    return out
+
+
 def main(argv):
     del argv
     import jax
+
+    if _COMPARE.value:
+        print(json.dumps({"config": _CONFIG.value.workdir, "compare": compare(_CONFIG.value, _COMPARE.value,
+                                                                               _STEPS.value)}))
+        return
 
     from jaxtrain import host_memory
     from jaxtrain.observe import metrics
@@ -106,4 +137,6 @@ if __name__ == "__main__":
     _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Model/batch config.",
                                               lock_config=True)
     _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps (after 2 warm-up steps).")
+    _COMPARE = flags.DEFINE_multi_string("compare", [], "FIELD=v1,v2,...: tokens/s of each value of a config field "
+                                         "instead of the one run, e.g. model.quant=none,fp8,int8 (repeatable).")
     app.run(main)

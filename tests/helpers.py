@@ -51,3 +51,21 @@ def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
 
     setattr_fn(pipeline.TrainIterator, "__next__", poisoned_next)
     setattr_fn(step_lib, "loss_terms", poisoned_loss)
+
+
+def train_on_stream(trainer, data_dir, steps: int, seq_len: int = 32, batch: int = 8):
+    """(held-out loss before, after, [(loss, grad norm) per step]) of `steps` train steps from the seed's init on
+    the first batches of `data_dir`'s stream: a run's numbers without its workdir, checkpoints or evals."""
+    import numpy as np
+
+    from jaxtrain import trainer as trainer_lib
+    from jaxtrain.data import pipeline
+
+    stream = pipeline.train_iterator(data_dir, seq_len=seq_len, global_batch=batch, seed=0)
+    held_out = list(pipeline.eval_batches(data_dir, seq_len=seq_len, global_batch=batch, num_batches=2))
+    state = trainer.init()
+    before, history = trainer.evaluate(state["params"], held_out), []
+    for _ in range(steps):
+        state, m = trainer.train_step(state, trainer_lib.global_batch(next(stream), trainer.batch_sharding))
+        history.append((float(m["loss"]), float(m["grad_norm"])))
+    return before, trainer.evaluate(state["params"], held_out), np.array(history)

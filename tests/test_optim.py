@@ -7,16 +7,15 @@ same on 8 devices as on one, shards its state like the parameters, and Muon equa
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import config as config_lib
 from jaxtrain import optim
 from jaxtrain import trainer as trainer_lib
-from jaxtrain.data import pipeline
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import mesh as mesh_lib
+from helpers import train_on_stream
 
 # Each optimizer's learning rate for the tiny model (Lion's sign updates want a smaller one, SGD a larger one).
 LRS = {"adamw": 1e-2, "muon": 1e-2, "adafactor": 1e-2, "lion": 3e-3, "sgd": 0.3}
@@ -96,22 +95,9 @@ def test_optimizer_trains_and_runs_on_fsdp_x_tensor_like_one_device(tiny_config,
                                     devices=jax.devices()[:1])
     facts = config_lib.validate(cfg, 8)
     eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
-    batches = [next(stream) for _ in range(30)]
-    held_out = list(pipeline.eval_batches(tiny_data_dir, seq_len=32, global_batch=8, num_batches=2))
-
-    def run(trainer, n):
-        state, history = trainer.init(), []
-        for batch in batches[:n]:
-            state, m = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
-            history.append((float(m["loss"]), float(m["grad_norm"])))
-        return state, np.array(history)
-
-    before = one.evaluate(one.init()["params"], held_out)
-    state, history = run(one, 30)
-    assert one.evaluate(state["params"], held_out) < before - 0.5, name
-    _, sharded = run(eight, 3)
-    np.testing.assert_allclose(sharded, history[:3], rtol=1e-5, atol=1e-7)
+    before, after, history = train_on_stream(one, tiny_data_dir, 30)
+    assert after < before - 0.5, name
+    np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history[:3], rtol=1e-5, atol=1e-7)
 
     # Moments of a parameter's rank are split like it (wq's embed over fsdp, its heads over tensor).
     def leaves(group):
