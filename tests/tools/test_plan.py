@@ -179,6 +179,17 @@ def test_optimizer_is_two_moments_and_analytic_is_exact(plans):
         assert mem["compiled"]["argument"] == analytic["arguments"], name
 
 
+@pytest.mark.parametrize("settings, moments", [({"optim.moments_dtype": "bfloat16"}, 1),
+                                               ({"optim.name": "lion"}, 1)], ids=["bf16_moments", "lion"])
+def test_the_optimizer_estimate_follows_the_optimizer_state(tiny_config, settings, moments):
+    config = tiny_config(**{"mesh.data": 1, "mesh.fsdp": 8, "mesh.rules": "fsdp", **settings})
+    mem = plan(config, 8, "cpu", peak_flops=1e12)["memory"]
+    sharded, analytic = mem["sharding"], mem["analytic"]
+    f32_params = sharded["params"]
+    assert sharded["optimizer"] == pytest.approx(moments * f32_params, abs=16)
+    assert analytic["optimizer"] == sharded["optimizer"]
+
+
 @pytest.mark.parametrize("seq_len", [32, 512])
 def test_the_memory_floor_a_run_checks_is_under_every_compiled_step(plans, tiny_config, seq_len):
     """config.check_fits refuses what cannot fit: its floor must never exceed what a step really holds, or it would

@@ -48,8 +48,10 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
 
 
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
-             microbatches: int, opt_counters: int, pipeline: dict | None = None) -> dict:
-    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded). `pipeline`: the
+             microbatches: int, opt_counters: int, opt_moments: float = 2.0,
+             pipeline: dict | None = None) -> dict:
+    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded). `opt_moments`: the
+    optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `pipeline`: the
     config's pipeline group (stages, microbatches, repeats) when the layers are pipelined."""
     def active(name):
         return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
@@ -140,7 +142,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
             x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes))
         # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
         add("all-reduce", pipeline_axes, microbatches * 2 * rows * seq_len // seq_ways * model_cfg.d_model * a)
-    opt = 2 * param_bytes + 4 * opt_counters
+    opt = opt_moments * param_bytes + 4 * opt_counters
 
     def activations(cfg):
         act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4

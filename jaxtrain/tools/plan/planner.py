@@ -192,10 +192,13 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                   "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize}
                  for n, x in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes))]
     optimizer = optim.make_optimizer(config.optim, t.steps, names)
-    counters = sum(1 for x in jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
-                   if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
+    opt_leaves = jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
+    counters = sum(1 for x in opt_leaves if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
+    moments = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim) / sum(
+        p["bytes"] for p in inventory)
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
-                   microbatches=t.microbatches, opt_counters=counters, pipeline=dict(config.pipeline))
+                   microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
+                   pipeline=dict(config.pipeline))
 
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""
