@@ -204,6 +204,7 @@ def _muon(o, param_names) -> optax.GradientTransformation:
 
     labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
         lambda path, _: "muon" if param_path(path) in dims else "adam", params)
+
     def rms_matched(updates, state, params=None):  # MUON_RMS * sqrt(max(fan_in, fan_out)), as optax's muon's
         def scaled(path, u):
             if masked(u):
