@@ -206,6 +206,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                                                  "kind": jax.devices()[0].device_kind})
             record.start(start, started_unix=time.time() - (time.perf_counter() - t_start))
         watchdog.start()
+        interrupt = faults.InterruptBetweenSteps()
         try:
             while step < last:
                 first = step + 1  # after a rollback: the step after the restored checkpoint
@@ -221,6 +222,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                         previous = metrics
                         for hook in hooks:
                             hook(step, state, metrics, local)
+                        interrupt.check()
                     nan_guard.check()  # the last step's flag, before anything is saved at the end
                 except hooks_lib.Rollback as rollback:
                     # Back to the newest good checkpoint (or the init), with the data after the bad step.
@@ -241,6 +243,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                 checkpointer.wait()
             raise errors.Interrupted(step, checkpointer.latest_step(reread=True) or 0) from None
         finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
+            interrupt.close()
             watchdog.stop()
             preemption.close()
             writer.close()

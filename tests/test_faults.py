@@ -100,6 +100,34 @@ def test_preemption_guard_single_process_stops_at_next_step_and_restores_handler
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_ctrl_c_waits_for_the_step_end_and_a_second_one_does_not():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    interrupt = faults.InterruptBetweenSteps()
+    try:
+        interrupt.check()  # nothing asked yet
+        os.kill(os.getpid(), signal.SIGINT)  # handled here, not raised mid-step
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs between bytecodes; this never finishes
+    finally:
+        interrupt.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_left_alone_where_sigint_is_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        interrupt = faults.InterruptBetweenSteps()
+        os.kill(os.getpid(), signal.SIGINT)
+        interrupt.check()
+        interrupt.close()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_preemption_guard_chains_the_c_handler_it_displaces():
     """JAX's preemption notifier is a C++ SIGTERM handler; a ctypes callback stands in for it here."""
     previous = signal.getsignal(signal.SIGTERM)
