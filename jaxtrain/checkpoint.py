@@ -109,8 +109,8 @@ def _array_checksum(x):
 
 
 @jax.jit
-def _checksum_leaves(leaves):
-    return [_array_checksum(x) for x in leaves]
+def _checksum_leaves(leaves):  # host-memory leaves (optim.offload) are summed on their device
+    return [_array_checksum(jax.device_put(x, jax.memory.Space.Device)) for x in leaves]
 
 
 def _path_str(path) -> str:

@@ -3,7 +3,8 @@
 Every optimizer is optax's, built as one chain: clipping, the optimizer's own direction (`optim.name`: AdamW's
 moments, Muon's orthogonalised momentum, Adafactor's factored second moments, Lion's sign, SGD's momentum),
 decoupled weight decay, then the learning rate. `optim.groups` sets the weight decay and a learning-rate factor by
-parameter path; `optim.moments_dtype` stores the optimizer's moments in bfloat16. The default (AdamW, f32 moments,
+parameter path; `optim.moments_dtype` stores the optimizer's moments in bfloat16; `optim.offload` keeps them in
+host memory. The default (AdamW, f32 moments,
 no groups) is exactly `optax.chain(clip_by_global_norm, optax.adamw)`, so its checkpoints keep their layout.
 """
 
@@ -28,10 +29,11 @@ MOMENTS_DTYPES = ("float32", "bfloat16")
 # The config's `optim` group: `name` with linear warmup, then `schedule` down to lr * min_lr_ratio (wsd decays over
 # the last `decay_fraction`); no weight decay on norm scales and biases; global-norm clipping at `clip_norm` (0 =
 # off). b1, b2: Adam's and Lion's betas (and those of the AdamW that Muon runs on the non-matrix weights); eps:
-# Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`.
+# Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`. offload: the optimizer state lives in
+# pinned host memory and visits the device for the update (jaxtrain.trainer).
 CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
               weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
-              moments_dtype="float32")
+              moments_dtype="float32", offload=False)
 # Muon's update scaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)), Liu et al. 2025), so that one lr and one
 # weight decay suit both the matrices and the AdamW-trained rest.
 MUON_RMS = 0.2

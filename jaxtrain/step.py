@@ -74,12 +74,15 @@ def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
-                    microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None) -> Callable:
+                    microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
+                    offload: bool = False) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
     all-reduced whole over every batch axis and the norm taken of the whole; in its parameter's layout it is
-    reduced where it is split (reduce-scatter over fsdp) and all-reduced over the replicas only in slices."""
+    reduced where it is split (reduce-scatter over fsdp) and all-reduced over the replicas only in slices.
+    `offload` (optim.offload): the optimizer state lives in pinned host memory; it is copied to the device for the
+    update and the new state back, so between steps the device holds none of it."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's token count so that accumulation equals one big step.
@@ -113,13 +116,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             grad_norm = optax.tree.norm(grads)
 
+            opt_state = state["opt_state"]
+            if offload:  # as memory spaces, not shardings: a described GPU (plan --compiler gpu) has no memory kinds
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+
             def update(_):
-                updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"], global_norm=grad_norm)
-                return optax.apply_updates(state["params"], updates), opt_state
+                updates, new_opt_state = optimizer.update(grads, opt_state, state["params"], global_norm=grad_norm)
+                return optax.apply_updates(state["params"], updates), new_opt_state
 
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            params, opt_state = unless_non_finite(finite, update, (state["params"], state["opt_state"]),
+            params, opt_state = unless_non_finite(finite, update, (state["params"], opt_state),
                                                   mesh_lib.compile_platform())
+            if offload:
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
             # "loss" is the cross-entropy alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),

@@ -55,6 +55,8 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         is_leaf=lambda x: isinstance(x, P) or masked(x))
     names = {"step": None, "params": param_names, "opt_state": opt_names}
     shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
+    if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
+        shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
     return graphdef, abstract_state, shardings, init, optimizer
 
 
@@ -123,7 +125,8 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
     train_step = jax.jit(
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
-                                 param_shardings=shardings["params"]),
+                                 param_shardings=shardings["params"],
+                                 offload=config.optim.offload),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
                         in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)

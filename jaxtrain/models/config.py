@@ -25,6 +25,10 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL),
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    # The same activations as dots_with_no_batch_dims_saveable, kept in pinned host memory until the backward.
+    "offload_dots": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[WEIGHT_MATMUL],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
