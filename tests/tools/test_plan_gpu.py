@@ -82,12 +82,21 @@ def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f3
     assert "of them in 8-bit at 2x the peak" in fp8_stdout
 
 
-def test_fsdp_on_8_gpus_gathers_the_head_once_per_microbatch(tmp_path):
+def test_fsdp_on_8_gpus_gathers_the_head_once_per_microbatch_and_offloads_to_host(tmp_path):
     """configs/plan_1b.py (FSDP over 8 H100s, 4 microbatches of 32 loss chunks each): every all-gather is over fsdp,
     and XLA:GPU gathers less than the analytic fwd + bwd gathers. Left to XLA, the fused loss's head was gathered
-    inside its chunk loop, twice per chunk: 44.9 GiB a step per device (14.6 now, 27.3 analytic)."""
-    r, hlo, _ = _plan(tmp_path, "--config", "configs/plan_1b.py", "--devices", "8", "--backend", "gpu",
-                      "--compiler", "gpu")
+    inside its chunk loop, twice per chunk: 44.9 GiB a step per device (14.6 now, 27.3 analytic).
+    Compiled with optim.offload and remat offload_dots (neither changes a collective): the optimizer state is a
+    host argument of the program, the device's arguments are the params, step and batch alone, and the saved
+    matmul outputs wait in host memory (within 20% of the analytic figure)."""
+    r, hlo, stdout = _plan(tmp_path, "--config", "configs/plan_1b.py", "--devices", "8", "--backend", "gpu",
+                           "--compiler", "gpu", "--config.optim.offload=true", "--config.model.remat=offload_dots")
+    sharded, compiled, analytic = (r["memory"][k] for k in ("sharding", "compiled", "analytic"))
+    assert sharded["optimizer"] == 0 and sharded["host"]["optimizer"] > 1.9 * sharded["params"]
+    assert compiled["host_argument"] == sharded["host"]["optimizer"] == analytic["host"]["optimizer"]
+    assert abs(compiled["argument"] - (sharded["params"] + sharded["step"] + sharded["batch"])) < 1024
+    assert 0.8 < analytic["host"]["activations"] / compiled["host_temp"] < 1.2
+    assert "host memory (offloaded)" in stdout
     rows = {(row["kind"], tuple(row["axes"])): row for row in r["collectives"]}
     gathers = [row for (kind, _), row in rows.items() if kind == "all-gather"]
     assert [tuple(row["axes"]) for row in gathers] == [("fsdp",)]

@@ -38,7 +38,7 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
     none = a * (4 * d + qkv + h * hd / t + 4 * f / t) + 8 * d + scores
     if policy in ("none", "everything_saveable"):
         return none
-    if policy == "full":
+    if policy in ("full", "offload_dots"):  # offload_dots: the matmul outputs wait in host memory (host_bytes)
         return a * d
     if policy == "dots_saveable":
         return a * (3 * d + qkv + h * hd / t + 2 * f / t) + (0 if fused else a * h * seq_len / t)
@@ -47,12 +47,19 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
     return none
 
 
+def _host_activation_bytes_per_token(cfg, tensor: int, seq_len: int) -> float:
+    """What remat "offload_dots" keeps per token and layer in host memory: the weight matmuls' outputs."""
+    dots = _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len)
+    return dots - _activation_bytes_per_token(cfg, "full", tensor, seq_len) if cfg.remat == "offload_dots" else 0.0
+
+
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
              microbatches: int, opt_counters: int, opt_moments: float = 2.0,
-             pipeline: dict | None = None) -> dict:
+             pipeline: dict | None = None, offload: bool = False) -> dict:
     """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded). `opt_moments`: the
     optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `pipeline`: the
-    config's pipeline group (stages, microbatches, repeats) when the layers are pipelined."""
+    config's pipeline group (stages, microbatches, repeats) when the layers are pipelined. `offload`
+    (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are."""
     def active(name):
         return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
 
@@ -123,7 +130,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     kv_whole = 2 * rows * seq_len * kv_dim * a  # one layer's K and V, the whole sequence
     if seq_axes:  # every layer gathers K and V whole; their gradients go back as a reduce-scatter
         # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
-        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5}.get(model_cfg.remat, 0.0)
+        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
+                 "offload_dots": 0.5}.get(model_cfg.remat, 0.0)
         add("all-gather", seq_axes, microbatches * layer_runs * (1 + again) * kv_whole)
         add("reduce-scatter", seq_axes, microbatches * layer_runs * kv_whole)
     if model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
@@ -150,6 +158,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         if seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
             per_layer += kv_whole / a * act_bytes * (1 - 1 / seq_ways)
         total = layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
+        if cfg.remat == "offload_dots":  # one layer's, back from the host, during its backward
+            total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
         if cfg.remat == "full":  # one layer is recomputed at a time during backward
             total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
         if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
@@ -161,13 +171,15 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         return total + tokens_dev * cfg.vocab_size / vocab_ways * logits, per_layer
 
     act, per_layer = activations(model_cfg)
+    host_act = layer_runs * _host_activation_bytes_per_token(model_cfg, tensor, seq_len) * tokens_dev
     act_f32, _ = activations(dataclasses.replace(model_cfg, dtype="float32"))
     batch_bytes = 3 * 4 * batch * seq_len / dp
     return {
-        "params": param_bytes, "gradients": param_bytes, "optimizer": opt,
+        "params": param_bytes, "gradients": param_bytes, "optimizer": 0.0 if offload else opt,
+        "host": {"optimizer": opt if offload else 0.0, "activations": host_act},
         "activations": act, "activations_per_layer": per_layer,
         "temporaries": param_bytes + act, "temporaries_f32_activations": param_bytes + act_f32,
-        "arguments": param_bytes + opt + 4 + batch_bytes,
+        "arguments": param_bytes + (0.0 if offload else opt) + 4 + batch_bytes,
         "collectives": [{"kind": k, "axes": axes, "bytes": v} for (k, axes), v in
                         sorted(comms.items(), key=lambda kv: (hlo_lib.COLLECTIVES.index(kv[0][0]), kv[0][1]))],
         "batch_axes": batch_axes, "data_parallel": dp, "tokens_per_device_microbatch": tokens_dev,

@@ -57,6 +57,9 @@ def _memory_analysis(compiled) -> dict | None:
         value = getattr(stats, f"{key}_size_in_bytes", None)
         if value is not None:
             out[key] = float(value)
+        host = getattr(stats, f"host_{key}_size_in_bytes", None)  # pinned host memory (offload)
+        if host:
+            out[f"host_{key}"] = float(host)
     peak = getattr(stats, "peak_memory_in_bytes", None)
     if {"argument", "output", "alias", "temp"} <= out.keys():
         out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
@@ -182,6 +185,11 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     sharded = {"params": per_device_bytes(state["params"]), "optimizer": per_device_bytes(state["opt_state"]),
                "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
     sharded["gradients"] = sharded["params"]
+    # optim.offload: the state's shards live in each device's host memory. Counted by the config, not the
+    # shardings' memory kind, which a described GPU's devices (no memories) drop.
+    sharded["host"] = {"optimizer": sharded["optimizer"] if config.optim.offload else 0.0}
+    if config.optim.offload:
+        sharded["optimizer"] = 0.0
 
     # Analytic inventory: every parameter's shape and logical names (the model's own annotations).
     abstract_params = nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, t.seed)))
@@ -198,7 +206,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         p["bytes"] for p in inventory)
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
-                   pipeline=dict(config.pipeline))
+                   pipeline=dict(config.pipeline), offload=config.optim.offload)
 
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""

@@ -62,6 +62,13 @@ def format_report(r: dict) -> str:
                      f"{_b(compiled.get('alias'))}")
         if "peak" in compiled:
             lines.append(f"  {'peak = args+out-alias+temp':<26}{_b(compiled['peak']):>20}")
+        host = {k[5:]: v for k, v in compiled.items() if k.startswith("host_")}
+        if host or mem["analytic"]["host"]["optimizer"] or mem["analytic"]["host"]["activations"]:
+            a_host = mem["analytic"]["host"]
+            lines.append(f"  {'host memory (offloaded)':<26}{_b(host.get('argument', 0.0) + host.get('temp', 0.0)):>20}"
+                         f"{_b(a_host['optimizer'] + a_host['activations']):>14}   compiled host arguments "
+                         f"{_b(host.get('argument', 0.0))} + temp {_b(host.get('temp', 0.0))}; analytic optimizer "
+                         f"state {_b(a_host['optimizer'])} + activations {_b(a_host['activations'])}")
         if compiled.get("generated_code"):
             lines.append(f"  {'generated code':<26}{_b(compiled['generated_code']):>20}")
     else:
