@@ -170,4 +170,4 @@ def check_backend(cfg: ml_collections.ConfigDict, backend: str) -> None:
 
 def model_config(cfg: ml_collections.ConfigDict, backend: str) -> model_lib.ModelConfig:
     """The run's ModelConfig, `auto` dtypes resolved for `backend` (models.config.resolve_dtypes)."""
-    return model_lib.from_config(cfg.model, cfg.pipeline, backend)
+    return model_lib.from_config(cfg.model, cfg.pipeline, backend, cfg.optim.grad_reduce_dtype)

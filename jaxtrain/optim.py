@@ -22,6 +22,7 @@ from optax import contrib
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
+from jaxtrain.models.config import GRAD_REDUCE_DTYPES
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion", "sgd")
@@ -30,10 +31,11 @@ MOMENTS_DTYPES = ("float32", "bfloat16")
 # the last `decay_fraction`); no weight decay on norm scales and biases; global-norm clipping at `clip_norm` (0 =
 # off). b1, b2: Adam's and Lion's betas (and those of the AdamW that Muon runs on the non-matrix weights); eps:
 # Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`. offload: the optimizer state lives in
-# pinned host memory and visits the device for the update (jaxtrain.trainer).
+# pinned host memory and visits the device for the update (jaxtrain.trainer). grad_reduce_dtype: the dtype the
+# weight gradients are reduced over the batch axes in (models.layers.weight_grad_in).
 CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
               weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
-              moments_dtype="float32", offload=False)
+              moments_dtype="float32", offload=False, grad_reduce_dtype="float32")
 # Muon's update scaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)), Liu et al. 2025), so that one lr and one
 # weight decay suit both the matrices and the AdamW-trained rest.
 MUON_RMS = 0.2
@@ -112,6 +114,7 @@ def check_config(o, *, total_steps: int) -> None:
     g.number("eps", lo=0, lo_open=True)
     g.number("momentum", lo=0, hi=1)
     g.choice("moments_dtype", MOMENTS_DTYPES, what="dtype")
+    g.choice("grad_reduce_dtype", GRAD_REDUCE_DTYPES, what="dtype")
     parse_groups(g.string("groups"))
 
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.models.cross_entropy import linear_cross_entropy
+from jaxtrain.models.layers import sum_in
 
 
 def next_token_targets(batch):
@@ -34,7 +35,8 @@ def loss_terms(graphdef, params, batch):
     # which the fused kernel does not apply.
     if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
         x, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-        ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype)
+        ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
+                                      model.cfg.grad_reduce_dtype)
         return ce_sum, jnp.sum(weights), aux
     logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
@@ -58,8 +60,8 @@ def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches
     replica and each replica's rows run on its copy (mesh.per_replica), so the accumulated gradients stay local
     and cross `data` once a step rather than after every microbatch (DDP's no_sync); see accumulates_per_replica."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
-    axes = mesh_lib.replica_axes(mesh.shape, rules)
-    if not axes or not accumulates_per_replica(nnx.merge(graphdef, params).cfg, microbatches):
+    axes, cfg = mesh_lib.replica_axes(mesh.shape, rules), nnx.merge(graphdef, params).cfg
+    if not axes or not accumulates_per_replica(cfg, microbatches):
         return params, grad_fn, lambda grads: grads
 
     per_replica = mesh_lib.over_replicas(objective, axes)
@@ -70,7 +72,7 @@ def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches
 
     copies = jax.tree.map(lambda w: mesh_lib.per_replica(w, axes), params)
     return copies, jax.value_and_grad(summed_objective, has_aux=True), lambda grads: jax.tree.map(
-        lambda g: g.sum(0), grads)
+        lambda g: sum_in(g, 0, cfg.grad_reduce_dtype), grads)  # the sum over the replicas is their reduction
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,

@@ -41,6 +41,7 @@ QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
 PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,9 @@ class ModelConfig:
     pipeline_microbatches: int = 1
     pipeline_schedule: str = "gpipe"
     pipeline_repeats: int = 1
+    # The dtype the weight matmuls' gradients are reduced over the batch axes in (layers.weight_grad_in): how the
+    # step runs, set from the config's `optim` group (optim.grad_reduce_dtype).
+    grad_reduce_dtype: str = "float32"
     # The layers' weight matmuls in "fp8" or "int8" (jaxtrain.models.quant), or "none": a compute choice, the
     # weights stay in param_dtype.
     quant: str = "none"
@@ -149,18 +153,21 @@ def resolve_dtypes(dtype: str, param_dtype: str, platform: str) -> tuple[str, st
 
 def config_defaults() -> dict:
     """The config schema's `model` group: every ModelConfig field but the pipeline's, and `init_from`."""
-    group = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name not in PIPELINE_FIELDS}
+    group = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+             if f.name not in (*PIPELINE_FIELDS, "grad_reduce_dtype")}
     # A Hugging Face directory whose weights start a fresh run (jaxtrain.models.hf): where the weights come from,
     # not what the model is.
     return {**group, "init_from": ""}
 
 
-def from_config(model, pipeline, platform: str) -> ModelConfig:
-    """The ModelConfig of the config's `model` and `pipeline` groups, its dtypes resolved for `platform`."""
+def from_config(model, pipeline, platform: str, grad_reduce_dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of the config's `model` and `pipeline` groups (and optim.grad_reduce_dtype), its dtypes
+    resolved for `platform`."""
     m = {k: v for k, v in dict(model).items() if k != "init_from"}
     m["dtype"], m["param_dtype"] = resolve_dtypes(m["dtype"], m["param_dtype"], platform)
     return ModelConfig(**m, pipeline_stages=pipeline.stages, pipeline_microbatches=pipeline.microbatches,
-                       pipeline_schedule=pipeline.schedule, pipeline_repeats=pipeline.repeats)
+                       pipeline_schedule=pipeline.schedule, pipeline_repeats=pipeline.repeats,
+                       grad_reduce_dtype=grad_reduce_dtype)
 
 
 def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:

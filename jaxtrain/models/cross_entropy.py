@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxtrain.parallel.mesh import constrain, split_ways
 from jaxtrain.models import cpu_bf16
-from jaxtrain.models.layers import project
+from jaxtrain.models.layers import project, sum_in
 
 
 def _chunks(a, n: int):
@@ -81,11 +81,12 @@ def n_chunks(batch: int, t: int, chunk_tokens: int, batch_ways: int | None = Non
     return t // max(c for c in range(seq_ways, positions + 1, seq_ways) if t % c == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype, grad_dtype="float32"):
     """x: [B, T, d] final hidden states, w: [d, V] output projection, targets: int [B, T], weights: f32 [B, T].
     Returns the f32 sum over positions of weights * cross-entropy of softmax(x @ w) against targets, computing
-    about `chunk_tokens` tokens per device at a time (0 = all at once). The matmuls run in `dtype`, f32 results."""
+    about `chunk_tokens` tokens per device at a time (0 = all at once). The matmuls run in `dtype`, f32 results.
+    w's gradient is reduced over the batch and sequence shards in `grad_dtype` (optim.grad_reduce_dtype)."""
     n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
     w_dt = _gathered_once(w, dtype)
 
@@ -97,7 +98,7 @@ def linear_cross_entropy(x, w, targets, weights, chunk_tokens: int, dtype):
     return total
 
 
-def _fwd(x, w, targets, weights, chunk_tokens, dtype):
+def _fwd(x, w, targets, weights, chunk_tokens, dtype, grad_dtype):
     n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
     w_dt = _gathered_once(w, dtype)
     # dW is summed over every token, and the tokens are split over devices along the batch and the sequence. Each
@@ -131,12 +132,12 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype):
     (total, dw), dx = jax.lax.scan(body, init, (x_chunks, x_t, _chunks(targets, n), _chunks(weights, n)))
     # Over the batch shards first, into w's layout (a reduce-scatter over fsdp, the rest of the batch axes then
     # reduce the shard), then over the sequence shards, the shard only.
-    dw = constrain(dw.sum(0), ("seq", "embed", "vocab")).sum(0)
+    dw = sum_in(constrain(sum_in(dw, 0, grad_dtype), ("seq", "embed", "vocab")), 0, grad_dtype)
     return total, (_unchunk(dx), dw.astype(w.dtype))
 
 
-def _bwd(chunk_tokens, dtype, res, g):
-    del chunk_tokens, dtype
+def _bwd(chunk_tokens, dtype, grad_dtype, res, g):
+    del chunk_tokens, dtype, grad_dtype
     dx, dw = res
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
 

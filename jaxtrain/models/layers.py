@@ -20,12 +20,20 @@ from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.parallel.mesh import constrain, split_ways
 
 
-def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "none"):
+def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "none", grad_dtype=None):
     """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
     dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free.
     Not when the sequence is split over devices: merging batch and sequence into one dimension made XLA gather
     every projection's input whole along the sequence (each device then computed every position).
-    `quant`: ModelConfig.quant, the matmul in fp8 or int8 (jaxtrain.models.quant)."""
+    `quant`: ModelConfig.quant, the matmul in fp8 or int8 (jaxtrain.models.quant). `grad_dtype`
+    (ModelConfig.grad_reduce_dtype): w's gradient comes out of its matmul in this dtype where it is narrower than
+    the matmul's own, hence is reduced over the batch axes in it (`weight_grad_in`); not for a quantized matmul,
+    whose gradients are qwix's."""
+    natural = jnp.dtype(preferred_element_type or jnp.result_type(x, w))
+    if quant == "none" and grad_dtype is not None and jnp.dtype(grad_dtype).itemsize < natural.itemsize:
+        y = weight_grad_in(functools.partial(project, contract=contract, preferred_element_type=preferred_element_type),
+                           jnp.dtype(grad_dtype), x, w)
+        return checkpoint_name(y, WEIGHT_MATMUL)  # remat policies see the output outside the custom gradient too
     if split_ways("seq") > 1:
         dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
         if quant != "none":
@@ -44,7 +52,7 @@ def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "
     return checkpoint_name(y, WEIGHT_MATMUL)
 
 
-def project_fused(x, weights, name: str, act_name: str, quant: str = "none"):
+def project_fused(x, weights, name: str, act_name: str, quant: str = "none", grad_dtype=None):
     """[project(x, w) for w in weights] as one matmul, x [B, T, d]. Each w is [d, N_i, ...], its N_i split over the
     mesh axes the logical `name` maps to (`act_name` is the outputs' twin). Each is viewed as [d, T, N_i/T * ...]
     (T = those axes' size: each device's block of N_i stays whole) and the views are joined along the last
@@ -53,12 +61,43 @@ def project_fused(x, weights, name: str, act_name: str, quant: str = "none"):
     instead of several."""
     ways = split_ways(name)
     if any(w.shape[1] % ways for w in weights):  # some N_i not split evenly: nothing to join locally
-        return [project(x, w, quant=quant) for w in weights]
+        return [project(x, w, quant=quant, grad_dtype=grad_dtype) for w in weights]
     blocks = [w.reshape(w.shape[0], ways, -1) for w in weights]
     joined = constrain(jnp.concatenate(blocks, axis=-1), (None, name, None))
-    y = constrain(project(x, joined, quant=quant), ("batch", "seq", act_name, None))
+    y = constrain(project(x, joined, quant=quant, grad_dtype=grad_dtype), ("batch", "seq", act_name, None))
     parts = split_last(y, tuple(int(c) for c in np.cumsum([b.shape[-1] for b in blocks])[:-1]))
     return [part.reshape(*x.shape[:-1], *w.shape[1:]) for part, w in zip(parts, weights)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def weight_grad_in(f, dtype, x, w):
+    """f(x, w), a matmul contracting x's last dims with w's first, whose gradient for w is one matmul with `dtype`
+    results. XLA's partitioner reduces a weight's gradient over the batch axes (reduce-scatter over fsdp,
+    all-reduce over data) right at that matmul, in its output dtype; a cast after it would not move the
+    reduction. So bfloat16 under f32 compute halves the gradient traffic."""
+    return f(x, w)
+
+
+def _weight_grad_in_fwd(f, dtype, x, w):
+    return f(x, w), (x, w)
+
+
+def _weight_grad_in_bwd(f, dtype, res, g):
+    x, w = res
+    dx = jax.vjp(lambda x_: f(x_, w), x)[1](g)[0]
+    lead = x.ndim - (x.ndim + w.ndim - g.ndim) // 2  # the dims of x (and g) that are not contracted with w
+    dims = ((tuple(range(lead)), tuple(range(lead))), ((), ()))
+    return dx, jax.lax.dot_general(x, g, dims, preferred_element_type=dtype).astype(w.dtype)
+
+
+weight_grad_in.defvjp(_weight_grad_in_fwd, _weight_grad_in_bwd)
+
+
+def sum_in(x, axis: int, dtype):
+    """x summed over `axis` in `dtype` (then back in x's dtype): over a sharded axis, XLA's reduction runs in
+    `dtype`. jnp.sum would add 16-bit floats in f32."""
+    zero = np.zeros((), jnp.dtype(dtype))
+    return jax.lax.reduce(x.astype(dtype), zero, jax.lax.add, (axis,)).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

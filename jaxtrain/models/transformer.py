@@ -63,10 +63,11 @@ class Attention(nnx.Module):
         """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike; then the
         biases and q/k norms where the family has them (before RoPE)."""
         if split_ways("kv_heads") != split_ways("q_heads"):
-            q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant) for w in (self.wq, self.wk, self.wv)]
+            q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
+                       for w in (self.wq, self.wk, self.wv)]
         else:
             q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
-                                    "act_heads", quant=self.cfg.quant)
+                                    "act_heads", quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
         if self.cfg.qkv_bias:
             q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
         if self.cfg.qk_norm:
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", None, "act_kv_heads", None))
         out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant)
+        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
+                       grad_dtype=self.cfg.grad_reduce_dtype)
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
@@ -111,14 +113,14 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         self.act = activation(cfg.mlp_activation)
-        self.quant = cfg.quant
+        self.quant, self.grad_dtype = cfg.quant, cfg.grad_reduce_dtype
 
     def __call__(self, x):
         dt = x.dtype
         gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp",
-                                 quant=self.quant)
+                                 quant=self.quant, grad_dtype=self.grad_dtype)
         hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
-        return project(hidden, weight(self.w_down, dt), quant=self.quant)
+        return project(hidden, weight(self.w_down, dt), quant=self.quant, grad_dtype=self.grad_dtype)
 
 
 class Block(nnx.Module):
@@ -181,7 +183,7 @@ class Transformer(nnx.Module):
         """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
         model)."""
         x, aux = self.hidden(tokens, positions, segment_ids)
-        logits = self.cap(project(x, self.head().astype(x.dtype)))
+        logits = self.cap(project(x, self.head().astype(x.dtype), grad_dtype=self.cfg.grad_reduce_dtype))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
     def cap(self, logits):

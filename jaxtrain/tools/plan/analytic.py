@@ -75,6 +75,13 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     from jaxtrain.parallel import mesh as mesh_lib
     replicas = mesh_lib.replica_axes(mesh_shape, rules)
     comms: dict[tuple, float] = {}
+    # Gradient bytes per param byte as reduced. A weight matmul's gradient comes out of its matmul in the compute
+    # dtype, or narrower where optim.grad_reduce_dtype asks (layers.weight_grad_in); the fused loss's head in f32
+    # or that dtype; lookup tables, norms and biases in the param dtype; the per-replica sums in that dtype.
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    g_size, p_size = size[model_cfg.grad_reduce_dtype], size[model_cfg.param_dtype]
+    matmul_scale = min(g_size, size[model_cfg.dtype]) / p_size
+    head_scale = g_size / p_size if model_cfg.loss_chunk_tokens and not model_cfg.final_softcap else matmul_scale
 
     def add(kind, axes, nbytes):
         if axes and nbytes:
@@ -106,12 +113,16 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         passes = 1 if lookup or fused_head or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
         copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
-        add("reduce-scatter", gather, (2 if tied else 1) * times * gathered)
+        names = p["names"] or ()
+        matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
+        scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
+        parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
+        add("reduce-scatter", gather, parts * times * gathered)
         # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
         once = [x for x in reduce if copies and x in replicas]
-        add("all-reduce", once, p["bytes"] / shards)
-        add("all-reduce", [x for x in reduce if x not in once], (2 if tied else 1) * times * p["bytes"] / shards)
-        add("all-reduce", seq_axes, (2 if tied else 1) * times * p["bytes"] / shards)  # each slice's share
+        add("all-reduce", once, g_size / p_size * p["bytes"] / shards)
+        add("all-reduce", [x for x in reduce if x not in once], parts * times * p["bytes"] / shards)
+        add("all-reduce", seq_axes, parts * times * p["bytes"] / shards)  # each slice's share
     rows = batch // (microbatches * dp)  # sequences per device per microbatch
     tokens_dev = rows * seq_len // seq_ways
     # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R) layers
