@@ -225,7 +225,8 @@ def test_offload_keeps_the_optimizer_state_in_host_memory_and_changes_no_number(
     assert kinds(off.shardings["opt_state"]) == {"pinned_host"} and kinds(off.shardings["params"]) == {"device"}
     assert jax.tree.map(lambda s: s.spec, off.shardings["opt_state"]) == jax.tree.map(
         lambda s: s.spec, plain.shardings["opt_state"])
-    np.testing.assert_array_equal(train_on_stream(off, tiny_data_dir, 3)[2], train_on_stream(plain, tiny_data_dir, 3)[2])
+    np.testing.assert_array_equal(train_on_stream(off, tiny_data_dir, 3)[2],
+                                  train_on_stream(plain, tiny_data_dir, 3)[2])
 
     from jaxtrain import checkpoint as ckpt_lib
     from jaxtrain.data import pipeline
