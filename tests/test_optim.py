@@ -290,3 +290,18 @@ def test_weight_grad_in_gives_the_matmul_gradient_from_a_matmul_with_that_dtype(
     want = np.einsum("btkc,btn->kcn", x.astype(np.float64), g)
     assert dw.dtype == np.float32 and not np.array_equal(dw, want.astype(np.float32))
     np.testing.assert_array_equal(dw, np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16), np.float32))
+
+
+def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(tiny_config):
+    """config.step_bytes_floor (what check_fits refuses a run by): AdamW's two f32 moments are 8 bytes per matmul
+    parameter, bf16 moments 4, another optimizer's or an offloaded state's none."""
+    from jaxtrain.models import transformer
+
+    cfg = tiny_config()
+    n = transformer.matmul_params(config_lib.model_config(cfg, "cpu"))
+    floors = {}
+    for key, settings in {"adamw": {}, "bf16": {"optim.moments_dtype": "bfloat16"}, "offload": {"optim.offload": True},
+                          "lion": {"optim.name": "lion"}}.items():
+        floors[key] = config_lib.step_bytes_floor(tiny_config(**settings), 8)
+    assert floors["adamw"] - floors["bf16"] == pytest.approx(4 * n / 8)
+    assert floors["adamw"] - floors["offload"] == floors["adamw"] - floors["lion"] == pytest.approx(8 * n / 8)
