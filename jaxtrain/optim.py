@@ -4,8 +4,8 @@ Every optimizer is optax's, built as one chain: clipping, the optimizer's own di
 moments, Muon's orthogonalised momentum, Adafactor's factored second moments, Lion's sign, SGD's momentum),
 decoupled weight decay, then the learning rate. `optim.groups` sets the weight decay and a learning-rate factor by
 parameter path; `optim.moments_dtype` stores the optimizer's moments in bfloat16; `optim.offload` keeps them in
-host memory. The default (AdamW, f32 moments,
-no groups) is exactly `optax.chain(clip_by_global_norm, optax.adamw)`, so its checkpoints keep their layout.
+host memory. The default (AdamW, f32 moments, no groups) is exactly `optax.chain(clip_by_global_norm,
+optax.adamw)`, so its checkpoints keep their layout.
 """
 
 from __future__ import annotations

@@ -89,31 +89,31 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
             comms[key] = comms.get(key, 0.0) + nbytes
 
     for p in params:
+        names = tuple(p["names"] or ())
         shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
         param_bytes += p["bytes"] / shards
         # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
-        owned = [x for x in axes if x in expert_axes and "experts" in (p["names"] or ())]
+        owned = [x for x in axes if x in expert_axes and "experts" in names]
         gather = [x for x in axes if x in batch_axes and x not in owned]
         reduce = [x for x in batch_axes if x not in axes]
         gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
         # A pipelined layer's gradient is reduced on every tick (each tick adds to the chunk each stage ran; a stage
         # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
-        pipelined = stages > 1 and "layers" in (p["names"] or ())
+        pipelined = stages > 1 and "layers" in names
         times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
         # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
-        tied = model_cfg.tie_embeddings and "vocab" in (p["names"] or ())
+        tied = model_cfg.tie_embeddings and "vocab" in names
         # Gathered in the forward, and again in the backward where that needs the weight and nothing kept it: the
         # head's input gradient always, a layer's unless remat "none" keeps the forward's copy; the lookup table
         # never (its gradient is a scatter). Under a pipeline or per-replica accumulation XLA gathers once a step
         # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
-        lookup = not tied and (p["names"] or ("",))[0] == "vocab"
+        lookup = not tied and names[:1] == ("vocab",)
         # The fused loss (model.loss_chunk_tokens) uses the head once, for the logits and dx alike, gathered before
         # its chunk loop (cross_entropy._gathered_once).
-        fused_head = not tied and not lookup and "vocab" in (p["names"] or ()) and model_cfg.loss_chunk_tokens > 0
-        passes = 1 if lookup or fused_head or ("layers" in (p["names"] or ()) and model_cfg.remat == "none") else 2
+        fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
+        passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
         copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
-        names = p["names"] or ()
         matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
         scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
         parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
