@@ -120,6 +120,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
             opt_state = state["opt_state"]
             if offload:  # as memory spaces, not shardings: a described GPU (plan --compiler gpu) has no memory kinds
+                # The barrier holds the copy in until the gradients exist: XLA:GPU started it with the step, so the
+                # whole state sat on the device through the backward's activation peak (an H100 peaked as high).
+                grad_norm, opt_state = jax.lax.optimization_barrier((grad_norm, opt_state))
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
 
             def update(_):
