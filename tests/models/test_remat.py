@@ -64,3 +64,18 @@ def test_dots_policy_saves_weight_matmuls_under_a_vmap_over_weight_copies(tiny_c
     pp = {"mesh.data": 1, "mesh.pipeline": 2, "pipeline.stages": 2, "pipeline.microbatches": 2}
     pipelined = _dot_flops(tiny_config, 2, **pp, **dots)
     assert pipelined - _dot_flops(tiny_config, 2, **pp) == pytest.approx(1.5 * recomputed)
+
+
+def test_dots_policy_saves_the_cudnn_attention_forward():
+    """The default policy keeps cuDNN attention's forward outputs, so the backward does not run that kernel again
+    (a GPU-only kernel: here the policy is checked on jax's own primitive, by name, as remat sees it)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention  # noqa: PLC0415
+
+    from jaxtrain.models.config import CUDNN_ATTENTION_FWD  # noqa: PLC0415
+
+    policy = REMAT_POLICIES["dots_with_no_batch_dims_saveable"]
+    fwd = cudnn_attention._dot_product_attention_fwd_p_wrapper
+    assert fwd.name == CUDNN_ATTENTION_FWD  # jax renaming it would silently bring the recompute back
+    assert policy(fwd)
+    assert not policy(jax.lax.exp_p)
+    assert not REMAT_POLICIES["full"](fwd)
