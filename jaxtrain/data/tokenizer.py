@@ -89,6 +89,18 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and character offsets of text a chat template rendered, as transformers' apply_chat_template
+        encodes it: no post-processor tokens, and the special tokens the template wrote are special tokens."""
+        if self.kind == "sentencepiece":
+            raise TokenizerError(f"{self.path}: chat data needs a Hugging Face directory with a tokenizer.json")
+        literal, self._impl.encode_special_tokens = self._impl.encode_special_tokens, False
+        try:
+            encoding = self._impl.encode(text, add_special_tokens=False)
+        finally:
+            self._impl.encode_special_tokens = literal
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
         if self.kind == "sentencepiece":
