@@ -19,11 +19,16 @@ from jaxtrain.models.layers import sum_in
 
 
 def next_token_targets(batch):
-    """Targets are the next token; a position counts only if the next token is in the same document."""
+    """Targets are the next token; a position counts only if the next token is in the same document, and, with
+    chat data's "loss_weights", by the weight of the token it predicts (1 on assistant tokens, 0 elsewhere)."""
+    def shifted(x):
+        return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
     tokens, seg = batch["tokens"], batch["segment_ids"]
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    next_seg = jnp.concatenate([seg[:, 1:], jnp.zeros_like(seg[:, :1])], axis=1)
-    weights = ((seg != 0) & (next_seg == seg)).astype(jnp.float32)
+    targets = shifted(tokens)
+    weights = ((seg != 0) & (shifted(seg) == seg)).astype(jnp.float32)
+    if "loss_weights" in batch:
+        weights = weights * shifted(batch["loss_weights"]).astype(jnp.float32)
     return targets, weights
 
 

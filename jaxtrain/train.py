@@ -69,6 +69,7 @@ def run(config, print_fn=print, writers=()) -> dict:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the vocab "
                           f"({tok.vocab_size}) of the tokenizer in {ddir}")
     pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
+    pipeline.check_conversations_fit(ddir, train_cfg.seq_len)
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, ddir)
     ckpt_lib.check_paths(Path(config.workdir) / "checkpoints", config.checkpoint.local_dir)
@@ -149,7 +150,7 @@ def run(config, print_fn=print, writers=()) -> dict:
         t = time.perf_counter()
         abstract_batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32,
                                                   sharding=trainer.batch_sharding)
-                          for k in ("tokens", "segment_ids", "positions")}
+                          for k in pipeline.batch_keys(ddir)}
         train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
         say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
 

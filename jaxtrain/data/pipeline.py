@@ -9,7 +9,9 @@ repeating or skipping a token (elastic resume).
 A batch is {"tokens", "segment_ids", "positions"}, each int32[B // processes, seq_len]: segment ids number the
 documents of a row from 1, and positions restart at each document. Documents are never padded or dropped.
 Grain reads (ArrayRecordDataSource) and prefetches (optionally in worker processes); the packing itself is
-random access, which is what makes it position-addressable (docs/data.md).
+random access, which is what makes it position-addressable (docs/data.md). Chat data (`prepare --chat`) adds
+"loss_weights" and is packed by whole conversations instead: a row holds the conversations that fit, then
+padding (segment 0), and rows are addressed by number (the offset counts seq_len slots per row).
 """
 
 from __future__ import annotations
@@ -119,9 +121,13 @@ class PackedStream:
         n = len(self.source)
         if n == 0:
             raise DataError(f"{data_dir}: split {split!r} has no documents")
+        self.weighted = bool(manifest.get("loss_weights"))  # chat data: a uint8 weight per token after the tokens
+        self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
         self.lengths = _document_lengths(data_dir, manifest["splits"][split], self.source, self.dtype)
         self.epoch_tokens = int(self.lengths.sum())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._row_starts: dict[tuple[int, int], np.ndarray] = {}
+        self._epoch_rows: dict[int, list[int]] = {}  # seq_len -> rows of epochs 0, 1, ...
 
     def _damaged(self, error: RuntimeError) -> DataError:
         """The shard that fails its manifest checksum (hashed only now, on failure), named with the fix."""
@@ -159,8 +165,64 @@ class PackedStream:
             start, length = start + take, length - take
         return out
 
+    def _packed_rows(self, epoch: int, seq_len: int) -> np.ndarray:
+        """Chat data: index (in the epoch's order) of each row's first conversation, and the count at the end.
+        Greedy: a conversation that does not fit in what is left of a row starts the next one."""
+        if (epoch, seq_len) not in self._row_starts:
+            order, _ = self._epoch(epoch)
+            lengths = self.lengths[order]
+            if (longest := int(lengths.max())) > seq_len:
+                raise DataError(f"{self.data_dir}: holds a conversation of {longest} tokens, longer than "
+                                f"train.seq_len={seq_len}; prepare it with --max_len {seq_len}")
+            starts, fill = [0], 0
+            for i, n in enumerate(lengths.tolist()):
+                if fill + n > seq_len:
+                    starts.append(i)
+                    fill = 0
+                fill += n
+            if len(self._row_starts) >= 2:
+                self._row_starts.pop(min(self._row_starts))
+            self._row_starts[(epoch, seq_len)] = np.array(starts + [len(lengths)])
+        return self._row_starts[(epoch, seq_len)]
+
+    def _locate_row(self, row: int, seq_len: int) -> tuple[int, int]:
+        """(epoch, row within it) of chat row `row`: epochs hold different numbers of rows."""
+        counts = self._epoch_rows.setdefault(seq_len, [])
+        epoch = 0
+        while True:
+            if epoch == len(counts):
+                counts.append(len(self._packed_rows(epoch, seq_len)) - 1)
+            if row < counts[epoch]:
+                return epoch, row
+            row, epoch = row - counts[epoch], epoch + 1
+
+    def _records(self, docs: list[int]) -> list[bytes]:
+        try:
+            return self.source.__getitems__(docs)
+        except RuntimeError as e:
+            raise self._damaged(e) from None
+
+    def _conversations_row(self, start: int, seq_len: int) -> dict:
+        epoch, k = self._locate_row(start // seq_len, seq_len)
+        order, _ = self._epoch(epoch)
+        starts = self._packed_rows(epoch, seq_len)
+        docs = order[starts[k]:starts[k + 1]].tolist()
+        row = {key: np.zeros(seq_len, np.int32) for key in (*_KEYS, "loss_weights")}
+        at = 0
+        for segment, (doc, record) in enumerate(zip(docs, self._records(docs)), start=1):
+            n = int(self.lengths[doc])
+            row["tokens"][at:at + n] = np.frombuffer(record, self.dtype, n)
+            row["loss_weights"][at:at + n] = np.frombuffer(record, np.uint8, n, offset=n * self.dtype.itemsize)
+            row["segment_ids"][at:at + n] = segment
+            row["positions"][at:at + n] = np.arange(n)
+            at += n
+        return row
+
     def row(self, start: int, seq_len: int) -> dict:
-        """`seq_len` tokens from stream offset `start`, with segment ids and positions."""
+        """`seq_len` tokens from stream offset `start`, with segment ids and positions (chat data: the row of
+        whole conversations numbered start // seq_len, with its loss weights, padded)."""
+        if self.weighted:
+            return self._conversations_row(start, seq_len)
         pieces = self.pieces(start, seq_len)
         try:
             records = self.source.__getitems__([doc for doc, _, _ in pieces])
@@ -198,6 +260,10 @@ class MixedStream:
         self.streams, self.quotas, self.seed = streams, quotas, seed
         self.identity = "mix(" + ",".join(f"{s.identity}:{q}" for s, q in zip(streams, quotas)) + ")"
         self._slots = np.repeat(np.arange(len(streams)), quotas)
+        self.row_addressed = True
+        if len({s.weighted for s in streams}) > 1:
+            raise DataError("a mixture cannot mix chat data (loss weights) with plain documents")
+        self.weighted = streams[0].weighted
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -353,9 +419,10 @@ class TrainIterator:
                 raise DataError(f"checkpointed data position refers to {key}={state.get(key)!r}, this run has "
                                 f"{mine!r}; resume with the same data dir (or mixture) and train.seed, or start "
                                 f"a new workdir")
-        if isinstance(self.stream, MixedStream) and state["next_token"] % self.seq_len:
-            raise DataError(f"train.seq_len: {self.seq_len} does not divide the checkpointed position of a mixture "
-                            f"({state['next_token']} tokens); resume a data.mixture run with its seq_len")
+        if self.stream.row_addressed and state["next_token"] % self.seq_len:
+            what = "a mixture" if isinstance(self.stream, MixedStream) else "chat data"
+            raise DataError(f"train.seq_len: {self.seq_len} does not divide the checkpointed position of {what} "
+                            f"({state['next_token']} tokens); resume it with its seq_len")
         self._start(int(state["next_token"]))
 
     def close(self) -> None:
@@ -392,8 +459,21 @@ def eval_batches(data_dir: str, *, seq_len: int, global_batch: int, num_batches:
     stream = PackedStream(data_dir, "heldout", seed=None)
     rows = [stream.row(((k * process_count + process_index) * local + j) * seq_len, seq_len)
             for k in range(num_batches) for j in range(local)]
-    return [{key: np.stack([r[key] for r in rows[k * local:(k + 1) * local]]) for key in _KEYS}
+    return [{key: np.stack([r[key] for r in rows[k * local:(k + 1) * local]]) for key in rows[0]}
             for k in range(num_batches)]
+
+
+def check_conversations_fit(data_dir: str, seq_len: int) -> None:
+    """Chat data: ConfigError when its longest conversation does not fit a row (cheap: the manifest only)."""
+    chat = load_manifest(data_dir).get("chat") or {}
+    if chat.get("longest", 0) > seq_len:
+        raise ConfigError("train.seq_len", f"{seq_len} is shorter than the longest conversation in {data_dir} "
+                          f"({chat['longest']} tokens); prepare it with --max_len {seq_len}")
+
+
+def batch_keys(data_dir: str) -> tuple[str, ...]:
+    """The keys of the data dir's batches: chat data adds "loss_weights"."""
+    return (*_KEYS, "loss_weights") if load_manifest(data_dir).get("loss_weights") else _KEYS
 
 
 _EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")

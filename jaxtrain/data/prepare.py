@@ -211,7 +211,7 @@ def plan_shards(srcs: list, text_split: str, num_shards: int | None, heldout_doc
     return plans
 
 
-def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int):
+def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int, records: bool = False):
     """(train docs, heldout docs, per-source stats) of one shard. Stats are counted on private copies of
     the sources, so reading a shard twice (tokenizer sample, then the build) never double counts."""
     counted = {}
@@ -219,7 +219,7 @@ def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int):
     for i, start, stop in plan.pieces:
         src = counted.setdefault(i, dataclasses.replace(srcs[i], docs=0, skipped=collections.Counter(),
                                                         text_bytes=0))
-        docs.extend(sources_lib.documents(src, text_split, start, stop))
+        docs.extend(sources_lib.documents(src, text_split, start, stop, records=records))
     picked = np.random.default_rng(np.random.SeedSequence([seed, plan.index])).choice(
         len(docs), min(plan.heldout, len(docs)), replace=False)
     is_heldout = np.zeros(len(docs), bool)
@@ -230,12 +230,13 @@ def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int):
     return train, heldout, stats
 
 
-def _write_shard(path: str, token_lists: list[np.ndarray]) -> dict:
-    """One ArrayRecord file (a record per document) plus its lengths index; returns its manifest row."""
+def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndarray] | None = None) -> dict:
+    """One ArrayRecord file (a record per document: its tokens, then chat data's uint8 loss weights) plus its
+    lengths index; returns its manifest row."""
     # group_size:1 makes every record its own chunk: cheap random access for the global shuffle.
     writer = ArrayRecordWriter(path, "group_size:1")
-    for tokens in token_lists:
-        writer.write(tokens.tobytes())
+    for k, tokens in enumerate(token_lists):
+        writer.write(tokens.tobytes() + (weights[k].astype(np.uint8).tobytes() if weights is not None else b""))
     writer.close()
     lengths = np.array([len(t) for t in token_lists], np.uint32)
     # The index lets the pipeline skip reading every record at start; np.save(str) would append ".npy".
@@ -266,20 +267,55 @@ def _tokenize(tok: tok_lib.Tokenizer, docs: list[str], dtype: np.dtype) -> list[
 def _build_shard(job: dict) -> dict:
     """Reads, splits, tokenizes and writes one shard into the work dir; its `.done.json` record, written
     last and atomically, is what marks it finished. Runs in a worker process (or in-process)."""
-    plan, work, n = job["plan"], job["work_dir"], job["num_shards"]
-    train, heldout, stats = _shard_documents(job["sources"], plan, job["text_split"], job["seed"])
+    plan, work, n, chat = job["plan"], job["work_dir"], job["num_shards"], job["chat"]
+    train, heldout, stats = _shard_documents(job["sources"], plan, job["text_split"], job["seed"], bool(chat))
     # A Hugging Face directory's tokenizer was copied in with its tokenizer_config.json: the work dir reads as it.
     tok = tok_lib.load(work if job["tokenizer_dir"] else os.path.join(work, job["tokenizer_file"]), job["eos_token"])
     dtype = np.dtype(job["dtype"])
-    record = {"key": job["key"], "index": plan.index, "sources": stats,
-              "train": _write_shard(os.path.join(work, f"train-{plan.index:05d}-of-{n:05d}.array_record"),
-                                    _tokenize(tok, train, dtype)),
-              "heldout": None}
-    if heldout:
-        record["heldout"] = _write_shard(os.path.join(work, f"heldout-{plan.index:05d}-of-{n:05d}.array_record"),
-                                         _tokenize(tok, heldout, dtype))
+    record = {"key": job["key"], "index": plan.index, "sources": stats, "train": None, "heldout": None}
+    if chat:
+        record["chat"] = collections.Counter()
+    for split, docs in (("train", train), ("heldout", heldout)):
+        if not docs and split == "heldout":
+            continue
+        path = os.path.join(work, f"{split}-{plan.index:05d}-of-{n:05d}.array_record")
+        if chat:
+            ids, weights = _encode_conversations(tok, docs, dtype, chat, record["chat"])
+            record[split] = _write_shard(path, ids, weights)
+        else:
+            record[split] = _write_shard(path, _tokenize(tok, docs, dtype))
     files.write_json(os.path.join(work, _done_name(plan.index)), record)
     return record
+
+
+def _encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, counts: collections.Counter):
+    """Chat records -> (token arrays, loss-weight arrays), each conversation rendered with the template and cut
+    to chat["max_len"] (its oldest tokens dropped, or the whole conversation, per chat["truncate"]). Records that
+    are not conversations, and conversations left with no assistant token, are skipped and counted."""
+    from jaxtrain.data import chat as chat_lib  # noqa: PLC0415 - jinja2 is needed by chat data only
+
+    ids_out, weights_out = [], []
+    max_len = chat["max_len"]
+    for record in records:
+        try:
+            ids, weights = chat_lib.encode(tok, chat["template"], chat_lib.conversation(record), chat["variables"])
+        except DataError:
+            counts["skipped_not_a_conversation"] += 1
+            continue
+        if max_len and len(ids) > max_len:
+            if chat["truncate"] == "drop":
+                counts["dropped_too_long"] += 1
+                continue
+            ids, weights = ids[-max_len:], weights[-max_len:]
+            counts["truncated"] += 1
+        if not weights.any():
+            counts["skipped_no_assistant_tokens"] += 1
+            continue
+        counts["conversations"] += 1
+        counts["longest"] = max(counts["longest"], len(ids))
+        ids_out.append(np.asarray(ids, dtype))
+        weights_out.append(weights)
+    return ids_out, weights_out
 
 
 def _done_name(index: int) -> str:
@@ -390,13 +426,20 @@ def prepare_sources(
     workers: int | None = None,
     split: str = "train",
     tfds_data_dir: str | None = None,
+    chat: bool = False,
+    chat_template: str | None = None,
+    max_len: int | None = None,
+    truncate: str = "left",
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
     manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard);
-    they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`."""
+    they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`.
+    `chat`: conversations rendered with the tokenizer directory's chat template (or `chat_template`, a file),
+    with loss weights; `max_len` and `truncate` ("left" or "drop") bound a conversation's tokens."""
     if tokenizer and not os.path.exists(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer not found")
+    chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate) if chat else None
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
@@ -427,13 +470,15 @@ def prepare_sources(
             "seed": seed,
             "num_shards": num_shards,
         }
+        if chat_settings:
+            settings["chat"] = {k: v for k, v in chat_settings.items() if k not in ("template", "variables")}
         if existing := _existing_manifest(data_dir, settings):
             return existing
         work = _work_dir(data_dir, settings, [r.get("mtime_ns") for r in identities], print_fn)
         try:
             manifest = _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token,
                                              text_split, num_shards, heldout_docs, seed, vocab_size, workers,
-                                             print_fn)
+                                             print_fn, chat_settings)
         except (DataError, SourceError, TokenizerError):
             shutil.rmtree(work, ignore_errors=True)  # bad input: nothing worth resuming, nothing left beside it
             raise
@@ -458,13 +503,16 @@ def prepare_sources(
 
 
 def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
-                          num_shards, heldout_docs, seed, vocab_size, workers, print_fn) -> dict:
+                          num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None) -> dict:
     """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
+    if chat:  # the template the shards were rendered with travels with them (generate --chat reads it)
+        with open(os.path.join(work, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
+            f.write(chat["template"])
     records = _build_shards(work, srcs, plans, text_split, seed, tok_file, tok.hf_dir is not None, eos_token, dtype,
-                            workers, print_fn)
+                            workers, print_fn, chat)
 
     train_rows = [r["train"] for r in records]
     heldout_rows = [r["heldout"] for r in records if r["heldout"]]
@@ -494,6 +542,14 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         "splits": {"train": train_rows, "heldout": heldout_rows},
         "sources": [s.row() for s in srcs],
     }
+    if chat:
+        counts = collections.Counter()
+        for r in records:
+            longest = max(counts["longest"], r["chat"].get("longest", 0))
+            counts.update(r["chat"])
+            counts["longest"] = longest
+        manifest["loss_weights"] = True
+        manifest["chat"] = {**settings["chat"], "template_file": CHAT_TEMPLATE, **dict(sorted(counts.items()))}
     for r in range(len(plans)):
         os.remove(os.path.join(work, _done_name(r)))
     os.remove(os.path.join(work, "settings.json"))
@@ -502,6 +558,27 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         os.rmdir(data_dir)  # an empty dir (checked above) is replaced
     os.rename(work, data_dir)
     return manifest
+
+
+CHAT_TEMPLATE = "chat_template.jinja"  # in a chat data dir: the template its conversations were rendered with
+TRUNCATE = ("left", "drop")
+
+
+def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | None, truncate: str) -> dict:
+    """What chat preparation needs, checked before anything is read: the template (the tokenizer directory's, or
+    a file), its variables (BOS, EOS) and the length bound."""
+    from jaxtrain.data import chat as chat_lib  # noqa: PLC0415
+
+    if not tokenizer or not os.path.isdir(tokenizer):
+        raise DataError(f"{tokenizer or '--tokenizer'}: chat data needs --tokenizer HF_MODEL_DIR (a Hugging Face "
+                        f"directory with tokenizer.json and tokenizer_config.json)")
+    if truncate not in TRUNCATE:
+        raise DataError(f"--truncate: {truncate!r} is not one of {', '.join(TRUNCATE)}")
+    if max_len is not None and max_len < 1:
+        raise DataError(f"--max_len: must be a positive number of tokens, got {max_len}")
+    text = chat_lib.load_template(template or tokenizer)
+    return {"template": text, "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "variables": chat_lib.special_tokens(tokenizer), "max_len": max_len, "truncate": truncate}
 
 
 def _tokenizer_hash(given: str) -> str:
@@ -562,7 +639,7 @@ def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size)
 
 
 def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_token, dtype, workers,
-                  print_fn) -> list[dict]:
+                  print_fn, chat=None) -> list[dict]:
     """Builds every shard not already finished in `work`, in parallel worker processes, with a progress line."""
     tok_sha = files.file_hash(os.path.join(work, tok_file))
     jobs, records = [], {}
@@ -576,7 +653,7 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_to
         else:
             jobs.append({"plan": plan, "work_dir": work, "num_shards": len(plans), "sources": srcs,
                          "text_split": text_split, "seed": seed, "tokenizer_file": tok_file, "tokenizer_dir": tok_dir,
-                         "eos_token": eos_token, "dtype": dtype.name, "key": key})
+                         "eos_token": eos_token, "dtype": dtype.name, "key": key, "chat": chat})
     if records and jobs:
         print_fn(f"prepare: resuming, {len(records)} of {len(plans)} shards already done", file=sys.stderr)
     todo = sum(j["plan"].size for j in jobs)

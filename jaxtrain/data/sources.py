@@ -28,6 +28,7 @@ from jaxtrain.errors import SourceError
 from jaxtrain.files import file_hash
 
 KINDS = ("txt", "jsonl", "parquet")
+RECORD = "*"  # --field of chat data in JSONL: each whole record (messages, or prompt and completion)
 TEXT_SPLITS = ("file", "paragraph", "line")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 _PARAGRAPH_BREAK = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")  # one or more blank lines
@@ -126,9 +127,14 @@ def _kind_of(path: epath.Path) -> str:
     raise SourceError(f"{path}: unknown extension; pass --format ({'|'.join(KINDS)})")
 
 
-def documents(src: Source, text_split: str = "file", start: int = 0, stop: int = -1) -> Iterator[str]:
+def documents(src: Source, text_split: str = "file", start: int = 0, stop: int = -1, *,
+              records: bool = False) -> Iterator[str]:
     """Yields the documents of src's piece [start, stop) (see Source.pieces; the defaults read it all),
-    counting skips (undecodable, empty, missing_field, not_text) on src."""
+    counting skips (undecodable, empty, missing_field, not_text) on src. `records`: chat data, whose documents
+    are the field's values as they are (a JSONL record with field RECORD, a dataset's messages column)."""
+    if records:
+        yield from _counted_records(src, documents_raw(src, start, stop))
+        return
     try:
         if src.kind in ("hf", "tfds"):
             yield from _counted(src, src.dataset.values(start, src.dataset.num_rows if stop < 0 else stop))
@@ -144,6 +150,32 @@ def documents(src: Source, text_split: str = "file", start: int = 0, stop: int =
             raise SourceError(f"{src.path}: unknown format {src.kind!r}")
     except (OSError, EOFError) as e:  # EOFError: a truncated .gz.
         raise SourceError(f"{src.path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def documents_raw(src: Source, start: int, stop: int) -> Iterator[object]:
+    if src.kind not in ("jsonl", "hf", "tfds", "parquet"):
+        raise SourceError(f"{src.path}: chat data comes from JSONL, Parquet or datasets, not {src.kind}")
+    try:
+        if src.kind in ("hf", "tfds"):
+            yield from src.dataset.values(start, src.dataset.num_rows if stop < 0 else stop)
+        elif src.kind == "jsonl":
+            yield from _jsonl_values(src, start, stop)
+        else:
+            yield from _parquet_values(src, start, stop)
+    except (OSError, EOFError) as e:
+        raise SourceError(f"{src.path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _counted_records(src: Source, values: Iterator[object]) -> Iterator[object]:
+    for v in values:
+        if v is MISSING:
+            src.skipped["missing_field"] += 1
+        elif isinstance(v, bytes):
+            src.skipped["undecodable"] += 1
+        else:
+            src.docs += 1
+            src.text_bytes += len(json.dumps(v, ensure_ascii=False).encode())
+            yield v
 
 
 def _counted(src: Source, values: Iterator[object]) -> Iterator[str]:
@@ -227,7 +259,7 @@ def _jsonl_values(src: Source, start: int = 0, stop: int = -1) -> Iterator[objec
             raise SourceError(f"{src.path}: {where} is not JSON ({e.msg})") from None
         if not isinstance(record, dict):
             raise SourceError(f"{src.path}: {where} is not a JSON object")
-        yield record.get(src.field, MISSING)
+        yield record if src.field == RECORD else record.get(src.field, MISSING)
 
 
 def _parquet_file(src: Source, f):

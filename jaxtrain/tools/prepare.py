@@ -4,6 +4,7 @@ Usage:
   jaxtrain prepare --output DIR --vocab_size 8192            # the default corpus (KJV)
   jaxtrain prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json|HF_MODEL_DIR]
   jaxtrain prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
+  jaxtrain prepare --chat --input chats.jsonl --tokenizer HF_MODEL_DIR --max_len 2048 --output DIR
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _prepare(argv) -> int:
                         "hf:SAVED_DIR, hf:BUILDER:FILES (json/csv/parquet/text), hf:DIR, tfds:NAME[/CONFIG][:VERSION] "
                         "or tfds:BUILDER_DIR; without it the default corpus (KJV) is prepared")
     parser.add_argument("--format", choices=sources.KINDS, help="kind of every file input (default: by extension)")
-    parser.add_argument("--field", default="text", help="JSONL key / Parquet or dataset column holding the text")
+    parser.add_argument("--field", help="JSONL key / Parquet or dataset column holding the text (default: text; "
+                        "with --chat each whole JSONL record, or name a dataset's messages column)")
     parser.add_argument("--text_split", choices=sources.TEXT_SPLITS, default="file",
                         help="a .txt document is the whole file, each blank-line paragraph, or each line")
     parser.add_argument("--split", default="train", help="split of hf:/tfds: inputs (tfds slicing works)")
@@ -35,13 +37,26 @@ def _prepare(argv) -> int:
                         "eos_token, else found by name)")
     parser.add_argument("--num_shards", type=int, help="train shards (default: one per ~256 MB of text)")
     parser.add_argument("--workers", type=int, help="tokenizing processes (default: one per CPU)")
+    parser.add_argument("--chat", action="store_true", help="conversations ({\"messages\": [...]} or {\"prompt\", "
+                        "\"completion\"}), rendered with the tokenizer directory's chat template, with loss weights "
+                        "on the assistant's tokens (docs/fine-tuning.md)")
+    parser.add_argument("--chat_template", help="with --chat: a Jinja template file instead of the tokenizer's own")
+    parser.add_argument("--max_len", type=int, help="with --chat: the most tokens a conversation keeps (train.seq_len)")
+    parser.add_argument("--truncate", choices=prepare.TRUNCATE, default="left",
+                        help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
+    if not args.chat and (args.chat_template or args.max_len):
+        parser.error("--chat_template and --max_len apply to --chat data only")
+    field = args.field or (sources.RECORD if args.chat else "text")
     if args.input:
-        prepare.prepare_sources(args.output, args.input, fmt=args.format, field=args.field,
+        prepare.prepare_sources(args.output, args.input, fmt=args.format, field=field,
                                 text_split=args.text_split, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                 vocab_size=args.vocab_size, heldout_docs=args.heldout_docs, seed=args.seed,
                                 num_shards=args.num_shards, workers=args.workers, split=args.split,
-                                tfds_data_dir=args.tfds_data_dir)
+                                tfds_data_dir=args.tfds_data_dir, chat=args.chat,
+                                chat_template=args.chat_template, max_len=args.max_len, truncate=args.truncate)
+    elif args.chat:
+        parser.error("--chat needs --input")
     else:
         prepare.prepare_default_corpus(args.output, args.vocab_size, args.heldout_docs, args.seed)
     return 0

@@ -1,0 +1,220 @@
+"""Chat data end to end: `prepare --chat` shards (tokens + loss weights), whole-conversation packing, and the SFT
+loss (the mean over assistant tokens) that the step computes from them."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jaxtrain import step as step_lib
+from jaxtrain.data import layout, pipeline, prepare
+from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.models import transformer
+from jaxtrain.models.config import ModelConfig
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = "red green blue cat dog sun moon tree fish bird".split()
+
+
+def _hf_dir(path):
+    """A tiny Hugging Face tokenizer directory with a ChatML template (made here: nothing is downloaded)."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator([" ".join(WORDS) * 20, "user assistant system say\n"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+def _conversations(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        words = " ".join(rng.choice(WORDS, 1 + i % 6))
+        if i % 2:
+            out.append({"prompt": f"say {words}", "completion": words})
+        else:
+            out.append({"messages": [{"role": "system", "content": "say"}, {"role": "user", "content": words},
+                                     {"role": "assistant", "content": words}]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    hf = _hf_dir(root / "hf")
+    data = root / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in _conversations(60)) + "\n")
+    out = root / "data"
+    prepare.prepare_sources(str(out), [str(data)], field="*", tokenizer=str(hf), heldout_docs=6, chat=True,
+                            max_len=64, workers=1, print_fn=lambda *a, **k: None)
+    return out, hf
+
+
+def test_shards_hold_tokens_and_weights_on_the_assistant_turns(chat_dir):
+    out, _ = chat_dir
+    manifest = layout.load_manifest(str(out))
+    assert manifest["loss_weights"] and manifest["chat"]["conversations"] == 60
+    assert manifest["chat"]["truncate"] == "left" and manifest["chat"]["max_len"] == 64
+    tok = layout.load_tokenizer(str(out))
+    stream = pipeline.PackedStream(str(out), "train", seed=None)
+    record = stream.source[0]
+    n = int(stream.lengths[0])
+    ids = np.frombuffer(record, stream.dtype, n)
+    weights = np.frombuffer(record, np.uint8, n, offset=n * stream.dtype.itemsize)
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nsay<|im_end|>\n<|im_start|>user\n")
+    # the weighted tokens are the assistant's reply and its end-of-turn, nothing else
+    answer = text.split("<|im_start|>assistant\n")[1]
+    assert tok.decode(ids[weights == 1]) == answer
+    assert answer.endswith("<|im_end|>\n")
+
+
+def test_rows_pack_whole_conversations_and_pad(chat_dir):
+    out, _ = chat_dir
+    stream = pipeline.PackedStream(str(out), "train", seed=3)
+    seq_len = 48
+    order, _ = stream._epoch(0)
+    lengths = stream.lengths[order]
+    seen = []
+    for r in range(len(stream._packed_rows(0, seq_len)) - 1):
+        row = stream.row(r * seq_len, seq_len)
+        segments = row["segment_ids"]
+        used = int((segments > 0).sum())
+        assert np.all(segments[used:] == 0) and np.all(row["loss_weights"][used:] == 0)
+        for s in range(1, segments.max() + 1):  # each segment is one whole conversation, positions from 0
+            where = np.flatnonzero(segments == s)
+            assert np.array_equal(row["positions"][where], np.arange(len(where)))
+            seen.append(len(where))
+    assert seen == lengths.tolist()  # every conversation once, whole, in the epoch's order
+    # the rows after the first epoch's continue into the next (a different order), as a resume would read them
+    rows = len(stream._packed_rows(0, seq_len)) - 1
+    assert stream._locate_row(rows, seq_len) == (1, 0)
+
+
+def test_truncation_and_drop_are_counted(chat_dir, tmp_path):
+    _, hf = chat_dir
+    data = tmp_path / "c.jsonl"
+    long = " ".join(["red green blue"] * 30)  # far over 48 tokens; the others are at most 41
+    data.write_text("\n".join(json.dumps(c) for c in [{"prompt": long, "completion": "cat dog"}] * 3 +
+                              _conversations(10)) + "\n")
+    counts = {}
+    for truncate in ("left", "drop"):
+        m = prepare.prepare_sources(str(tmp_path / truncate), [str(data)], field="*", tokenizer=str(hf),
+                                    heldout_docs=1, chat=True, max_len=48, truncate=truncate, workers=1,
+                                    print_fn=lambda *a, **k: None)
+        counts[truncate] = m["chat"]
+        assert m["chat"]["longest"] <= 48
+    assert counts["left"]["truncated"] == 3 and counts["left"]["conversations"] == 13
+    assert counts["drop"]["dropped_too_long"] == 3 and counts["drop"]["conversations"] == 10
+    # a truncated conversation keeps its end: the reply is still weighted
+    stream = pipeline.PackedStream(str(tmp_path / "left"), "train", seed=None)
+    tok = layout.load_tokenizer(str(tmp_path / "left"))
+    cut = [k for k in range(len(stream.lengths)) if stream.lengths[k] == 48]
+    assert len(cut) >= 2  # (one of the three may be the held-out conversation)
+    for k in cut:
+        n, record = 48, stream.source[k]
+        ids = np.frombuffer(record, stream.dtype, n)
+        weights = np.frombuffer(record, np.uint8, n, offset=n * stream.dtype.itemsize)
+        assert tok.decode(ids[weights == 1]) == "cat dog<|im_end|>\n"
+        assert not tok.decode(ids).startswith("<|im_start|>user")
+
+
+def test_a_seq_len_shorter_than_a_conversation_is_a_config_error(chat_dir):
+    out, _ = chat_dir
+    longest = layout.load_manifest(str(out))["chat"]["longest"]
+    pipeline.check_conversations_fit(str(out), longest)
+    with pytest.raises(ConfigError, match="train.seq_len"):
+        pipeline.check_conversations_fit(str(out), longest - 1)
+
+
+def test_chat_needs_a_tokenizer_directory(chat_dir, tmp_path):
+    out, hf = chat_dir
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps(_conversations(1)[0]) + "\n")
+    with pytest.raises(DataError, match="HF_MODEL_DIR"):
+        prepare.prepare_sources(str(tmp_path / "o"), [str(data)], field="*", tokenizer=str(hf / "tokenizer.json"),
+                                chat=True)
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_position_is_a_row_and_batches_carry_weights(chat_dir):
+    out, _ = chat_dir
+    it = pipeline.train_iterator(str(out), seq_len=48, global_batch=4, seed=1)
+    assert pipeline.batch_keys(str(out)) == ("tokens", "segment_ids", "positions", "loss_weights")
+    first = [next(it) for _ in range(3)]
+    state = it.get_state()
+    after = next(it)
+    it.close()
+    resumed = pipeline.train_iterator(str(out), seq_len=48, global_batch=2, seed=1)  # another batch size
+    resumed.set_state(state)
+    halves = [next(resumed), next(resumed)]
+    resumed.close()
+    for key in after:
+        np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), after[key])
+    assert all(b["loss_weights"].any() for b in first)
+    other = pipeline.train_iterator(str(out), seq_len=40, global_batch=4, seed=1)
+    with pytest.raises(DataError, match="train.seq_len"):
+        other.set_state({**state, "next_token": state["next_token"] + 4})
+    other.close()
+
+
+def _tiny_model():
+    cfg = ModelConfig(vocab_size=304, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64,
+                      dtype="float32", loss_chunk_tokens=16)
+    from flax import nnx  # noqa: PLC0415
+
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    return graphdef, params, model
+
+
+def test_sft_loss_is_the_mean_over_assistant_tokens(chat_dir):
+    out, _ = chat_dir
+    batch = {k: jnp.asarray(v) for k, v in
+             pipeline.eval_batches(str(out), seq_len=48, global_batch=2, num_batches=1)[0].items()}
+    graphdef, params, model = _tiny_model()
+    ce_sum, count, _ = step_lib.loss_terms(graphdef, params, batch)
+    logits = np.asarray(model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])[0], np.float64)
+    tokens, seg, w = (np.asarray(batch[k]) for k in ("tokens", "segment_ids", "loss_weights"))
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    total, scored = 0.0, 0
+    for b in range(tokens.shape[0]):
+        for t in range(tokens.shape[1] - 1):
+            # predicting token t+1 counts iff it is an assistant token of the same conversation
+            if seg[b, t] and seg[b, t + 1] == seg[b, t] and w[b, t + 1]:
+                total -= logp[b, t, tokens[b, t + 1]]
+                scored += 1
+    assert scored == int(count) and 0 < scored < int((seg > 0).sum())
+    np.testing.assert_allclose(float(ce_sum), total, rtol=1e-5)
+
+
+def test_prompt_positions_get_exactly_zero_gradient(chat_dir):
+    """Through the fused head + loss the step uses: the gradient reaching the final hidden state (so the logits)
+    of every position that predicts a prompt token is exactly zero, and nonzero at the assistant's."""
+    from jaxtrain.models.cross_entropy import linear_cross_entropy  # noqa: PLC0415
+
+    out, _ = chat_dir
+    batch = {k: jnp.asarray(v) for k, v in
+             pipeline.eval_batches(str(out), seq_len=48, global_batch=2, num_batches=1)[0].items()}
+    targets, weights = step_lib.next_token_targets(batch)
+    x = jax.random.normal(jax.random.key(0), (*batch["tokens"].shape, 32))
+    head = jax.random.normal(jax.random.key(1), (32, 304))
+    grad = np.asarray(jax.grad(lambda x: linear_cross_entropy(x, head, targets, weights, 16, jnp.float32))(x))
+    prompt = np.asarray(weights) == 0
+    assert prompt.any() and (~prompt).any()
+    assert np.all(grad[prompt] == 0.0)
+    assert np.all(np.abs(grad[~prompt]).sum(-1) > 0)
