@@ -69,3 +69,29 @@ def train_on_stream(trainer, data_dir, steps: int, seq_len: int = 32, batch: int
         state, m = trainer.train_step(state, trainer_lib.global_batch(next(stream), trainer.batch_sharding))
         history.append((float(m["loss"]), float(m["grad_norm"])))
     return before, trainer.evaluate(state["params"], held_out), np.array(history)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_tokenizer_dir(path, words):
+    """A tiny Hugging Face tokenizer directory (byte-level BPE over `words`) with a ChatML template and
+    <|im_end|> as its EOS: chat data for tests, made here, nothing downloaded."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator([" ".join(words) * 20, "user assistant system say\n"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path

@@ -170,3 +170,8 @@ def encode(tok: Tokenizer, template: str, messages: list[dict], variables: dict)
         for lo, hi in spans:
             weights[(starts < hi) & (ends > lo)] = 1
     return np.asarray(ids, np.int64), weights
+
+
+def encode_prompt(tok: Tokenizer, template: str, messages: list[dict], variables: dict) -> list[int]:
+    """The ids a model continues to answer `messages`: their rendering with the generation prompt."""
+    return tok.encode_rendered(render(template, messages, add_generation_prompt=True, variables=variables))[0]

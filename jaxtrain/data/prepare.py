@@ -29,6 +29,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtrain import files
+from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
@@ -292,8 +293,6 @@ def _encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, count
     """Chat records -> (token arrays, loss-weight arrays), each conversation rendered with the template and cut
     to chat["max_len"] (its oldest tokens dropped, or the whole conversation, per chat["truncate"]). Records that
     are not conversations, and conversations left with no assistant token, are skipped and counted."""
-    from jaxtrain.data import chat as chat_lib  # noqa: PLC0415 - jinja2 is needed by chat data only
-
     ids_out, weights_out = [], []
     max_len = chat["max_len"]
     for record in records:
@@ -560,15 +559,13 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     return manifest
 
 
-CHAT_TEMPLATE = "chat_template.jinja"  # in a chat data dir: the template its conversations were rendered with
+CHAT_TEMPLATE = chat_lib.TEMPLATE_FILE  # in a chat data dir: the template its conversations were rendered with
 TRUNCATE = ("left", "drop")
 
 
 def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | None, truncate: str) -> dict:
     """What chat preparation needs, checked before anything is read: the template (the tokenizer directory's, or
     a file), its variables (BOS, EOS) and the length bound."""
-    from jaxtrain.data import chat as chat_lib  # noqa: PLC0415
-
     if not tokenizer or not os.path.isdir(tokenizer):
         raise DataError(f"{tokenizer or '--tokenizer'}: chat data needs --tokenizer HF_MODEL_DIR (a Hugging Face "
                         f"directory with tokenizer.json and tokenizer_config.json)")

@@ -4,6 +4,7 @@ Usage:
   jaxtrain generate --workdir DIR --prompt "And God said" [--max_new_tokens 64] [--temperature 0.8]
       [--top_k 40] [--top_p 1.0] [--seed 0] [--num_samples 1] [--step N]
   jaxtrain generate --hf MODEL_DIR (--prompt TEXT | --prompt_ids 1,2,3) [the same sampling flags]
+  jaxtrain generate (--workdir DIR | --hf MODEL_DIR) --chat --prompt "a user message"
 
 --hf runs the directory's weights (`jaxtrain.models.hf.import_dir`) in float32. --prompt encodes with its own
 tokenizer (tokenizer.json: BOS and EOS as transformers' AutoTokenizer). Generation stops at
@@ -11,6 +12,8 @@ generation_config.json's eos_token_id (else config.json's), as transformers' `ge
 the tokenizer's EOS too. The window is config.json's max_position_embeddings (without one, prompt + new tokens):
 `sampling` sizes the cache to prompt + new tokens within it, and slides it only past it. --prompt_ids prints each
 sample's new ids comma-separated, a stop id included as `generate` returns it: with one sample, the last line.
+--chat sends --prompt as a user message through the chat template (the HF directory's, or the one a workdir's chat
+data was prepared with) and prints the reply alone.
 Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or path). How sampling works:
 `jaxtrain.models.sampling`.
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 import jax
 
 from jaxtrain import trainer
-from jaxtrain.data import layout
+from jaxtrain.data import chat, layout
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import CheckpointError, HFError, TokenizerError
 from jaxtrain.models import hf, sampling, transformer
@@ -48,7 +51,11 @@ def _parse(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt, drawn together")
     parser.add_argument("--step", type=int, help="checkpoint step of --workdir (default: the newest that verifies)")
+    parser.add_argument("--chat", action="store_true", help="--prompt is a user message: apply the chat template "
+                        "and print the reply")
     args = parser.parse_args(argv)
+    if args.chat and args.prompt is None:
+        parser.error("--chat: needs --prompt (a user message)")
     try:
         sampling.check_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, num_samples=args.num_samples)
@@ -75,7 +82,10 @@ def _parse(argv):
 
 def _from_workdir(args):
     """(graphdef, params, vocab size, window, tokenizer, stop ids) of a workdir's checkpoint."""
-    tok = layout.load_tokenizer(layout.default_dir(trainer.load_config(args.workdir).data))
+    data_dir = layout.default_dir(trainer.load_config(args.workdir).data)
+    tok = layout.load_tokenizer(data_dir)
+    if args.chat:  # the template the run's chat data was rendered with, checked before the weights load
+        args.chat = (chat.load_template(data_dir), chat.special_tokens(data_dir))
     config, _, graphdef, params = trainer.restore_params(args.workdir, args.step)
     return graphdef, params, config.model.vocab_size, config.train.seq_len, tok, [tok.eos_id]
 
@@ -106,6 +116,8 @@ def _from_hf(args):
             raise TokenizerError(f"{hf_dir / tok_lib.HF_TOKENIZER}: not found, so --prompt cannot be encoded; "
                                  f"pass token ids with --prompt_ids")
         tok = tok_lib.load(hf_dir)
+        if args.chat:
+            args.chat = (chat.load_template(args.hf), chat.special_tokens(args.hf))
     fields, host_params = hf.import_dir(hf_dir)
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32"})
     graphdef, state = transformer.from_params(cfg, host_params)
@@ -125,6 +137,9 @@ def _generate(argv) -> int:
             print(f"error: --prompt_ids: {outside[0]} is not a token id of the model (vocab_size {vocab_size})",
                   file=sys.stderr)
             return 2
+    elif args.chat:
+        template, variables = args.chat
+        prompt_ids = chat.encode_prompt(tok, template, [{"role": "user", "content": args.prompt}], variables)
     else:
         prompt_ids = tok.encode(args.prompt)
         if not prompt_ids:
@@ -137,7 +152,10 @@ def _generate(argv) -> int:
     for i, ids in enumerate(samples):
         if len(samples) > 1:
             print(f"--- sample {i}")
-        print(",".join(map(str, ids)) if args.prompt_ids is not None else args.prompt + tok.decode(ids))
+        if args.prompt_ids is not None:
+            print(",".join(map(str, ids)))
+        else:
+            print(tok.decode(ids) if args.chat else args.prompt + tok.decode(ids))
     return 0
 
 

@@ -7,35 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
+from helpers import chat_tokenizer_dir
 from jaxtrain import step as step_lib
 from jaxtrain.data import layout, pipeline, prepare
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.models import transformer
 from jaxtrain.models.config import ModelConfig
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = "red green blue cat dog sun moon tree fish bird".split()
-
-
-def _hf_dir(path):
-    """A tiny Hugging Face tokenizer directory with a ChatML template (made here: nothing is downloaded)."""
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator([" ".join(WORDS) * 20, "user assistant system say\n"] * 5,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=special,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    path.mkdir()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return path
 
 
 def _conversations(n, seed=0):
@@ -54,7 +33,7 @@ def _conversations(n, seed=0):
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
-    hf = _hf_dir(root / "hf")
+    hf = chat_tokenizer_dir(root / "hf", WORDS)
     data = root / "chats.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in _conversations(60)) + "\n")
     out = root / "data"
