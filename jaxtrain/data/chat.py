@@ -128,6 +128,8 @@ def _as_transformers_passes(message: dict) -> dict:
 def conversation(record: dict) -> list[dict]:
     """One JSONL record's messages: {"messages": [...]}, {"prompt": str, "completion": str} (a user turn and
     the reply), or TRL's conversational {"prompt": [messages], "completion": [messages]}."""
+    if isinstance(record, dict):  # a dataset row of a mixed file has every column: the others are None
+        record = {k: v for k, v in record.items() if v is not None}
     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
     if isinstance(record, dict) and "messages" in record:
         messages = record["messages"]

@@ -28,6 +28,7 @@ from jaxtrain.errors import SourceError
 
 DATASET_PREFIXES = ("hf:", "tfds:")
 MISSING = object()  # a record without the text field (counted as missing_field)
+RECORD = "*"  # the field of chat data that is each whole record (JSONL line, dataset row)
 HF_BUILDERS_HINT = ("json", "parquet", "csv", "text", "arrow")
 _BATCH = 1024  # rows decoded per read: amortises Arrow/ArrayRecord call overhead, bounds memory
 
@@ -119,7 +120,7 @@ def _open_hf(spec: str, rest: str, split: str, field: str) -> DatasetSource:
     except Exception as e:  # `datasets` raises many types (FileNotFoundError, DatasetGenerationError, ...).
         raise SourceError(f"{spec}: cannot load ({_one_line(e)})") from None
 
-    if field not in ds.column_names:
+    if field != RECORD and field not in ds.column_names:
         raise SourceError(f"{spec}: no column {field!r} (has {ds.column_names})")
     if ds._indices is not None:  # rows would not be the Arrow files' rows; save_to_disk/load_dataset never do this
         raise SourceError(f"{spec}: dataset has an indices mapping; save it with flatten_indices() first")
@@ -172,15 +173,21 @@ def _build_split(spec: str, datasets, split: str, cache_dir: str | None, **build
 
 
 class _ArrowColumnReader:
-    """The field's column of Arrow IPC stream files (HF's on-disk format), memory-mapped: no `datasets` needed."""
+    """The field's column of Arrow IPC stream files (HF's on-disk format), memory-mapped: no `datasets` needed.
+    Field RECORD: every column, each row a dict."""
 
     def __init__(self, paths: tuple[str, ...], field: str):
         import pyarrow as pa
 
-        tables = [pa.ipc.open_stream(pa.memory_map(p)).read_all().select([field]) for p in paths]
-        self.column = pa.concat_tables(tables).column(0)
+        tables = [pa.ipc.open_stream(pa.memory_map(p)).read_all() for p in paths]
+        self.rows = pa.concat_tables(tables) if field == RECORD else None
+        self.column = None if field == RECORD else pa.concat_tables([t.select([field]) for t in tables]).column(0)
 
     def values(self, start: int, stop: int) -> Iterator[object]:
+        if self.rows is not None:
+            for batch in self.rows.slice(start, stop - start).to_batches(max_chunksize=_BATCH):
+                yield from batch.to_pylist()
+            return
         for chunk in self.column.slice(start, stop - start).chunks:
             for offset in range(0, len(chunk), _BATCH):
                 for v in chunk.slice(offset, _BATCH).to_pylist():
@@ -235,6 +242,8 @@ def _open_tfds(spec: str, rest: str, split: str, field: str, data_dir: str | Non
                           "(download_and_prepare with file_format='array_record')")
     features = info.features
     names = sorted(features.keys()) if isinstance(features, tfds.features.FeaturesDict) else []
+    if field == RECORD:
+        raise SourceError(f"{spec}: a tfds: input gives chat data from one feature; name it with --field")
     if field not in names:
         raise SourceError(f"{spec}: no feature {field!r} (has {names})")
     try:

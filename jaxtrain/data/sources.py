@@ -23,12 +23,12 @@ import numpy as np
 from etils import epath
 
 from jaxtrain.data import dataset_sources
-from jaxtrain.data.dataset_sources import DATASET_PREFIXES, MISSING
+from jaxtrain.data.dataset_sources import DATASET_PREFIXES, MISSING, RECORD
 from jaxtrain.errors import SourceError
 from jaxtrain.files import file_hash
 
 KINDS = ("txt", "jsonl", "parquet")
-RECORD = "*"  # --field of chat data in JSONL: each whole record (messages, or prompt and completion)
+# RECORD: the --field of chat data that is each whole JSONL record or dataset row (messages, or prompt and completion)
 TEXT_SPLITS = ("file", "paragraph", "line")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 _PARAGRAPH_BREAK = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")  # one or more blank lines

@@ -197,3 +197,21 @@ def test_prompt_positions_get_exactly_zero_gradient(chat_dir):
     assert prompt.any() and (~prompt).any()
     assert np.all(grad[prompt] == 0.0)
     assert np.all(np.abs(grad[~prompt]).sum(-1) > 0)
+
+
+def test_hf_inputs_give_the_same_conversations_as_jsonl(chat_dir, tmp_path, monkeypatch):
+    """hf:json: rows are whole records too: both forms (messages, prompt and completion) read as from JSONL."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    _, hf = chat_dir
+    data = tmp_path / "c.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in _conversations(20)) + "\n")
+    records = {}
+    for name, spec in (("jsonl", str(data)), ("hf", f"hf:json:{data}")):
+        out = tmp_path / name
+        m = prepare.prepare_sources(str(out), [spec], field="*", tokenizer=str(hf), heldout_docs=2, chat=True,
+                                    workers=1, print_fn=lambda *a, **k: None)
+        assert m["chat"]["conversations"] == 20
+        records[name] = sorted(r for split in ("train", "heldout")
+                               for r in pipeline.PackedStream(str(out), split, None).source)
+    assert records["hf"] == records["jsonl"]
