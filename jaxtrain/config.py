@@ -123,6 +123,7 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
 # Settings a workdir's checkpoints are tied to: the state's shapes and the data order.
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
+                "model.lora_rank", "model.lora_targets",
                 "optim.name", "optim.moments_dtype", "train.seed", "data.corpus", "data.vocab_size", "data.heldout_docs")
 
 

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.models import lora as lora_lib
 from jaxtrain.models.cross_entropy import linear_cross_entropy
 from jaxtrain.models.layers import sum_in
 
@@ -59,13 +60,13 @@ def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
     return microbatches > 1 and not model_cfg.n_experts
 
 
-def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches):
+def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches):
     """(params to differentiate, value_and_grad of `objective` at them, gradients -> the params' gradients) for
     gradient accumulation. With pure data-parallel replicas (mesh.replica_axes) the params are one copy per
     replica and each replica's rows run on its copy (mesh.per_replica), so the accumulated gradients stay local
     and cross `data` once a step rather than after every microbatch (DDP's no_sync); see accumulates_per_replica."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
-    axes, cfg = mesh_lib.replica_axes(mesh.shape, rules), nnx.merge(graphdef, params).cfg
+    axes = mesh_lib.replica_axes(mesh.shape, rules)
     if not axes or not accumulates_per_replica(cfg, microbatches):
         return params, grad_fn, lambda grads: grads
 
@@ -82,21 +83,31 @@ def _accumulation_grad_fn(objective, graphdef, params, mesh, rules, microbatches
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
-                    offload: bool = False) -> Callable:
+                    offload: bool = False, lora: bool = False) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
     all-reduced whole over every batch axis and the norm taken of the whole; in its parameter's layout it is
     reduced where it is split (reduce-scatter over fsdp) and all-reduced over the replicas only in slices.
     `offload` (optim.offload): the optimizer state lives in pinned host memory; it is copied to the device for the
-    update and the new state back, so between steps the device holds none of it."""
+    update and the new state back, so between steps the device holds none of it. `lora` (model.lora_rank > 0):
+    only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
+    they are, bit for bit."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's token count so that accumulation equals one big step.
             total = jnp.maximum(next_token_targets(batch)[1].sum(), 1.0)
 
-            def objective(params, mb):
-                ce_sum, _, aux = loss_terms(graphdef, params, mb)
+            # What is differentiated and updated: every parameter, or the LoRA adapters over frozen base weights.
+            if lora:
+                trained, frozen = lora_lib.split(state["params"])
+                whole = lambda t: lora_lib.join(t, frozen)  # noqa: E731
+                trained_shardings = lora_lib.split(param_shardings)[0] if param_shardings is not None else None
+            else:
+                trained, whole, trained_shardings = state["params"], (lambda t: t), param_shardings
+
+            def objective(trained, mb):
+                ce_sum, _, aux = loss_terms(graphdef, whole(trained), mb)
                 loss = ce_sum / total
                 aux = {f"moe/{k}": v / microbatches for k, v in aux.items()}  # means over the microbatches
                 balance = aux.get("moe/load_balance_loss", 0.0)
@@ -104,10 +115,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
             grad_fn = jax.value_and_grad(objective, has_aux=True)
             if microbatches == 1:
-                (_, (loss, aux)), grads = grad_fn(state["params"], batch)
+                (_, (loss, aux)), grads = grad_fn(trained, batch)
             else:
-                params, grad_fn, summed = _accumulation_grad_fn(objective, graphdef, state["params"], mesh, rules,
-                                                                microbatches)
+                cfg = nnx.merge(graphdef, state["params"]).cfg
+                params, grad_fn, summed = _accumulation_grad_fn(objective, cfg, trained, mesh, rules, microbatches)
 
                 def accumulate(carry, mb):
                     (_, (loss, aux)), grads = grad_fn(params, mb)
@@ -119,8 +130,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
                 grads = summed(grads)
 
-            if param_shardings is not None:
-                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            if trained_shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
             grad_norm = optax.tree.norm(grads)
 
             opt_state = state["opt_state"]
@@ -131,12 +142,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
 
             def update(_):
-                updates, new_opt_state = optimizer.update(grads, opt_state, state["params"], global_norm=grad_norm)
-                return optax.apply_updates(state["params"], updates), new_opt_state
+                updates, new_opt_state = optimizer.update(grads, opt_state, trained, global_norm=grad_norm)
+                return optax.apply_updates(trained, updates), new_opt_state
 
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            params, opt_state = unless_non_finite(finite, update, (state["params"], opt_state),
-                                                  mesh_lib.compile_platform())
+            trained, opt_state = unless_non_finite(finite, update, (trained, opt_state), mesh_lib.compile_platform())
+            params = whole(trained)
             if offload:
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}

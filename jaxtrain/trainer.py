@@ -23,7 +23,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import optim, step as step_lib
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.errors import CheckpointError
-from jaxtrain.models import transformer
+from jaxtrain.models import lora, transformer
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
@@ -34,14 +34,18 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
-    optimizer = optim.make_optimizer(optim_cfg, total_steps, param_names)
+    trained = trained_params(model_cfg)
+    optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names))
 
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
+        fresh = lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))  # noqa: E731
         if params is None:
-            params = nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))
+            params = fresh()
+        elif model_cfg.lora_rank and not lora.split(params)[0]:  # a base model's weights: fresh adapters beside
+            params = lora.join(lora.split(fresh())[0], params)
         # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
         params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
 
     abstract_state = jax.eval_shape(init)
     # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated. Moments of another
@@ -51,13 +55,18 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
     masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     opt_names = optax.tree_map_params(
         optimizer, lambda x, names: x if masked(x) else names if x.ndim == len(names) else None,
-        abstract_state["opt_state"], param_names, transform_non_params=lambda _: None,
+        abstract_state["opt_state"], trained(param_names), transform_non_params=lambda _: None,
         is_leaf=lambda x: isinstance(x, P) or masked(x))
     names = {"step": None, "params": param_names, "opt_state": opt_names}
     shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
     if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
         shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
     return graphdef, abstract_state, shardings, init, optimizer
+
+
+def trained_params(model_cfg: ModelConfig) -> Callable[[dict], dict]:
+    """params -> the part training updates: all of them, or with LoRA the adapters (jaxtrain.models.lora)."""
+    return (lambda params: lora.split(params)[0]) if model_cfg.lora_rank else (lambda params: params)
 
 
 def global_batch(local: dict, sharding: NamedSharding) -> dict:
@@ -81,8 +90,11 @@ class Trainer:
 
     def init_from_host(self, params: dict) -> dict:
         """A fresh state around host (numpy) params: each process places the shards its devices hold."""
+        shardings = self.shardings["params"]
+        if self.model_cfg.lora_rank and not lora.split(params)[0]:  # base weights: `init` adds the adapters
+            shardings = lora.split(shardings)[1]
         placed = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
-                              params, self.shardings["params"])
+                              params, shardings)
         return self.init(placed)
 
     def evaluate(self, params, batches) -> float:
@@ -126,7 +138,7 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
-                                 offload=config.optim.offload),
+                                 offload=config.optim.offload, lora=bool(model_cfg.lora_rank)),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
                         in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)

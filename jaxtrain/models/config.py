@@ -54,6 +54,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
 PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
+# model.lora_targets' names -> the weights they adapt (jaxtrain.models.lora).
+LORA_TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +151,11 @@ class ModelConfig:
     # The training loss: the output projection and cross-entropy run fused, about `loss_chunk_tokens` tokens per
     # device at a time (jaxtrain.models.cross_entropy), so the [B, T, vocab] logits never exist whole. 0 = unfused.
     loss_chunk_tokens: int = 512
+    # LoRA (jaxtrain.models.lora): rank-`lora_rank` adapters (0 = none) on the projections `lora_targets` names
+    # (comma-separated LORA_TARGETS), scaled by lora_alpha / lora_rank; training then updates the adapters only.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
 
     def __post_init__(self):
         if "auto" in (self.dtype, self.param_dtype):  # built directly, not by `from_config`: the host's platform
@@ -234,6 +241,15 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     if m.attention_impl == "cudnn" and (m.head_dim > 128 or m.head_dim % 8):  # jax's cuDNN flash-attention bounds
         raise ConfigError("model.attention_impl", f"cudnn's flash attention needs model.head_dim <= 128 and a "
                           f"multiple of 8, got {m.head_dim} (use 'xla')")
+    if g.positive_int("lora_rank", allow_zero=True):
+        g.number("lora_alpha", lo=0, lo_open=True)
+        names = [t.strip() for t in str(m.lora_targets).split(",") if t.strip()]
+        if not names or any(t not in LORA_TARGETS for t in names):
+            raise ConfigError("model.lora_targets", f"{m.lora_targets!r}: expected a comma-separated list of "
+                              f"{', '.join(LORA_TARGETS)}")
+        if m.n_experts and any(LORA_TARGETS[t] in ("w_gate", "w_up", "w_down") for t in names):
+            raise ConfigError("model.lora_targets", "adapters on a mixture of experts' MLPs are not built yet; "
+                              "name the attention projections only (q,k,v,o)")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:

@@ -12,6 +12,7 @@ and written as shards of at most `shard_bytes` with an index. Needs only numpy a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from safetensors.numpy import save_file
 
 from jaxtrain import files
 from jaxtrain.errors import ConfigError, HFError, HFMismatch
-from jaxtrain.models import families, transformer
+from jaxtrain.models import families, lora, transformer
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.families.base import HFConfig
 
@@ -173,6 +174,8 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
     into place. A non-empty `out_dir` is refused unless it is an earlier export and `overwrite` is set."""
     out_dir = Path(out_dir)
     check_output(out_dir, overwrite)
+    if model_cfg.lora_rank:  # a LoRA run exports the model it computes: its adapters folded into the weights
+        params, model_cfg = lora.merged(params, model_cfg), dataclasses.replace(model_cfg, lora_rank=0)
     if dtype is not None and dtype not in DTYPES:
         raise HFError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
     hf_config(model_cfg, dtype=dtype or "float32")  # refuses what the family cannot write, before any work

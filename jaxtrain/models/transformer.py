@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import moe
+from jaxtrain.models import lora, moe
 from jaxtrain.models.attention import attention_mask, causal_attention
 from jaxtrain.models.config import REMAT_POLICIES, ModelConfig
 from jaxtrain.models.layers import (
@@ -50,6 +50,9 @@ class Attention(nnx.Module):
         # Scaled down like GPT-2 so the residual stream does not grow with depth.
         self.wo = param(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), cfg,
                          std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        for name, contract in (("wq", 1), ("wk", 1), ("wv", 1), ("wo", 2)):
+            w = getattr(self, name)
+            lora.add(self, name, w.shape, w.get_metadata()["out_sharding"], contract, cfg, rngs)
         if cfg.qkv_bias:
             zeros = lambda n, names: nnx.Param(jnp.zeros((n, hd), cfg.param_dtype), out_sharding=names,
                                                eager_sharding=False)
@@ -68,6 +71,7 @@ class Attention(nnx.Module):
         else:
             q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
                                     "act_heads", quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
+        q, k, v = (adapted(self, name, x, y) for name, y in (("wq", q), ("wk", k), ("wv", v)))
         if self.cfg.qkv_bias:
             q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
         if self.cfg.qk_norm:
@@ -90,8 +94,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", None, "act_kv_heads", None))
         out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
-                       grad_dtype=self.cfg.grad_reduce_dtype)
+        return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
+                                                grad_dtype=self.cfg.grad_reduce_dtype), contract=2)
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
@@ -103,7 +107,8 @@ class Attention(nnx.Module):
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
         mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], cache_k.shape[1]))
         out = self.attend(q, cache_k.astype(dt), cache_v.astype(dt), mask, decoding=True)
-        return project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant), cache_k, cache_v
+        out = adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant), contract=2)
+        return out, cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -112,15 +117,26 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        for name in ("w_gate", "w_up", "w_down"):
+            w = getattr(self, name)
+            lora.add(self, name, w.shape, w.get_metadata()["out_sharding"], 1, cfg, rngs)
         self.act = activation(cfg.mlp_activation)
-        self.quant, self.grad_dtype = cfg.quant, cfg.grad_reduce_dtype
+        self.cfg, self.quant, self.grad_dtype = cfg, cfg.quant, cfg.grad_reduce_dtype
 
     def __call__(self, x):
         dt = x.dtype
         gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp",
                                  quant=self.quant, grad_dtype=self.grad_dtype)
+        gate, up = adapted(self, "w_gate", x, gate), adapted(self, "w_up", x, up)
         hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
-        return project(hidden, weight(self.w_down, dt), quant=self.quant, grad_dtype=self.grad_dtype)
+        return adapted(self, "w_down", hidden, project(hidden, weight(self.w_down, dt), quant=self.quant,
+                                                       grad_dtype=self.grad_dtype))
+
+
+def adapted(module, name: str, x, y, contract: int = 1):
+    """y, the projection of x by module's weight `name`, plus its LoRA adapters' term where it has them."""
+    d = lora.delta(module, name, x, contract, module.cfg, project)
+    return y if d is None else y + d.astype(y.dtype)
 
 
 class Block(nnx.Module):

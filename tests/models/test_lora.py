@@ -1,0 +1,146 @@
+"""LoRA: step 0 is the base model, the adapted forward equals the merged weights', training moves the adapters only
+(the base bit for bit unchanged, no optimizer state for it), adapters shard like their weights, and 8 devices
+equal one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import train_on_stream
+
+from jaxtrain import config as config_lib
+from jaxtrain import optim
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import lora, transformer
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.parallel import mesh as mesh_lib
+
+CFG = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32, dtype="float32",
+           loss_chunk_tokens=0)
+
+
+def _params(cfg, seed=0):
+    return nnx.to_pure_dict(nnx.state(transformer.build(cfg, seed)))
+
+
+def _logits(cfg, params, tokens):
+    graphdef, state = transformer.from_params(cfg, params)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return nnx.merge(graphdef, state)(tokens, positions, jnp.ones_like(tokens))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+
+
+def test_step_zero_is_the_base_model(tokens):
+    base_cfg, lora_cfg = ModelConfig(**CFG), ModelConfig(**CFG, lora_rank=4)
+    base = _params(base_cfg)
+    adapters, _ = lora.split(_params(lora_cfg))
+    assert {k for k in adapters["blocks"]["attn"]} == {f"w{n}_lora_{s}" for n in "qkvo" for s in "ab"}
+    assert all(not np.any(b) for k, b in jax.tree_util.tree_leaves_with_path(adapters) if "lora_b" in str(k[-1]))
+    np.testing.assert_array_equal(_logits(lora_cfg, lora.join(adapters, base), tokens), _logits(base_cfg, base, tokens))
+
+
+def test_adapted_forward_equals_the_merged_weights(tokens):
+    cfg = ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,gate,down")
+    adapters, base = lora.split(_params(cfg))
+    # nonzero B everywhere, so every adapter moves the output
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.random.normal(jax.random.key(len(str(p))), x.shape) * 0.1 if "lora_b" in str(p[-1]) else x,
+        adapters)
+    params = lora.join(adapters, base)
+    adapted = _logits(cfg, params, tokens)
+    assert not np.allclose(adapted, _logits(ModelConfig(**CFG), base, tokens), atol=1e-3)
+    merged = lora.merged(params, cfg)
+    assert lora.split(merged)[0] == {}
+    np.testing.assert_allclose(_logits(ModelConfig(**CFG), merged, tokens), adapted, rtol=2e-5, atol=2e-5)
+    # one weight by hand: W + (alpha / r) A B
+    a, b = adapters["blocks"]["attn"]["wq_lora_a"], adapters["blocks"]["attn"]["wq_lora_b"]
+    expected = base["blocks"]["attn"]["wq"] + 2.0 * np.einsum("ldr,lrhk->ldhk", a, b)
+    np.testing.assert_allclose(merged["blocks"]["attn"]["wq"], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_training_moves_only_the_adapters(tiny_config, tiny_data_dir):
+    cfg = tiny_config(**{"model.lora_rank": 4, "optim.lr": 1e-2})
+    one = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
+                                    devices=jax.devices()[:1])
+    # the optimizer state holds the adapters' moments only
+    paths = {optim.param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(one.abstract_state["opt_state"])}
+    moments = [p for p in paths if "/.mu/" in p or "/.nu/" in p]
+    assert len(moments) == 2 * 14 and all(p.endswith(lora.SUFFIXES) for p in moments)
+    state = one.init()
+    before = jax.device_get(state["params"])
+    from jaxtrain.data import pipeline  # noqa: PLC0415
+
+    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
+    losses = []
+    for _ in range(8):
+        state, m = one.train_step(state, trainer_lib.global_batch(next(stream), one.batch_sharding))
+        losses.append(float(m["loss"]))
+    stream.close()
+    after = jax.device_get(state["params"])
+    adapters_before, base_before = lora.split(before)
+    adapters_after, base_after = lora.split(after)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(base_before), jax.tree.leaves(base_after)):
+        assert np.array_equal(x, y), jax.tree_util.keystr(path)
+    moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(adapters_before), jax.tree.leaves(adapters_after))]
+    assert all(moved)
+    assert losses[-1] < losses[0]
+
+
+def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_config, tiny_data_dir):
+    lora_cfg = {"model.lora_rank": 4, "optim.lr": 1e-2}
+    cfg = tiny_config(**lora_cfg, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2})
+    facts = config_lib.validate(cfg, 8)
+    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    attn = eight.shardings["params"]["blocks"]["attn"]
+    mlp = eight.shardings["params"]["blocks"]["mlp"]
+    # wq [layers 2, embed 32, heads 8, head_dim 8]: A [2, 32, r] splits embed over fsdp; B [2, r, 8, 8] the heads
+    assert attn["wq_lora_a"].shard_shape((2, 32, 4)) == (2, 16, 4)
+    assert attn["wq_lora_b"].shard_shape((2, 4, 8, 8)) == (2, 4, 4, 8)
+    assert mlp["w_down_lora_a"].shard_shape((2, 64, 4)) == (2, 32, 4)  # d_ff over tensor, as w_down's
+    one = trainer_lib.build_trainer(tiny_config(**lora_cfg), {"data": 1, "fsdp": 1, "tensor": 1},
+                                    mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
+    history = train_on_stream(one, tiny_data_dir, 3)[2]
+    np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"model.lora_rank": -1}, "model.lora_rank"),
+    ({"model.lora_rank": 4, "model.lora_targets": "q,x"}, "model.lora_targets"),
+    ({"model.lora_rank": 4, "model.lora_alpha": 0.0}, "model.lora_alpha"),
+])
+def test_bad_lora_settings_name_their_field(tiny_config, override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_lib.validate(tiny_config(**override), 8)
+
+
+def test_hf_export_folds_the_adapters_in_and_init_from_starts_at_the_base(tmp_path, tokens, tiny_config):
+    """`hf export` of a LoRA model writes the merged weights (its logits are the adapted model's), and a LoRA run
+    started from a Hugging Face directory (model.init_from) gets fresh adapters: step 0 is that model."""
+    from jaxtrain.models import hf  # noqa: PLC0415
+
+    cfg = ModelConfig(**CFG, lora_rank=4, tie_embeddings=False)
+    adapters, base = lora.split(_params(cfg))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # B no longer zero
+    adapted = _logits(cfg, lora.join(adapters, base), tokens)
+    out = hf.export(lora.join(adapters, base), cfg, tmp_path / "hf")
+    fields, imported = hf.import_dir(out)
+    plain = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32", "loss_chunk_tokens": 0})
+    np.testing.assert_allclose(_logits(plain, imported, tokens), adapted, rtol=2e-5, atol=2e-5)
+    assert lora.split(imported)[0] == {}
+
+    # model.init_from's path: the directory's weights, fresh adapters beside them, step 0 = that model
+    sizes = {f"model.{k}": v for k, v in CFG.items() if k != "dtype"}
+    run = tiny_config(**sizes, **{"model.tie_embeddings": False, "model.lora_rank": 4})
+    trainer = trainer_lib.build_trainer(run, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp"),
+                                        devices=jax.devices()[:1])
+    state = trainer.init_from_host(imported)
+    started = jax.device_get(state["params"])
+    assert lora.split(started)[0]  # adapters added
+    np.testing.assert_array_equal(_logits(ModelConfig(**CFG, lora_rank=4, tie_embeddings=False), started, tokens),
+                                  _logits(plain, imported, tokens))
