@@ -231,6 +231,53 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
     return out_dir
 
 
+# PEFT's adapter directory (peft.PeftModel.from_pretrained reads it onto the transformers model of the base).
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model: str = "",
+                    overwrite: bool = False) -> Path:
+    """Writes a LoRA run's adapters alone in PEFT's format: adapter_config.json and adapter_model.safetensors, each
+    adapted weight W (the family's HF name, e.g. model.layers.0.self_attn.q_proj.weight) giving
+    base_model.model.<W's module>.lora_A.weight [r, in] and lora_B.weight [out, r] (HF's [out, in] order), in f32.
+    `base_model`: what the config names as the base (base_model_name_or_path)."""
+    out_dir = Path(out_dir)
+    check_output(out_dir, overwrite)
+    adapters = _flat(lora.split(params)[0])
+    if not adapters:
+        raise HFError("params hold no LoRA adapters (model.lora_rank is 0); `hf export` writes the model itself")
+    table = family_of(model_cfg).weights(dataclasses.replace(model_cfg, lora_rank=0))
+    tensors, modules = {}, set()
+    for path, a in sorted(adapters.items()):
+        if not path[-1].endswith(lora.SUFFIXES[0]):
+            continue
+        weight = path[:-1] + (path[-1][: -len(lora.SUFFIXES[0])],)
+        b = np.asarray(jax.device_get(adapters[weight[:-1] + (weight[-1] + lora.SUFFIXES[1],)]), np.float32)
+        a = np.asarray(jax.device_get(a), np.float32)
+        names, _, lead = _hf_names(weight, model_cfg, table)
+        for name, a_i, b_i in zip(names, a.reshape(-1, *a.shape[lead:]), b.reshape(-1, *b.shape[lead:])):
+            module = "base_model.model." + name.removesuffix(".weight")
+            tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a_i.reshape(-1, model_cfg.lora_rank).T)
+            tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b_i.reshape(model_cfg.lora_rank, -1).T)
+            modules.add(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+              "r": model_cfg.lora_rank, "lora_alpha": model_cfg.lora_alpha, "lora_dropout": 0.0,
+              "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "init_lora_weights": True, "inference_mode": True}
+    files.make_dir(out_dir.parent, "--output")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "jaxtrain hf export --adapters"}) + "\n")
+        os.chmod(tmp, 0o755)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def _save_weights(tensors: dict, out: Path, shard_bytes: int) -> None:
     """One model.safetensors, or (past `shard_bytes`) numbered shards and the index transformers reads."""
     shards, size = [{}], 0

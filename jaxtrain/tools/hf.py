@@ -2,6 +2,7 @@
 
 Usage:
   jaxtrain hf export --workdir W --output D [--step N] [--dtype float32|bfloat16] [--overwrite]
+  jaxtrain hf export --workdir W --output D --adapters   # a LoRA run's adapters alone, in PEFT's format
   jaxtrain hf overrides D     # the --config.model.* flags that fine-tune from D
 
 The weight mapping: `jaxtrain.models.hf`.
@@ -29,6 +30,8 @@ def _parse(argv):
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest that verifies)")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), help="of the weights (default: as trained)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing export at --output")
+    export.add_argument("--adapters", action="store_true", help="a LoRA run: the adapters alone, as PEFT writes "
+                        "them (adapter_config.json + adapter_model.safetensors); without it, the merged model")
     overrides = commands.add_parser("overrides", help="print the jaxtrain flags that fine-tune from an HF dir")
     overrides.add_argument("hf_dir")
     return parser.parse_args(argv)
@@ -42,6 +45,11 @@ def _hf(argv) -> int:
     hf.check_output(Path(args.output), args.overwrite)  # before a possibly long restore
     common.quiet_orbax()
     config, model_cfg, _, params = trainer.restore_params(args.workdir, args.step)
+    if args.adapters:
+        out = hf.export_adapters(params, model_cfg, args.output, base_model=config.model.init_from,
+                                 overwrite=args.overwrite)
+        print(f"exported the LoRA adapters of {args.workdir} as {out}")
+        return 0
     out = hf.export(params, model_cfg, args.output, dtype=args.dtype,
                           tokenizer_dir=layout.default_dir(config.data),
                           max_position_embeddings=config.train.seq_len, overwrite=args.overwrite)

@@ -2,6 +2,8 @@
 (the base bit for bit unchanged, no optimizer state for it), adapters shard like their weights, and 8 devices
 equal one."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,31 @@ def test_hf_export_folds_the_adapters_in_and_init_from_starts_at_the_base(tmp_pa
     assert lora.split(started)[0]  # adapters added
     np.testing.assert_array_equal(_logits(ModelConfig(**CFG, lora_rank=4, tie_embeddings=False), started, tokens),
                                   _logits(plain, imported, tokens))
+
+
+def test_peft_loads_the_exported_adapters_onto_the_transformers_base(tmp_path, tokens):
+    """`hf export --adapters`: PEFT's PeftModel, given the exported base and the adapter directory, computes
+    jaxtrain's adapted logits."""
+    torch = pytest.importorskip("torch")
+    import peft  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from jaxtrain.models import hf  # noqa: PLC0415
+
+    cfg = ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, tie_embeddings=False)
+    adapters, base = lora.split(_params(cfg))
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.random.normal(jax.random.key(len(str(p))), x.shape) * 0.1 if "lora_b" in str(p[-1]) else x,
+        adapters)
+    adapted = _logits(cfg, lora.join(adapters, base), tokens)
+    base_dir = hf.export(base, ModelConfig(**CFG, tie_embeddings=False), tmp_path / "base")
+    adapter_dir = hf.export_adapters(lora.join(adapters, base), cfg, tmp_path / "adapters")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(theirs, adapted, rtol=1e-4, atol=1e-4)
