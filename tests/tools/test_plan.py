@@ -211,6 +211,18 @@ def test_plan_refuses_what_cannot_fit_the_target_unless_forced(tiny_config):
         plan(config, 8, "gpu", device_kind="H100")
 
 
+def test_lora_plans_gradients_and_optimizer_state_for_the_adapters_only(tiny_config):
+    fsdp = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.rules": "fsdp"}
+    full = plan(tiny_config(**fsdp), 8, "cpu", peak_flops=1e12)["memory"]
+    mem = plan(tiny_config(**fsdp, **{"model.lora_rank": 4}), 8, "cpu", peak_flops=1e12)["memory"]
+    sharded, analytic = mem["sharding"], mem["analytic"]
+    adapters = sharded["params"] - full["sharding"]["params"]  # the same base, plus the adapters
+    assert 0 < adapters < full["sharding"]["params"] and sharded["gradients"] == adapters
+    assert sharded["optimizer"] == 2 * sharded["gradients"] + 8  # AdamW's moments of the adapters, two counters
+    assert analytic["gradients"] == sharded["gradients"] and analytic["optimizer"] == sharded["optimizer"]
+    assert mem["compiled"]["argument"] == analytic["arguments"]
+
+
 def test_dp_all_reduces_the_f32_gradients_over_data(plans):
     result = plans["dp"]
     grads = result["memory"]["sharding"]["gradients"]

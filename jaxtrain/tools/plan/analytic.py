@@ -56,7 +56,8 @@ def _host_activation_bytes_per_token(cfg, tensor: int, seq_len: int) -> float:
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
              microbatches: int, opt_counters: int, opt_moments: float = 2.0,
              pipeline: dict | None = None, offload: bool = False) -> dict:
-    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes"}] (bytes = unsharded). `opt_moments`: the
+    """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes", "trained"}] (bytes = unsharded; trained: has a
+    gradient and optimizer state, false for LoRA's frozen base, default true). `opt_moments`: the
     optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `pipeline`: the
     config's pipeline group (stages, microbatches, repeats) when the layers are pipelined. `offload`
     (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are."""
@@ -70,7 +71,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
     stages = pipeline["stages"] if pipeline else 1
     ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
-    param_bytes = 0.0
+    param_bytes = trained_bytes = 0.0  # every parameter's; those with gradients and optimizer state (LoRA: adapters)
     from jaxtrain import step as step_lib  # noqa: PLC0415 (imports jax)
     from jaxtrain.parallel import mesh as mesh_lib
     replicas = mesh_lib.replica_axes(mesh_shape, rules)
@@ -92,6 +93,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         names = tuple(p["names"] or ())
         shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
         param_bytes += p["bytes"] / shards
+        trained = p.get("trained", True)
+        trained_bytes += p["bytes"] / shards if trained else 0.0
         # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
         owned = [x for x in axes if x in expert_axes and "experts" in names]
         gather = [x for x in axes if x in batch_axes and x not in owned]
@@ -114,6 +117,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
         copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
+        if not trained:  # a frozen weight (LoRA's base): gathered, never reduced
+            continue
         matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
         scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
         parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
@@ -161,7 +166,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
             x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes))
         # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
         add("all-reduce", pipeline_axes, microbatches * 2 * rows * seq_len // seq_ways * model_cfg.d_model * a)
-    opt = opt_moments * param_bytes + 4 * opt_counters
+    opt = opt_moments * trained_bytes + 4 * opt_counters
 
     def activations(cfg):
         act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
@@ -186,10 +191,10 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     act_f32, _ = activations(dataclasses.replace(model_cfg, dtype="float32"))
     batch_bytes = 3 * 4 * batch * seq_len / dp
     return {
-        "params": param_bytes, "gradients": param_bytes, "optimizer": 0.0 if offload else opt,
+        "params": param_bytes, "gradients": trained_bytes, "optimizer": 0.0 if offload else opt,
         "host": {"optimizer": opt if offload else 0.0, "activations": host_act},
         "activations": act, "activations_per_layer": per_layer,
-        "temporaries": param_bytes + act, "temporaries_f32_activations": param_bytes + act_f32,
+        "temporaries": trained_bytes + act, "temporaries_f32_activations": trained_bytes + act_f32,
         "arguments": param_bytes + (0.0 if offload else opt) + 4 + batch_bytes,
         "collectives": [{"kind": k, "axes": axes, "bytes": v} for (k, axes), v in
                         sorted(comms.items(), key=lambda kv: (hlo_lib.COLLECTIVES.index(kv[0][0]), kv[0][1]))],

@@ -126,7 +126,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     from jaxtrain import config as config_lib, optim  # noqa: PLC0415
     from jaxtrain.parallel import mesh as mesh_lib
     from jaxtrain.parallel import pipeline as pipeline_parallel
-    from jaxtrain.models import transformer  # noqa: PLC0415
+    from jaxtrain import trainer as trainer_lib  # noqa: PLC0415
+    from jaxtrain.models import lora, transformer  # noqa: PLC0415
     from jaxtrain.trainer import build_trainer
 
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
@@ -184,7 +185,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     state = trainer.abstract_state
     sharded = {"params": per_device_bytes(state["params"]), "optimizer": per_device_bytes(state["opt_state"]),
                "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
-    sharded["gradients"] = sharded["params"]
+    sharded["gradients"] = per_device_bytes(trainer_lib.trained_params(model_cfg)(state["params"]))
     # optim.offload: the state's shards live in each device's host memory. Counted by the config, not the
     # shardings' memory kind, which a described GPU's devices (no memories) drop.
     sharded["host"] = {"optimizer": sharded["optimizer"] if config.optim.offload else 0.0}
@@ -196,14 +197,18 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     shapes = nnx.to_pure_dict(abstract_params)
     is_names = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)  # noqa: E731
+    # With LoRA only the adapters are trained: they alone have gradients and optimizer state.
+    trained = trainer_lib.trained_params(model_cfg)
+    is_trained = trained(jax.tree.map(lambda _: True, shapes))
+    flags = jax.tree.leaves(lora.join(is_trained, jax.tree.map(lambda _: False, lora.split(shapes)[1])))
     inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
-                  "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize}
-                 for n, x in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes))]
-    optimizer = optim.make_optimizer(config.optim, t.steps, names)
-    opt_leaves = jax.tree.leaves(jax.eval_shape(optimizer.init, shapes))
+                  "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize, "trained": f}
+                 for n, x, f in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes), flags)]
+    optimizer = optim.make_optimizer(config.optim, t.steps, trained(names))
+    opt_leaves = jax.tree.leaves(jax.eval_shape(optimizer.init, trained(shapes)))
     counters = sum(1 for x in opt_leaves if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
     moments = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim) / sum(
-        p["bytes"] for p in inventory)
+        p["bytes"] for p in inventory if p["trained"])
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
                    pipeline=dict(config.pipeline), offload=config.optim.offload)

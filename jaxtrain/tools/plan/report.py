@@ -51,7 +51,7 @@ def format_report(r: dict) -> str:
         f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}",
     ]
     labels = {"params": "params (shardings)", "optimizer": "optimizer state (shardings)",
-              "gradients": "gradients (= params)", "arguments": "arguments (compiled)",
+              "gradients": "gradients (trained params)", "arguments": "arguments (compiled)",
               "temporaries": "temporaries (compiled temp)"}
     for row in mem["rows"]:
         lines.append(f"  {labels[row['name']]:<26}{_b(row['compiled']):>20}{_b(row['analytic']):>14}"
