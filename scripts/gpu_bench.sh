@@ -8,6 +8,7 @@
 #   bash scripts/gpu_bench.sh cudnn+lhs cudnn+batch16 cudnn+remat_none cudnn+chunk16k
 #   bash scripts/gpu_bench.sh cudnn cudnn+fp8 cudnn+int8 cudnn+muon cudnn+moments16   # quantization, optimizers
 #   bash scripts/gpu_bench.sh cudnn cudnn+offload cudnn+offload_dots                   # host offload
+#   bash scripts/gpu_bench.sh cudnn cudnn+lora16                                        # LoRA against full
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu near
 # 25% MFU by `jaxtrain plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
@@ -43,6 +44,7 @@ one_variant() {  # variant -> "XLA_FLAGS|bench_step flags"
     moments16)  echo "|--config.optim.moments_dtype=bfloat16" ;;
     offload)    echo "|--config.optim.offload=true" ;;
     offload_dots) echo "|--config.model.remat=offload_dots" ;;
+    lora16)     echo "|--config.model.lora_rank=16" ;;
     *) return 1 ;;
   esac
 }
