@@ -82,10 +82,7 @@ def _parse(argv):
 
 def _from_workdir(args):
     """(graphdef, params, vocab size, window, tokenizer, stop ids) of a workdir's checkpoint."""
-    data_dir = layout.default_dir(trainer.load_config(args.workdir).data)
-    tok = layout.load_tokenizer(data_dir)
-    if args.chat:  # the template the run's chat data was rendered with, checked before the weights load
-        args.chat = (chat.load_template(data_dir), chat.special_tokens(data_dir))
+    tok = layout.load_tokenizer(layout.default_dir(trainer.load_config(args.workdir).data))
     config, _, graphdef, params = trainer.restore_params(args.workdir, args.step)
     return graphdef, params, config.model.vocab_size, config.train.seq_len, tok, [tok.eos_id]
 
@@ -116,8 +113,6 @@ def _from_hf(args):
             raise TokenizerError(f"{hf_dir / tok_lib.HF_TOKENIZER}: not found, so --prompt cannot be encoded; "
                                  f"pass token ids with --prompt_ids")
         tok = tok_lib.load(hf_dir)
-        if args.chat:
-            args.chat = (chat.load_template(args.hf), chat.special_tokens(args.hf))
     fields, host_params = hf.import_dir(hf_dir)
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32"})
     graphdef, state = transformer.from_params(cfg, host_params)
@@ -127,9 +122,16 @@ def _from_hf(args):
     return graphdef, jax.device_put(state), cfg.vocab_size, window, tok, sorted(set(stops))
 
 
+def _chat_template(args) -> tuple[str, dict]:
+    """(template, its variables) for --chat: the HF directory's, or the one a workdir's chat data was rendered with."""
+    source = args.hf if args.hf is not None else layout.default_dir(trainer.load_config(args.workdir).data)
+    return chat.load_template(source), chat.special_tokens(source)
+
+
 def _generate(argv) -> int:
     args = _parse(argv)
     common.quiet_orbax()
+    template = _chat_template(args) if args.chat else None  # a missing template is said before the weights load
     graphdef, params, vocab_size, window, tok, stops = (_from_hf if args.hf is not None else _from_workdir)(args)
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -137,9 +139,8 @@ def _generate(argv) -> int:
             print(f"error: --prompt_ids: {outside[0]} is not a token id of the model (vocab_size {vocab_size})",
                   file=sys.stderr)
             return 2
-    elif args.chat:
-        template, variables = args.chat
-        prompt_ids = chat.encode_prompt(tok, template, [{"role": "user", "content": args.prompt}], variables)
+    elif template is not None:
+        prompt_ids = chat.encode_prompt(tok, template[0], [{"role": "user", "content": args.prompt}], template[1])
     else:
         prompt_ids = tok.encode(args.prompt)
         if not prompt_ids:
