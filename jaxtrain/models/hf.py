@@ -278,6 +278,52 @@ def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model
     return out_dir
 
 
+def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
+    """The adapters of a PEFT LoRA directory (export_adapters' format, or PEFT's own) for `model_cfg`, as the
+    params' adapter leaves (numpy f32, jaxtrain's layout): what continues training them. HFError names the field
+    or tensor that does not fit: r and lora_alpha must equal model.lora_rank and lora_alpha, and each adapted
+    module must be one `model.lora_targets` names."""
+    adapter_dir = Path(adapter_dir)
+    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise HFError(f"{path}: not found; a PEFT adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    config = _read_json(config_path)
+    for field, ours in (("peft_type", "LORA"), ("r", model_cfg.lora_rank), ("lora_alpha", model_cfg.lora_alpha)):
+        if config.get(field) != ours:
+            raise HFError(f"{config_path}: {field} is {config.get(field)!r}, the run has {ours!r} "
+                          f"(model.lora_rank / model.lora_alpha)")
+    with safe_open(str(weights_path), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    table = family_of(model_cfg).weights(dataclasses.replace(model_cfg, lora_rank=0))
+    flat, used, r = {}, set(), model_cfg.lora_rank
+    for path, shape in param_shapes(model_cfg).items():
+        if not path[-1].endswith(lora.SUFFIXES):
+            continue
+        suffix = next(x for x in lora.SUFFIXES if path[-1].endswith(x))
+        weight = path[:-1] + (path[-1][: -len(suffix)],)
+        names, _, lead = _hf_names(weight, model_cfg, table)
+        kind = "lora_A" if suffix == lora.SUFFIXES[0] else "lora_B"
+        parts = []
+        for name in names:
+            key = f"base_model.model.{name.removesuffix('.weight')}.{kind}.weight"
+            if key not in tensors:
+                raise HFError(f"{weights_path}: missing tensor {key}")
+            w = np.asarray(tensors[key], np.float32)
+            one = shape[lead:]
+            want = (r, math.prod(one[:-1])) if kind == "lora_A" else (math.prod(one[1:]), r)
+            if w.shape != want:
+                raise HFError(f"{weights_path}: tensor {key} has shape {list(w.shape)}, the run implies {list(want)}")
+            parts.append(np.ascontiguousarray(w.T.reshape(one)))
+            used.add(key)
+        flat[path] = np.stack(parts).reshape(shape) if lead else parts[0]
+    if extra := sorted(set(tensors) - used):
+        raise HFError(f"{weights_path}: adapters the run has no place for: {', '.join(extra[:3])}"
+                      + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+                      + " (model.lora_targets names the adapted projections)")
+    return _nest(flat)
+
+
 def _save_weights(tensors: dict, out: Path, shard_bytes: int) -> None:
     """One model.safetensors, or (past `shard_bytes`) numbered shards and the index transformers reads."""
     shards, size = [{}], 0

@@ -174,3 +174,39 @@ def test_peft_loads_the_exported_adapters_onto_the_transformers_base(tmp_path, t
     with torch.no_grad():
         theirs = model(torch.tensor(np.asarray(tokens))).logits.numpy()
     np.testing.assert_allclose(theirs, adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_a_peft_adapter_directory_imports_as_the_adapters_peft_computes(tmp_path, tokens):
+    """hf.import_adapters reads PEFT's own save_pretrained output: jaxtrain with those adapters computes the
+    PeftModel's logits. And export_adapters -> import_adapters gives back the same arrays."""
+    torch = pytest.importorskip("torch")
+    import peft  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from jaxtrain.errors import HFError  # noqa: PLC0415
+    from jaxtrain.models import hf  # noqa: PLC0415
+
+    cfg = ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, tie_embeddings=False)
+    adapters, base = lora.split(_params(cfg))
+    base_dir = hf.export(base, ModelConfig(**CFG, tie_embeddings=False), tmp_path / "base")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                       init_lora_weights=False))  # B random: the check has teeth
+    model.save_pretrained(tmp_path / "theirs")
+    with torch.no_grad():
+        theirs = model.eval()(torch.tensor(np.asarray(tokens))).logits.numpy()
+    imported = hf.import_adapters(tmp_path / "theirs", cfg)
+    np.testing.assert_allclose(_logits(cfg, lora.join(imported, base), tokens), theirs, rtol=1e-4, atol=1e-4)
+
+    hf.export_adapters(lora.join(imported, base), cfg, tmp_path / "ours")
+    again = hf.import_adapters(tmp_path / "ours", cfg)
+    for x, y in zip(jax.tree.leaves(imported), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(HFError, match="lora_alpha"):
+        hf.import_adapters(tmp_path / "ours", ModelConfig(**CFG, lora_rank=4, lora_alpha=16.0, tie_embeddings=False))
+    with pytest.raises(HFError, match="no place for"):
+        hf.import_adapters(tmp_path / "ours", ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, tie_embeddings=False,
+                                                          lora_targets="q,v"))
