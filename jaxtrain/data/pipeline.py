@@ -197,6 +197,7 @@ class PackedStream:
             row, epoch = row - counts[epoch], epoch + 1
 
     def _records(self, docs: list[int]) -> list[bytes]:
+        """The documents' raw records; a damaged shard is a DataError naming it."""
         try:
             return self.source.__getitems__(docs)
         except RuntimeError as e:
@@ -224,10 +225,7 @@ class PackedStream:
         if self.weighted:
             return self._conversations_row(start, seq_len)
         pieces = self.pieces(start, seq_len)
-        try:
-            records = self.source.__getitems__([doc for doc, _, _ in pieces])
-        except RuntimeError as e:
-            raise self._damaged(e) from None
+        records = self._records([doc for doc, _, _ in pieces])
         tokens, segment_ids, positions = [], [], []
         for segment, ((_, first, stop), record) in enumerate(zip(pieces, records), start=1):
             tokens.append(np.frombuffer(record, self.dtype)[first:stop])

@@ -544,9 +544,8 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     if chat:
         counts = collections.Counter()
         for r in records:
-            longest = max(counts["longest"], r["chat"].get("longest", 0))
             counts.update(r["chat"])
-            counts["longest"] = longest
+        counts["longest"] = max(r["chat"].get("longest", 0) for r in records)  # a maximum, not a sum
         manifest["loss_weights"] = True
         manifest["chat"] = {**settings["chat"], "template_file": CHAT_TEMPLATE, **dict(sorted(counts.items()))}
     for r in range(len(plans)):

@@ -211,18 +211,27 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
         if manifest.is_file():
             eos_id = json.loads(manifest.read_text()).get("eos_id")
 
-    files.make_dir(out_dir.parent, "--output")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
+    def fill(tmp: Path) -> None:
         _save_weights(tensors, tmp, shard_bytes)
         config = hf_config(model_cfg, dtype=written_dtype, max_position_embeddings=max_position_embeddings,
                            eos_token_id=eos_id)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "jaxtrain hf export"}) + "\n")
         for f in tok_files:
             shutil.copyfile(f, tmp / f.name)
         if tok_files and tok_files[0].name == "tokenizer.json":
             _write_tokenizer_config(tmp, tok_files[0], eos_id)
+
+    return _written_whole(out_dir, fill, "jaxtrain hf export")
+
+
+def _written_whole(out_dir: Path, fill, written_by: str) -> Path:
+    """`out_dir` made by `fill(tmp)` in a sibling temp dir (with the EXPORT_MARKER) and renamed into place: it
+    appears complete or not at all, and an earlier export there is replaced whole."""
+    files.make_dir(out_dir.parent, "--output")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        fill(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": written_by}) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -233,6 +242,19 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
 
 # PEFT's adapter directory (peft.PeftModel.from_pretrained reads it onto the transformers model of the base).
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _adapter_tensors(model_cfg: ModelConfig):
+    """(adapter param path, "lora_A" or "lora_B", PEFT tensor names, the stacked axes the names enumerate) of each
+    adapter `model_cfg` has: base_model.model.<module of the adapted weight's HF name>.lora_A/B.weight."""
+    table = family_of(model_cfg).weights(model_cfg)
+    for path in param_shapes(model_cfg):
+        if not lora.is_adapter(path[-1]):
+            continue
+        suffix = next(x for x in lora.SUFFIXES if path[-1].endswith(x))
+        names, _, lead = _hf_names(path[:-1] + (path[-1][: -len(suffix)],), model_cfg, table)
+        kind = "lora_A" if suffix == lora.SUFFIXES[0] else "lora_B"
+        yield path, kind, [f"base_model.model.{n.removesuffix('.weight')}.{kind}.weight" for n in names], lead
 
 
 def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model: str = "",
@@ -246,36 +268,22 @@ def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model
     adapters = _flat(lora.split(params)[0])
     if not adapters:
         raise HFError("params hold no LoRA adapters (model.lora_rank is 0); `hf export` writes the model itself")
-    table = family_of(model_cfg).weights(dataclasses.replace(model_cfg, lora_rank=0))
-    tensors, modules = {}, set()
-    for path, a in sorted(adapters.items()):
-        if not path[-1].endswith(lora.SUFFIXES[0]):
-            continue
-        weight = path[:-1] + (path[-1][: -len(lora.SUFFIXES[0])],)
-        b = np.asarray(jax.device_get(adapters[weight[:-1] + (weight[-1] + lora.SUFFIXES[1],)]), np.float32)
-        a = np.asarray(jax.device_get(a), np.float32)
-        names, _, lead = _hf_names(weight, model_cfg, table)
-        for name, a_i, b_i in zip(names, a.reshape(-1, *a.shape[lead:]), b.reshape(-1, *b.shape[lead:])):
-            module = "base_model.model." + name.removesuffix(".weight")
-            tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a_i.reshape(-1, model_cfg.lora_rank).T)
-            tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b_i.reshape(model_cfg.lora_rank, -1).T)
-            modules.add(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    r, tensors = model_cfg.lora_rank, {}
+    for path, kind, names, lead in _adapter_tensors(model_cfg):
+        x = np.asarray(jax.device_get(adapters[path]), np.float32)
+        for name, part in zip(names, x.reshape(-1, *x.shape[lead:])):  # [in..., r] or [r, out...], per layer
+            tensors[name] = np.ascontiguousarray((part.reshape(-1, r) if kind == "lora_A" else part.reshape(r, -1)).T)
+    modules = sorted({name.split(".")[-3] for name in tensors})  # q_proj, ...
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
-              "r": model_cfg.lora_rank, "lora_alpha": model_cfg.lora_alpha, "lora_dropout": 0.0,
-              "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-              "init_lora_weights": True, "inference_mode": True}
-    files.make_dir(out_dir.parent, "--output")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
+              "r": r, "lora_alpha": model_cfg.lora_alpha, "lora_dropout": 0.0, "target_modules": modules,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+              "inference_mode": True}
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "jaxtrain hf export --adapters"}) + "\n")
-        os.chmod(tmp, 0o755)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return _written_whole(out_dir, fill, "jaxtrain hf export --adapters")
 
 
 def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
@@ -295,28 +303,21 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
                           f"(model.lora_rank / model.lora_alpha)")
     with safe_open(str(weights_path), framework="numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    table = family_of(model_cfg).weights(dataclasses.replace(model_cfg, lora_rank=0))
-    flat, used, r = {}, set(), model_cfg.lora_rank
-    for path, shape in param_shapes(model_cfg).items():
-        if not path[-1].endswith(lora.SUFFIXES):
-            continue
-        suffix = next(x for x in lora.SUFFIXES if path[-1].endswith(x))
-        weight = path[:-1] + (path[-1][: -len(suffix)],)
-        names, _, lead = _hf_names(weight, model_cfg, table)
-        kind = "lora_A" if suffix == lora.SUFFIXES[0] else "lora_B"
+    shapes, r = param_shapes(model_cfg), model_cfg.lora_rank
+    flat, used = {}, set()
+    for path, kind, names, lead in _adapter_tensors(model_cfg):
+        one = shapes[path][lead:]
+        want = (r, math.prod(one[:-1])) if kind == "lora_A" else (math.prod(one[1:]), r)
         parts = []
         for name in names:
-            key = f"base_model.model.{name.removesuffix('.weight')}.{kind}.weight"
-            if key not in tensors:
-                raise HFError(f"{weights_path}: missing tensor {key}")
-            w = np.asarray(tensors[key], np.float32)
-            one = shape[lead:]
-            want = (r, math.prod(one[:-1])) if kind == "lora_A" else (math.prod(one[1:]), r)
+            if name not in tensors:
+                raise HFError(f"{weights_path}: missing tensor {name}")
+            w = np.asarray(tensors[name], np.float32)
             if w.shape != want:
-                raise HFError(f"{weights_path}: tensor {key} has shape {list(w.shape)}, the run implies {list(want)}")
+                raise HFError(f"{weights_path}: tensor {name} has shape {list(w.shape)}, the run implies {list(want)}")
             parts.append(np.ascontiguousarray(w.T.reshape(one)))
-            used.add(key)
-        flat[path] = np.stack(parts).reshape(shape) if lead else parts[0]
+            used.add(name)
+        flat[path] = np.stack(parts).reshape(shapes[path]) if lead else parts[0]
     if extra := sorted(set(tensors) - used):
         raise HFError(f"{weights_path}: adapters the run has no place for: {', '.join(extra[:3])}"
                       + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")

@@ -199,8 +199,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     is_names = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)  # noqa: E731
     # With LoRA only the adapters are trained: they alone have gradients and optimizer state.
     trained = trainer_lib.trained_params(model_cfg)
-    is_trained = trained(jax.tree.map(lambda _: True, shapes))
-    flags = jax.tree.leaves(lora.join(is_trained, jax.tree.map(lambda _: False, lora.split(shapes)[1])))
+    flags = [not model_cfg.lora_rank or lora.is_adapter(str(path[-1].key))
+             for path, _ in jax.tree_util.tree_leaves_with_path(shapes)]
     inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
                   "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize, "trained": f}
                  for n, x, f in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes), flags)]
