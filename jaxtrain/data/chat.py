@@ -152,12 +152,14 @@ def conversation(record: dict) -> list[dict]:
     return messages
 
 
-def encode(tok: Tokenizer, template: str, messages: list[dict], variables: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, weights) of one conversation: apply_chat_template's ids, and 1 on the assistant's tokens."""
+def encode(tok: Tokenizer, template: str, messages: list[dict], variables: dict,
+           train_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, weights) of one conversation: apply_chat_template's ids, and 1 on the assistant's tokens (of the
+    messages from index `train_from` on: a preference pair's response, not the assistant turns of its prompt)."""
     full = render(template, messages, variables=variables)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < train_from:
             continue
         prompt = render(template, messages[:i], add_generation_prompt=True, variables=variables)
         upto = render(template, messages[:i + 1], variables=variables)
@@ -172,6 +174,30 @@ def encode(tok: Tokenizer, template: str, messages: list[dict], variables: dict)
         for lo, hi in spans:
             weights[(starts < hi) & (ends > lo)] = 1
     return np.asarray(ids, np.int64), weights
+
+
+def preference(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) messages of one preference record: {"prompt", "chosen", "rejected"}, each a
+    string (the prompt a user turn, a response an assistant turn) or a list of messages, as TRL takes them. Without
+    a "prompt", chosen and rejected are whole conversations and the prompt is the messages they share."""
+    if isinstance(record, dict):
+        record = {k: v for k, v in record.items() if v is not None}
+    if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"a preference record needs 'chosen' and 'rejected' (and a 'prompt'); found {keys}")
+    prompt = record.get("prompt", [])
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    responses = [[{"role": "assistant", "content": r}] if isinstance(r, str) else r
+                 for r in (record["chosen"], record["rejected"])]
+    if "prompt" not in record:  # implicit prompt: the leading messages both conversations share
+        shared = 0
+        while all(shared < len(r) - 1 for r in responses) and responses[0][shared] == responses[1][shared]:
+            shared += 1
+        prompt, responses = responses[0][:shared], [r[shared:] for r in responses]
+    if not isinstance(prompt, list) or not all(isinstance(r, list) and r for r in responses):
+        raise DataError("prompt, chosen and rejected must be strings or non-empty lists of messages")
+    chosen, rejected = (conversation({"messages": prompt + r})[len(prompt):] for r in responses)
+    return prompt, chosen, rejected
 
 
 def encode_prompt(tok: Tokenizer, template: str, messages: list[dict], variables: dict) -> list[int]:

@@ -11,7 +11,9 @@ documents of a row from 1, and positions restart at each document. Documents are
 Grain reads (ArrayRecordDataSource) and prefetches (optionally in worker processes); the packing itself is
 random access, which is what makes it position-addressable (docs/data.md). Chat data (`prepare --chat`) adds
 "loss_weights" and is packed by whole conversations instead: a row holds the conversations that fit, then
-padding (segment 0), and rows are addressed by number (the offset counts seq_len slots per row).
+padding (segment 0), and rows are addressed by number (the offset counts seq_len slots per row). Preference
+pairs (`prepare --preference`) are packed and shuffled as units, so pair j of a row is segments 2j+1 (chosen)
+and 2j+2 (rejected).
 """
 
 from __future__ import annotations
@@ -124,6 +126,12 @@ class PackedStream:
         self.weighted = bool(manifest.get("loss_weights"))  # chat data: a uint8 weight per token after the tokens
         self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
         self.lengths = _document_lengths(data_dir, manifest["splits"][split], self.source, self.dtype)
+        # What is shuffled and packed whole: a document, or preference data's (chosen, rejected) pair of records.
+        self.group = 2 if manifest.get("pairs") else 1
+        if len(self.lengths) % self.group:
+            raise DataError(f"{data_dir}: split {split!r} holds {len(self.lengths)} records, not whole pairs; "
+                            f"prepare the data again")
+        self.unit_lengths = self.lengths.reshape(-1, self.group).sum(1) if self.group > 1 else self.lengths
         self.epoch_tokens = int(self.lengths.sum())
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._row_starts: dict[tuple[int, int], np.ndarray] = {}
@@ -141,14 +149,14 @@ class PackedStream:
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, exclusive end offset of each document in that order) for one epoch."""
         if epoch not in self._epochs:
-            n = len(self.lengths)
+            n = len(self.unit_lengths)
             if self.seed is None:
                 order = np.arange(n)
             else:
                 order = np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
             if len(self._epochs) >= 2:  # rows only ever straddle two neighbouring epochs
                 self._epochs.pop(min(self._epochs))
-            self._epochs[epoch] = (order, np.cumsum(self.lengths[order]))
+            self._epochs[epoch] = (order, np.cumsum(self.unit_lengths[order]))
         return self._epochs[epoch]
 
     def pieces(self, start: int, length: int):
@@ -170,9 +178,10 @@ class PackedStream:
         Greedy: a conversation that does not fit in what is left of a row starts the next one."""
         if (epoch, seq_len) not in self._row_starts:
             order, _ = self._epoch(epoch)
-            lengths = self.lengths[order]
+            lengths = self.unit_lengths[order]
             if (longest := int(lengths.max())) > seq_len:
-                raise DataError(f"{self.data_dir}: holds a conversation of {longest} tokens, longer than "
+                raise DataError(f"{self.data_dir}: holds a {'pair' if self.group > 1 else 'conversation'} of "
+                                f"{longest} tokens, longer than "
                                 f"train.seq_len={seq_len}; prepare it with --max_len {seq_len}")
             starts, fill = [0], 0
             for i, n in enumerate(lengths.tolist()):
@@ -207,7 +216,7 @@ class PackedStream:
         epoch, k = self._locate_row(start // seq_len, seq_len)
         order, _ = self._epoch(epoch)
         starts = self._packed_rows(epoch, seq_len)
-        docs = order[starts[k]:starts[k + 1]].tolist()
+        docs = [unit * self.group + i for unit in order[starts[k]:starts[k + 1]].tolist() for i in range(self.group)]
         row = {key: np.zeros(seq_len, np.int32) for key in (*_KEYS, "loss_weights")}
         at = 0
         for segment, (doc, record) in enumerate(zip(docs, self._records(docs)), start=1):
@@ -467,6 +476,19 @@ def check_conversations_fit(data_dir: str, seq_len: int) -> None:
     if chat.get("longest", 0) > seq_len:
         raise ConfigError("train.seq_len", f"{seq_len} is shorter than the longest conversation in {data_dir} "
                           f"({chat['longest']} tokens); prepare it with --max_len {seq_len}")
+
+
+def check_objective(data_dir: str, objective: str, mixture: str = "", eval_sets: str = "") -> None:
+    """ConfigError unless train.objective suits every dir's data: "dpo" needs preference pairs (prepare
+    --preference), and pairs need "dpo" (as language-model data they would train on the rejected responses)."""
+    dirs = [data_dir, *(path for path, _ in parse_mixture(mixture))] if mixture else [data_dir]
+    dirs += [path for _, path in parse_eval_sets(eval_sets)]
+    for path in dirs:
+        pairs = bool(load_manifest(path).get("pairs"))
+        if pairs != (objective == "dpo"):
+            what = "preference pairs (prepare --preference)" if pairs else "not preference pairs"
+            fix = "dpo" if pairs else "lm, or prepare the data with --preference"
+            raise ConfigError("train.objective", f"{objective!r}, but {path} holds {what}; set it to {fix}")
 
 
 def batch_keys(data_dir: str) -> tuple[str, ...]:

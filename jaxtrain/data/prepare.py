@@ -292,7 +292,10 @@ def _build_shard(job: dict) -> dict:
 def _encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, counts: collections.Counter):
     """Chat records -> (token arrays, loss-weight arrays), each conversation rendered with the template and cut
     to chat["max_len"] (its oldest tokens dropped, or the whole conversation, per chat["truncate"]). Records that
-    are not conversations, and conversations left with no assistant token, are skipped and counted."""
+    are not conversations, and conversations left with no assistant token, are skipped and counted. Preference
+    data (chat["preference"]) gives two arrays per record, chosen then rejected (see _encode_pairs)."""
+    if chat.get("preference"):
+        return _encode_pairs(tok, records, dtype, chat, counts)
     ids_out, weights_out = [], []
     max_len = chat["max_len"]
     for record in records:
@@ -315,6 +318,47 @@ def _encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, count
         ids_out.append(np.asarray(ids, dtype))
         weights_out.append(weights)
     return ids_out, weights_out
+
+
+def _encode_pairs(tok, records: list, dtype: np.dtype, chat: dict, counts: collections.Counter):
+    """Preference records -> [chosen, rejected, chosen, rejected, ...] token and weight arrays: the prompt with
+    each response, weighted on the response only. A pair is packed into one row whole, so chat["max_len"] bounds
+    the two together; a longer pair is dropped, or (truncate="left") each side loses its oldest tokens, the
+    longer side first, until they fit."""
+    ids_out, weights_out = [], []
+    max_len = chat["max_len"]
+    for record in records:
+        try:
+            prompt, chosen, rejected = chat_lib.preference(record)
+            pair = [chat_lib.encode(tok, chat["template"], prompt + response, chat["variables"],
+                                    train_from=len(prompt)) for response in (chosen, rejected)]
+        except DataError:
+            counts["skipped_not_a_pair"] += 1
+            continue
+        total = sum(len(ids) for ids, _ in pair)
+        if max_len and total > max_len:
+            if chat["truncate"] == "drop":
+                counts["dropped_too_long"] += 1
+                continue
+            keep = _fair_split([len(ids) for ids, _ in pair], max_len)
+            pair = [(ids[len(ids) - k:], w[len(w) - k:]) for (ids, w), k in zip(pair, keep)]
+            counts["truncated"] += 1
+        if not all(w.any() for _, w in pair):
+            counts["skipped_no_response_tokens"] += 1
+            continue
+        counts["pairs"] += 1
+        counts["longest"] = max(counts["longest"], sum(len(ids) for ids, _ in pair))
+        for ids, weights in pair:
+            ids_out.append(np.asarray(ids, dtype))
+            weights_out.append(weights)
+    return ids_out, weights_out
+
+
+def _fair_split(lengths: list[int], budget: int) -> list[int]:
+    """How many tokens each of two sequences keeps to fit `budget` together: the shorter all it has up to half."""
+    a, b = lengths
+    keep_a = min(a, max(budget // 2, budget - b))
+    return [keep_a, min(b, budget - keep_a)]
 
 
 def _done_name(index: int) -> str:
@@ -429,16 +473,19 @@ def prepare_sources(
     chat_template: str | None = None,
     max_len: int | None = None,
     truncate: str = "left",
+    preference: bool = False,
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
     manifest. `workers` processes tokenize shards in parallel (default: one per CPU, at most one per shard);
     they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`.
     `chat`: conversations rendered with the tokenizer directory's chat template (or `chat_template`, a file),
-    with loss weights; `max_len` and `truncate` ("left" or "drop") bound a conversation's tokens."""
+    with loss weights; `max_len` and `truncate` ("left" or "drop") bound a conversation's tokens. `preference`:
+    pairs {"prompt", "chosen", "rejected"} for DPO, as chat data (implies `chat`), stored chosen then rejected."""
     if tokenizer and not os.path.exists(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer not found")
-    chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate) if chat else None
+    chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate, preference) if chat or preference \
+        else None
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
@@ -547,6 +594,8 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
             counts.update(r["chat"])
         counts["longest"] = max(r["chat"].get("longest", 0) for r in records)  # a maximum, not a sum
         manifest["loss_weights"] = True
+        if chat.get("preference"):
+            manifest["pairs"] = True  # records come in (chosen, rejected) twos
         manifest["chat"] = {**settings["chat"], "template_file": CHAT_TEMPLATE, **dict(sorted(counts.items()))}
     for r in range(len(plans)):
         os.remove(os.path.join(work, _done_name(r)))
@@ -562,7 +611,8 @@ CHAT_TEMPLATE = chat_lib.TEMPLATE_FILE  # in a chat data dir: the template its c
 TRUNCATE = ("left", "drop")
 
 
-def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | None, truncate: str) -> dict:
+def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | None, truncate: str,
+                   pairs: bool = False) -> dict:
     """What chat preparation needs, checked before anything is read: the template (the tokenizer directory's, or
     a file), its variables (BOS, EOS) and the length bound."""
     if not tokenizer or not os.path.isdir(tokenizer):
@@ -574,7 +624,8 @@ def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | N
         raise DataError(f"--max_len: must be a positive number of tokens, got {max_len}")
     text = chat_lib.load_template(template or tokenizer)
     return {"template": text, "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "variables": chat_lib.special_tokens(tokenizer), "max_len": max_len, "truncate": truncate}
+            "variables": chat_lib.special_tokens(tokenizer), "max_len": max_len, "truncate": truncate,
+            **({"preference": True} if pairs else {})}
 
 
 def _tokenizer_hash(given: str) -> str:

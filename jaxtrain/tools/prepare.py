@@ -5,6 +5,7 @@ Usage:
   jaxtrain prepare --input 'docs/*.jsonl' --field text --output DIR [--tokenizer tokenizer.json|HF_MODEL_DIR]
   jaxtrain prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
   jaxtrain prepare --chat --input chats.jsonl --tokenizer HF_MODEL_DIR --max_len 2048 --output DIR
+  jaxtrain prepare --preference --input pairs.jsonl --tokenizer HF_MODEL_DIR --max_len 4096 --output DIR
 """
 
 from __future__ import annotations
@@ -40,23 +41,28 @@ def _prepare(argv) -> int:
     parser.add_argument("--chat", action="store_true", help="conversations ({\"messages\": [...]} or {\"prompt\", "
                         "\"completion\"}), rendered with the tokenizer directory's chat template, with loss weights "
                         "on the assistant's tokens (docs/fine-tuning.md)")
+    parser.add_argument("--preference", action="store_true", help="preference pairs for DPO ({\"prompt\", "
+                        "\"chosen\", \"rejected\"}), as chat data weighted on the responses")
     parser.add_argument("--chat_template", help="with --chat: a Jinja template file instead of the tokenizer's own")
-    parser.add_argument("--max_len", type=int, help="with --chat: the most tokens a conversation keeps (train.seq_len)")
+    parser.add_argument("--max_len", type=int, help="with --chat: the most tokens a conversation keeps (train.seq_len); "
+                        "with --preference: a pair's two sequences together")
     parser.add_argument("--truncate", choices=prepare.TRUNCATE, default="left",
                         help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
-    if not args.chat and (args.chat_template or args.max_len):
-        parser.error("--chat_template and --max_len apply to --chat data only")
-    field = args.field or (sources.RECORD if args.chat else "text")
+    chat = args.chat or args.preference
+    if not chat and (args.chat_template or args.max_len):
+        parser.error("--chat_template and --max_len apply to --chat and --preference data only")
+    field = args.field or (sources.RECORD if chat else "text")
     if args.input:
         prepare.prepare_sources(args.output, args.input, fmt=args.format, field=field,
                                 text_split=args.text_split, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                 vocab_size=args.vocab_size, heldout_docs=args.heldout_docs, seed=args.seed,
                                 num_shards=args.num_shards, workers=args.workers, split=args.split,
                                 tfds_data_dir=args.tfds_data_dir, chat=args.chat,
-                                chat_template=args.chat_template, max_len=args.max_len, truncate=args.truncate)
-    elif args.chat:
-        parser.error("--chat needs --input")
+                                chat_template=args.chat_template, max_len=args.max_len, truncate=args.truncate,
+                                preference=args.preference)
+    elif chat:
+        parser.error("--chat and --preference need --input")
     else:
         prepare.prepare_default_corpus(args.output, args.vocab_size, args.heldout_docs, args.seed)
     return 0
