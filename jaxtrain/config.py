@@ -16,7 +16,7 @@ from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
 from jaxtrain.models import config as model_lib
-from jaxtrain.models import hf, sampling
+from jaxtrain.models import dpo, hf, sampling
 from jaxtrain.observe import metrics
 from jaxtrain.parallel import distributed, mesh
 from jaxtrain.parallel import pipeline as pipeline_parallel
@@ -28,8 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.workdir = "runs/default"
     # `steps` sets the schedule's length; `stop_at` (0 = off) ends this invocation early at that step with a
     # checkpoint, e.g. to fit a job's time slot. Rerunning continues the same schedule. `batch_size` is global, in
-    # sequences; `microbatches` accumulates gradients (numerically the full-batch step).
-    c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0)
+    # sequences; `microbatches` accumulates gradients (numerically the full-batch step). `objective`: "lm" (next-token
+    # cross-entropy: pretraining, and SFT on chat data) or "dpo" (preference pairs; the `dpo` group).
+    c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0, objective="lm")
+    c.dpo = dict(dpo.CONFIG)
     c.mesh = dict(mesh.CONFIG)
     c.model = model_lib.config_defaults()
     c.pipeline = dict(pipeline_parallel.CONFIG)
@@ -74,6 +76,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
                           f"do not run in a pipeline yet; set pipeline.stages=1")
     if cfg.model.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
         hf.check_init_from(cfg.model.init_from, model_config(cfg, "cpu"))
+    dpo.check_config(cfg.dpo)
     optim.check_config(cfg.optim, total_steps=cfg.train.steps)
     if cfg.optim.groups:
         optim.check_groups(cfg.optim.groups, param_paths(model_config(cfg, "cpu")))
@@ -95,6 +98,9 @@ def param_paths(model_cfg) -> list[str]:
     return [optim.param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract)]
 
 
+OBJECTIVES = ("lm", "dpo")
+
+
 def _check_train(t, shape: dict, rules: dict, dp: int, process_count: int) -> int:
     """The `train` group; returns the rows of one gradient-accumulation microbatch."""
     g = Group(t, "train")
@@ -104,6 +110,8 @@ def _check_train(t, shape: dict, rules: dict, dp: int, process_count: int) -> in
         raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by mesh.sequence={shape['sequence']}")
     g.positive_int("seed", allow_zero=True)
     g.positive_int("stop_at", allow_zero=True)
+    if t.objective not in OBJECTIVES:
+        raise ConfigError("train.objective", f"{t.objective!r} is not one of {', '.join(OBJECTIVES)}")
     if t.batch_size % t.microbatches:
         raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}")
     micro = t.batch_size // t.microbatches
@@ -124,7 +132,8 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
                 "model.lora_rank", "model.lora_targets",
-                "optim.name", "optim.moments_dtype", "train.seed", "data.corpus", "data.vocab_size", "data.heldout_docs")
+                "optim.name", "optim.moments_dtype", "train.seed", "train.objective", "data.corpus", "data.vocab_size",
+                "data.heldout_docs")
 
 
 def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -> None:

@@ -110,9 +110,11 @@ class LogHook(Hook):
                   "grad_norm": float(fetched[-1]["grad_norm"]), "tokens_per_sec": tok_s, "mfu": mfu,
                   "eta_s": eta, "data_wait_frac": (self.clock.data_wait_s - self.last_wait) / secs,
                   "skipped_steps": len(fetched) - sum(bool(m["finite"]) for m in fetched)}
-        record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if k.startswith("moe/")})
+        record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if k.startswith(("moe/", "dpo/"))})
         self.writer.write_scalars(step, record)
         moe = f" | moe drop {100 * record['moe/dropped_fraction']:.1f}%" if "moe/dropped_fraction" in record else ""
+        if "dpo/accuracy" in record:
+            moe += f" | pref acc {100 * record['dpo/accuracy']:.1f}% margin {record['dpo/margin']:.3f}"
         self.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {record['loss']:.4f} | "
                    f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
                    f"MFU {100 * mfu:.1f}%{moe} | ETA {_duration(eta)}")
@@ -163,8 +165,9 @@ class NonFiniteGuard(Hook):
 
 
 class EvalHook(Hook):
-    """Held-out losses every `every` steps (and at the end); 0 = only at the end. `evaluate(params)` returns
-    {"eval_loss": the primary loss, "eval_loss/<name>": one per extra eval set (eval.sets)}."""
+    """Held-out losses every `every` steps (and at the end); 0 = only at the end. `evaluate(state)` returns
+    {"eval_loss": the primary loss, "eval_loss/<name>": one per extra eval set (eval.sets)}, and any other
+    held-out metrics (written and printed, not kept in the history)."""
 
     def __init__(self, *, every: int, total_steps: int, evaluate, writer, clock: Clock, print_fn=print,
                  earlier: list[dict] | tuple = ()):
@@ -180,19 +183,19 @@ class EvalHook(Hook):
         if "eval_loss" in losses:
             self.history.append((step, losses["eval_loss"]))
         for metric, loss in losses.items():
-            if metric != "eval_loss":
+            if metric.startswith("eval_loss/"):
                 self.set_history.setdefault(metric.removeprefix("eval_loss/"), []).append((step, loss))
 
-    def run(self, step, params):
+    def run(self, step, state):
         with self.clock.paused():
-            losses = self.evaluate(params)
+            losses = self.evaluate(state)
         self._record(step, losses)
         self.writer.write_scalars(step, losses)
         self.print(f"eval @ step {step}: " + " | ".join(f"{metric} {loss:.4f}" for metric, loss in losses.items()))
 
     def __call__(self, step, state, metrics, batch):
         if (self.every and step % self.every == 0) or step == self.total:
-            self.run(step, state["params"])
+            self.run(step, state)
 
     def rewind(self, step):  # a rollback: the evals past `step` are of weights now thrown away
         self.history = [(s, loss) for s, loss in self.history if s <= step]

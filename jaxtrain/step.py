@@ -1,11 +1,14 @@
-"""Pure train and eval steps.
+"""Pure train and eval steps, and the objectives they minimise.
 
-State is a plain dict {"step", "params", "opt_state"} of arrays; the model graph is rebuilt from its
-static `graphdef` only while tracing, so the jitted step is a plain function of arrays.
+State is a plain dict {"step", "params", "opt_state"} of arrays (plus "reference", DPO's frozen starting
+weights, when not under LoRA); the model graph is rebuilt from its static `graphdef` only while tracing, so the
+jitted step is a plain function of arrays. An `Objective` is a loss over a batch: the language model's
+cross-entropy (pretraining, and SFT through chat data's loss weights) or DPO over preference pairs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -14,7 +17,9 @@ import optax
 from flax import nnx
 
 from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.models import dpo as dpo_lib
 from jaxtrain.models import lora as lora_lib
+from jaxtrain.models import cross_entropy
 from jaxtrain.models.cross_entropy import linear_cross_entropy
 from jaxtrain.models.layers import sum_in
 
@@ -47,6 +52,78 @@ def loss_terms(graphdef, params, batch):
     logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(ce * weights), jnp.sum(weights), aux
+
+
+def token_log_probs(graphdef, params, batch):
+    """(each scored token's log-probability times its weight, f32 [B, T]; the model's aux scalars)."""
+    model = nnx.merge(graphdef, params)
+    targets, weights = next_token_targets(batch)
+    if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
+        x, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        log_probs = cross_entropy.token_log_probs(x, model.head(), targets, model.cfg.loss_chunk_tokens, x.dtype)
+    else:
+        logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
+    return log_probs * weights, aux
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a step minimises. terms(graphdef, params, batch) -> (summed loss, summed metrics, the model's aux
+    scalars); the step divides both sums by count(batch) over the whole batch (scored tokens, or pairs), so that
+    gradient accumulation equals one big step. `reference`: the batch also needs "reference_log_probs", the
+    frozen reference model's token_log_probs."""
+    name: str
+    terms: Callable
+    count: Callable
+    reference: bool = False
+
+
+def _lm_terms(graphdef, params, batch):
+    ce_sum, _, aux = loss_terms(graphdef, params, batch)
+    return ce_sum, {}, aux
+
+
+LANGUAGE_MODEL = Objective("lm", _lm_terms, lambda batch: next_token_targets(batch)[1].sum())
+
+
+def dpo(beta: float, label_smoothing: float = 0.0) -> Objective:
+    def terms(graphdef, params, batch):
+        policy, aux = token_log_probs(graphdef, params, batch)
+        loss, metrics = dpo_lib.batch_terms(policy, batch["reference_log_probs"], batch["segment_ids"], beta,
+                                            label_smoothing)
+        return loss, metrics, aux
+
+    return Objective("dpo", terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]), reference=True)
+
+
+def objective(config) -> Objective:
+    """The run's objective: train.objective, with the `dpo` group's settings."""
+    if config.train.objective == "dpo":
+        return dpo(config.dpo.beta, config.dpo.label_smoothing)
+    return LANGUAGE_MODEL
+
+
+def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
+    """`batch` plus "reference_log_probs" under `reference_params`, a microbatch at a time (the reference runs
+    forward only, and its memory peak is a microbatch's, as the policy's is). No gradient flows into it."""
+    reference_params = jax.lax.stop_gradient(reference_params)
+    fn = lambda mb: token_log_probs(graphdef, reference_params, mb)[0]  # noqa: E731
+    if microbatches == 1:
+        values = fn(batch)
+    else:
+        values = jax.lax.map(fn, jax.tree.map(lambda x: mesh_lib.split_microbatches(x, microbatches), batch))
+        values = jnp.swapaxes(values, 0, 1).reshape(-1, values.shape[-1])  # split_microbatches' inverse
+    return {**batch, "reference_log_probs": jax.lax.stop_gradient(values)}
+
+
+def reference_params(state: dict, lora: bool):
+    """DPO's reference model: under LoRA the base with its adapters off (B = 0 makes (x A) B zero exactly), so
+    the weights are not held twice; otherwise the state's frozen copy of the starting weights."""
+    if lora:
+        adapters, base = lora_lib.split(state["params"])
+        return lora_lib.join(jax.tree.map(jnp.zeros_like, adapters), base)
+    return state["reference"]
 
 
 def loss_sum(graphdef, params, batch):
@@ -83,7 +160,7 @@ def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches):
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
-                    offload: bool = False, lora: bool = False) -> Callable:
+                    offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -92,11 +169,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     `offload` (optim.offload): the optimizer state lives in pinned host memory; it is copied to the device for the
     update and the new state back, so between steps the device holds none of it. `lora` (model.lora_rank > 0):
     only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
-    they are, bit for bit."""
+    they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy)."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
-            # Normalise by the whole batch's token count so that accumulation equals one big step.
-            total = jnp.maximum(next_token_targets(batch)[1].sum(), 1.0)
+            # Normalise by the whole batch's count so that accumulation equals one big step.
+            total = jnp.maximum(objective.count(batch), 1.0)
+            if objective.reference:
+                batch = with_reference(graphdef, reference_params(state, lora), batch, microbatches)
 
             # What is differentiated and updated: every parameter, or the LoRA adapters over frozen base weights.
             if lora:
@@ -106,19 +185,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             else:
                 trained, whole, trained_shardings = state["params"], (lambda t: t), param_shardings
 
-            def objective(trained, mb):
-                ce_sum, _, aux = loss_terms(graphdef, whole(trained), mb)
-                loss = ce_sum / total
+            def minimised(trained, mb):
+                loss_sum, sums, aux = objective.terms(graphdef, whole(trained), mb)
+                loss = loss_sum / total
                 aux = {f"moe/{k}": v / microbatches for k, v in aux.items()}  # means over the microbatches
                 balance = aux.get("moe/load_balance_loss", 0.0)
-                return loss + aux_weight * balance, (loss, aux)
+                return loss + aux_weight * balance, (loss, {**aux, **{k: v / total for k, v in sums.items()}})
 
-            grad_fn = jax.value_and_grad(objective, has_aux=True)
+            grad_fn = jax.value_and_grad(minimised, has_aux=True)
             if microbatches == 1:
                 (_, (loss, aux)), grads = grad_fn(trained, batch)
             else:
                 cfg = nnx.merge(graphdef, state["params"]).cfg
-                params, grad_fn, summed = _accumulation_grad_fn(objective, cfg, trained, mesh, rules, microbatches)
+                params, grad_fn, summed = _accumulation_grad_fn(minimised, cfg, trained, mesh, rules, microbatches)
 
                 def accumulate(carry, mb):
                     (_, (loss, aux)), grads = grad_fn(params, mb)
@@ -150,8 +229,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             params = whole(trained)
             if offload:
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
-            new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-            # "loss" is the cross-entropy alone (comparable with eval_loss); the MoE terms are reported apart.
+            new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+            # "loss" is the objective alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
                        "finite": finite, "tokens": total, **aux}
             return new_state, metrics
@@ -171,9 +250,14 @@ def unless_non_finite(finite, update: Callable, old, platform: str):
     return jax.tree.map(lambda new, kept: jnp.where(finite, new, kept), update(None), old)
 
 
-def make_eval_step(graphdef, mesh, rules) -> Callable:
-    def eval_step(params, batch):
+def make_eval_step(graphdef, mesh, rules, objective: Objective = LANGUAGE_MODEL, lora: bool = False) -> Callable:
+    """eval_step(params, the state's "reference" or None, batch) -> (summed loss, count, summed metrics)."""
+    def eval_step(params, reference, batch):
         with mesh_lib.activation_sharding(mesh, rules):
-            return loss_sum(graphdef, params, batch)
+            if objective.reference:
+                batch = with_reference(graphdef, reference_params({"params": params, "reference": reference}, lora),
+                                       batch)
+            loss_sum, sums, _ = objective.terms(graphdef, params, batch)
+            return loss_sum, objective.count(batch), sums
 
     return eval_step

@@ -34,6 +34,18 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.trainer import build_trainer, global_batch, make_checkpointer
 
 
+def evaluate(trainer, state, eval_data: dict) -> dict:
+    """{"eval_loss": ..., "eval_loss/<set>": ...} for eval_data's batches, plus the held-out split's other
+    metrics (DPO's: "eval_dpo/accuracy", ...)."""
+    out = {}
+    for metric, batches in eval_data.items():
+        means = trainer.eval_metrics(state["params"], batches, state.get("reference"))
+        out[metric] = means.pop("loss")
+        if metric == "eval_loss":
+            out.update({f"eval_{k}": v for k, v in means.items()})
+    return out
+
+
 def run(config, print_fn=print, writers=()) -> dict:
     """Trains `config` to `train.steps` (or `train.stop_at`), resuming from its workdir's checkpoints.
 
@@ -70,6 +82,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                           f"({tok.vocab_size}) of the tokenizer in {ddir}")
     pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
     pipeline.check_conversations_fit(ddir, train_cfg.seq_len)
+    pipeline.check_objective(ddir, train_cfg.objective, config.data.mixture, config.eval.sets)
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, ddir)
     ckpt_lib.check_paths(Path(config.workdir) / "checkpoints", config.checkpoint.local_dir)
@@ -173,8 +186,7 @@ def run(config, print_fn=print, writers=()) -> dict:
                                      flops_per_token=flops_per_token, peak_flops=peak, writer=writer, clock=clock,
                                      print_fn=say)
         eval_hook = hooks_lib.EvalHook(every=config.eval.every_steps, total_steps=train_cfg.steps,
-                                       evaluate=lambda params: {metric: trainer.evaluate(params, batches)
-                                                                for metric, batches in eval_data.items()},
+                                       evaluate=lambda state: evaluate(trainer, state, eval_data),
                                        writer=writer, clock=clock, print_fn=say,
                                        # A resumed run's summary keeps the evals before it (from process 0's log).
                                        earlier=metrics_lib.earlier_evals(workdir, start) if is_main and start else ())
@@ -195,7 +207,7 @@ def run(config, print_fn=print, writers=()) -> dict:
 
         # ===== Train =======================================================================================
         if start == 0 and config.eval.at_start:
-            eval_hook.run(0, state["params"])
+            eval_hook.run(0, state)
         last = min(train_cfg.stop_at or train_cfg.steps, train_cfg.steps)
         say(f"training steps {start + 1}..{last} of {train_cfg.steps}, "
             f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens per step")

@@ -29,8 +29,9 @@ from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
 
 
-def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int):
-    """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter."""
+def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int, reference: bool = False):
+    """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter.
+    `reference`: the state also keeps a frozen copy of the starting weights (DPO's reference model)."""
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
@@ -45,7 +46,8 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
             params = lora.join(lora.split(fresh())[0], params)
         # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
         params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
+        return {**state, "reference": params} if reference else state
 
     abstract_state = jax.eval_shape(init)
     # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated. Moments of another
@@ -57,7 +59,8 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         optimizer, lambda x, names: x if masked(x) else names if x.ndim == len(names) else None,
         abstract_state["opt_state"], trained(param_names), transform_non_params=lambda _: None,
         is_leaf=lambda x: isinstance(x, P) or masked(x))
-    names = {"step": None, "params": param_names, "opt_state": opt_names}
+    names = {"step": None, "params": param_names, "opt_state": opt_names,
+             **({"reference": param_names} if reference else {})}
     shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
     if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
         shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
@@ -97,11 +100,18 @@ class Trainer:
                               params, shardings)
         return self.init(placed)
 
-    def evaluate(self, params, batches) -> float:
-        """Mean token loss over process-local numpy batches."""
-        sums = [self.eval_step(params, global_batch(b, self.batch_sharding)) for b in batches]
-        loss_sum, count = np.sum(jax.device_get(sums), axis=0)
-        return float(loss_sum / max(count, 1.0))
+    def eval_metrics(self, params, batches, reference=None) -> dict:
+        """{"loss": the objective's mean over process-local numpy batches, and its metrics' means (DPO's)}.
+        `reference`: the state's "reference" (DPO without LoRA)."""
+        sums = jax.device_get([self.eval_step(params, reference, global_batch(b, self.batch_sharding))
+                               for b in batches])
+        count = max(float(sum(c for _, c, _ in sums)), 1.0)
+        means = {"loss": float(sum(s for s, _, _ in sums) / count)}
+        return means | {k: float(sum(m[k] for _, _, m in sums) / count) for k in sums[0][2]}
+
+    def evaluate(self, params, batches, reference=None) -> float:
+        """The mean loss over process-local numpy batches (token loss, or DPO's pair loss)."""
+        return self.eval_metrics(params, batches, reference)["loss"]
 
 
 def compiled_to_run_once(jitted, mesh):
@@ -130,18 +140,22 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
     config_lib.check_backend(config, platform)
     mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
     model_cfg = config_lib.model_config(config, platform)
+    objective = step_lib.objective(config)
+    lora_run = bool(model_cfg.lora_rank)
     graphdef, abstract_state, shardings, init, optimizer = abstract_train_state(
-        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed)
+        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed,
+        reference=objective.reference and not lora_run)  # under LoRA the reference is the base: no copy
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
-                                 offload=config.optim.offload, lora=bool(model_cfg.lora_rank)),
+                                 offload=config.optim.offload, lora=lora_run, objective=objective),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules),
-                        in_shardings=(shardings["params"], batch_sharding), out_shardings=replicated)
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora_run),
+                        in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),
+                        out_shardings=replicated)
     return Trainer(mesh=mesh, rules=rules, model_cfg=model_cfg, graphdef=graphdef,
                    abstract_state=ckpt_lib.abstract_with_shardings(abstract_state, shardings),
                    shardings=shardings, batch_sharding=batch_sharding,

@@ -64,11 +64,11 @@ def train_on_stream(trainer, data_dir, steps: int, seq_len: int = 32, batch: int
     stream = pipeline.train_iterator(data_dir, seq_len=seq_len, global_batch=batch, seed=0)
     held_out = list(pipeline.eval_batches(data_dir, seq_len=seq_len, global_batch=batch, num_batches=2))
     state = trainer.init()
-    before, history = trainer.evaluate(state["params"], held_out), []
+    before, history = trainer.evaluate(state["params"], held_out, state.get("reference")), []
     for _ in range(steps):
         state, m = trainer.train_step(state, trainer_lib.global_batch(next(stream), trainer.batch_sharding))
         history.append((float(m["loss"]), float(m["grad_norm"])))
-    return before, trainer.evaluate(state["params"], held_out), np.array(history)
+    return before, trainer.evaluate(state["params"], held_out, state.get("reference")), np.array(history)
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -144,8 +144,9 @@ def test_overfits_one_batch(tiny_config, tiny_data_dir):
     assert int(state["step"]) == steps
     assert losses[0] > 5.0  # starts near ln(512) = 6.24
     assert losses[-1] < 0.1, losses[::10]
-    # eval_step (summed loss, token count) sees the same memorised batch the same way.
-    loss_sum, count = jax.device_get(trainer.eval_step(state["params"], gb))
+    # eval_step (summed loss, token count, summed metrics) sees the same memorised batch the same way.
+    loss_sum, count, metrics = jax.device_get(trainer.eval_step(state["params"], None, gb))
+    assert metrics == {}
     assert loss_sum / count < 0.1
 
 

@@ -8,6 +8,8 @@ the FLOPs are the unfused head's, and each chunk's logits are used while they ar
 CPU the unfused head's [2048, 32000] logits are 8x the L3 cache and its matmuls run at ~2/3 of the speed they reach
 on cache-sized chunks (BUILD.md, performance notes).
 
+`token_log_probs` gives each token's log-probability instead (DPO sums them per sequence), chunked the same way.
+
 Chunk k holds positions k, k + n, k + 2n, ... (n chunks): strided, so a sequence split over the `sequence` mesh
 axis stays split inside every chunk. Under `jax.grad` the forward also produces dL/dx and dL/dw (one extra
 [d, vocab] f32 buffer); a plain call (eval) computes the loss only. Targets and weights get no gradient.
@@ -143,3 +145,20 @@ def _bwd(chunk_tokens, dtype, grad_dtype, res, g):
 
 
 linear_cross_entropy.defvjp(_fwd, _bwd)
+
+
+def token_log_probs(x, w, targets, chunk_tokens: int, dtype):
+    """log softmax(x @ w)[targets], f32 [B, T], about `chunk_tokens` tokens per device at a time (0 = all at
+    once): each token's own log-probability, which DPO sums per sequence. Not fused with its gradient (that
+    needs the per-token cotangents, known only after the pair losses): the backward recomputes each chunk's
+    logits instead of keeping [B, T, vocab]."""
+    n = n_chunks(x.shape[0], x.shape[1], chunk_tokens)
+    w_dt = _gathered_once(w, dtype)
+
+    @jax.checkpoint
+    def chunk(w_dt, x_c, t_c):
+        logits = _chunk_logits(x_c, w_dt)
+        target_logit = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        return target_logit - jax.nn.logsumexp(logits, axis=-1)
+
+    return _unchunk(jax.lax.map(lambda xs: chunk(w_dt, *xs), (_chunks(x, n), _chunks(targets, n))))

@@ -1,0 +1,147 @@
+"""DPO as a run: on 8 devices with gradient accumulation it equals one device (the reference an explicit frozen
+copy, or under LoRA the base with adapters off); it resumes bit-exactly with the reference unchanged; and after
+SFT on answers that are half copies, half reversals, DPO preferring the copies reaches >90% held-out preference
+accuracy and moves greedy answers to the copies."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import chat_tokenizer_dir, train_on_stream
+
+from jaxtrain import config as config_lib
+from jaxtrain import train
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.config import base_config
+from jaxtrain.data import chat, layout, prepare
+from jaxtrain.models import sampling
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.tools import hf as hf_cli
+
+WORDS = "red green blue cat dog sun moon tree fish bird king star rain wind fire stone".split()
+QUIET = {"print_fn": lambda *a, **k: None}
+
+
+def _message(role, words):
+    return {"role": role, "content": " ".join(words)}
+
+
+def _prepare(path, hf, records, **kw):
+    (path.parent / f"{path.name}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    prepare.prepare_sources(str(path), [str(path.parent / f"{path.name}.jsonl")], field="*", tokenizer=str(hf),
+                            heldout_docs=50, workers=1, **kw, **QUIET)
+    return str(path)
+
+
+def _pairs(words):
+    """Preference pairs of the copy task: the copy is chosen over the reversal."""
+    return [{"prompt": " ".join(w), "chosen": " ".join(w), "rejected": " ".join(w[::-1])} for w in words]
+
+
+@pytest.fixture(scope="module")
+def pairs_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    rng = np.random.default_rng(0)
+    words = [list(rng.choice(WORDS, 4)) for _ in range(200)]
+    return _prepare(root / "pairs", chat_tokenizer_dir(root / "hf", WORDS), _pairs(words), preference=True,
+                    max_len=128)
+
+
+def _dpo(tiny_config, data, **overrides):
+    return tiny_config(**{"data.dir": data, "train.seq_len": 128, "train.objective": "dpo", "dpo.beta": 0.5,
+                          **overrides})
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["reference_copy", "lora"])
+def test_dpo_on_eight_devices_with_accumulation_equals_one_device(tiny_config, pairs_data, adapters):
+    lora = {"model.lora_rank": 4} if adapters else {}
+    cfg = _dpo(tiny_config, pairs_data, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
+                                           "train.microbatches": 2, **lora})
+    one = trainer_lib.build_trainer(_dpo(tiny_config, pairs_data, **lora), {"data": 1, "fsdp": 1, "tensor": 1},
+                                    mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
+    assert ("reference" in one.abstract_state) != adapters  # under LoRA the base is the reference: no copy
+    facts = config_lib.validate(cfg, 8)
+    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    before, after, history = train_on_stream(one, pairs_data, 3, seq_len=128)
+    # The policy starts as the reference: every margin is 0, held out and in the first step.
+    assert before == pytest.approx(np.log(2), rel=1e-6) and history[0, 0] == pytest.approx(np.log(2), rel=1e-6)
+    assert after != before
+    np.testing.assert_allclose(train_on_stream(eight, pairs_data, 3, seq_len=128)[2], history, rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_dpo_resumes_bit_exactly_with_the_reference_unchanged(tiny_config, pairs_data):
+    run = {"train.steps": 6, "checkpoint.every_steps": 3, "eval.every_steps": 3}
+    straight = train.run(_dpo(tiny_config, pairs_data, **run), **QUIET)
+    first = _dpo(tiny_config, pairs_data, **run, **{"train.stop_at": 3})
+    assert train.run(first, **QUIET)["step"] == 3
+    resumed = train.run(_dpo(tiny_config, pairs_data, workdir=first.workdir, **run), **QUIET)
+    assert resumed["resumed"] and resumed["state_checksum"] == straight["state_checksum"]
+    assert resumed["eval"] == straight["eval"]
+    # The reference is the weights the run started from, bit for bit, after training and a restore.
+    cfg = _dpo(tiny_config, pairs_data, **run)
+    facts = config_lib.validate(cfg, 1)
+    start = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1]).init()["params"]
+    for a, b in zip(jax.tree.leaves(resumed["state"]["reference"]), jax.tree.leaves(start)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed["state"]["params"]),
+                                                        jax.tree.leaves(start)))
+
+
+def _config(workdir, data, steps, seq_len, **groups):
+    c = base_config()
+    c.workdir = str(workdir)
+    c.model.update(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=128)
+    c.train.update(batch_size=16, seq_len=seq_len, steps=steps)
+    c.optim.update(warmup_steps=10, lr=3e-3)
+    c.data.update(dir=data, vocab_size=512)
+    c.eval.update(batches=2, every_steps=steps, at_start=True)
+    c.checkpoint.update(every_steps=steps)
+    c.log.update(every_steps=steps)
+    c.sample.update(max_new_tokens=0)
+    for group, values in groups.items():
+        c[group].update(values)
+    return c
+
+
+@pytest.mark.slow
+def test_dpo_after_sft_prefers_the_chosen_answers(tmp_path):
+    rng = np.random.default_rng(0)
+    words = [list(rng.choice(WORDS, 4)) for _ in range(3000)]
+    hf = chat_tokenizer_dir(tmp_path / "hf", WORDS)
+    # SFT: the answer is the copy or the reversal, at random: greedy answers are some of each.
+    sft = [{"messages": [_message("user", w), _message("assistant", w if rng.random() < 0.5 else w[::-1])]}
+           for w in words[:1500]]
+    sft_data = _prepare(tmp_path / "sft", hf, sft, chat=True, max_len=64)
+    pairs = _prepare(tmp_path / "pairs", hf, _pairs(words[1500:]), preference=True, max_len=128)
+    sft_run = _config(tmp_path / "sft_run", sft_data, 500, 64)
+    train.run(sft_run, **QUIET)
+    assert hf_cli.main(["export", "--workdir", sft_run.workdir, "--output", str(tmp_path / "sft_hf")]) == 0
+
+    tok = layout.load_tokenizer(sft_data)
+    template, variables = chat.load_template(sft_data), chat.special_tokens(sft_data)
+    prompts = [list(rng.choice(WORDS, 4)) for _ in range(40)]
+
+    def shares(workdir):
+        """The shares of held-out prompts answered greedily with the copy, and with the reversal."""
+        _, _, graphdef, params = trainer_lib.restore_params(workdir)
+        answers = [tok.decode(sampling.generate(graphdef, params, chat.encode_prompt(
+            tok, template, [_message("user", w)], variables), window=64, max_new_tokens=12, stop_id=tok.eos_id)[0])
+            for w in prompts]
+        return (np.mean([a == " ".join(w) for a, w in zip(answers, prompts)]),
+                np.mean([a == " ".join(w[::-1]) for a, w in zip(answers, prompts)]))
+
+    copies, reversals = shares(sft_run.workdir)
+    assert reversals > 0.1  # there is something to move
+    dpo_run = _config(tmp_path / "dpo_run", pairs, 120, 128, train={"objective": "dpo"}, optim={"lr": 1e-3},
+                      model={"init_from": str(tmp_path / "sft_hf"), "lora_rank": 8})
+    summary = train.run(dpo_run, **QUIET)
+    (_, before), (_, after) = summary["eval"][0], summary["eval"][-1]
+    assert before == pytest.approx(np.log(2), rel=1e-5) and after < 0.5 * before
+    records = [json.loads(line) for line in (tmp_path / "dpo_run" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval_dpo/accuracy"] for r in records if "eval_dpo/accuracy" in r]
+    assert accuracy[-1] > 0.9, accuracy
+    copies_after, reversals_after = shares(dpo_run.workdir)
+    assert copies_after > copies and reversals_after < 0.25 * reversals, (copies, reversals, copies_after,
+                                                                          reversals_after)
