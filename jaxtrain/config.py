@@ -76,6 +76,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
                           f"do not run in a pipeline yet; set pipeline.stages=1")
     if cfg.model.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
         hf.check_init_from(cfg.model.init_from, model_config(cfg, "cpu"))
+    if cfg.model.init_adapters:
+        if not cfg.model.init_from or not cfg.model.lora_rank:
+            raise ConfigError("model.init_adapters", "PEFT adapters start a LoRA run over their base model: set "
+                              "model.init_from to the base's directory and model.lora_rank to the adapters' r")
+        hf.check_init_adapters(cfg.model.init_adapters, model_config(cfg, "cpu"))
     dpo.check_config(cfg.dpo)
     optim.check_config(cfg.optim, total_steps=cfg.train.steps)
     if cfg.optim.groups:

@@ -1,7 +1,7 @@
 """Pure train and eval steps, and the objectives they minimise.
 
 State is a plain dict {"step", "params", "opt_state"} of arrays (plus "reference", DPO's frozen starting
-weights, when not under LoRA); the model graph is rebuilt from its static `graphdef` only while tracing, so the
+weights: the adapters only under LoRA); the model graph is rebuilt from its static `graphdef` only while tracing, so the
 jitted step is a plain function of arrays. An `Objective` is a loss over a batch: the language model's
 cross-entropy (pretraining, and SFT through chat data's loss weights) or DPO over preference pairs.
 """
@@ -118,11 +118,11 @@ def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
 
 
 def reference_params(state: dict, lora: bool):
-    """DPO's reference model: under LoRA the base with its adapters off (B = 0 makes (x A) B zero exactly), so
-    the weights are not held twice; otherwise the state's frozen copy of the starting weights."""
+    """DPO's reference model, the run's starting weights: the state's frozen copy of them, which under LoRA holds
+    the starting adapters only, over the frozen base. Fresh adapters have B = 0, so that reference is the base
+    with the adapters off, exactly, and the weights are not held twice."""
     if lora:
-        adapters, base = lora_lib.split(state["params"])
-        return lora_lib.join(jax.tree.map(jnp.zeros_like, adapters), base)
+        return lora_lib.join(state["reference"], lora_lib.split(state["params"])[1])
     return state["reference"]
 
 

@@ -24,7 +24,7 @@ from jaxtrain import hooks as hooks_lib
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.data import layout, pipeline, prepare
 from jaxtrain.errors import ConfigError, HFError
-from jaxtrain.models import hf, sampling, transformer
+from jaxtrain.models import hf, lora, sampling, transformer
 from jaxtrain.observe import goodput, tracking
 from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.observe import profiling
@@ -135,6 +135,13 @@ def run(config, print_fn=print, writers=()) -> dict:
                 params = hf.load_params(config.model.init_from, trainer.model_cfg)
             except HFError as e:  # a tensor missing or unreadable: the config passed, the weights did not
                 raise ConfigError("model.init_from", str(e)) from None
+            if config.model.init_adapters:  # PEFT adapters continue training over that base
+                try:
+                    adapters = hf.import_adapters(config.model.init_adapters, trainer.model_cfg)
+                except HFError as e:
+                    raise ConfigError("model.init_adapters", str(e)) from None
+                dtype = np.dtype(trainer.model_cfg.param_dtype)
+                params = lora.join(jax.tree.map(lambda a: a.astype(dtype), adapters), params)
             return trainer.init_from_host(params)
 
         restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
@@ -145,7 +152,8 @@ def run(config, print_fn=print, writers=()) -> dict:
         else:
             start, state = 0, fresh_state()
             if config.model.init_from:
-                say(f"initialized from the Hugging Face checkpoint {config.model.init_from}")
+                say(f"initialized from the Hugging Face checkpoint {config.model.init_from}"
+                    + (f" with the adapters of {config.model.init_adapters}" if config.model.init_adapters else ""))
         if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
             wd.record_config(tracking.redact(config.to_dict()))
         checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs

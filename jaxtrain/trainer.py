@@ -31,7 +31,8 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 
 def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int, reference: bool = False):
     """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter.
-    `reference`: the state also keeps a frozen copy of the starting weights (DPO's reference model)."""
+    `reference`: the state also keeps a frozen copy of the starting trained weights (DPO's reference model): every
+    parameter, or under LoRA the starting adapters only (over the frozen base they give the starting model)."""
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
@@ -47,7 +48,7 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
         params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
-        return {**state, "reference": params} if reference else state
+        return {**state, "reference": trained(params)} if reference else state
 
     abstract_state = jax.eval_shape(init)
     # Optimizer moments shard like their parameters; scalars (e.g. Adam's count) are replicated. Moments of another
@@ -60,7 +61,7 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         abstract_state["opt_state"], trained(param_names), transform_non_params=lambda _: None,
         is_leaf=lambda x: isinstance(x, P) or masked(x))
     names = {"step": None, "params": param_names, "opt_state": opt_names,
-             **({"reference": param_names} if reference else {})}
+             **({"reference": trained(param_names)} if reference else {})}
     shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
     if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
         shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
@@ -143,8 +144,7 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
     objective = step_lib.objective(config)
     lora_run = bool(model_cfg.lora_rank)
     graphdef, abstract_state, shardings, init, optimizer = abstract_train_state(
-        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed,
-        reference=objective.reference and not lora_run)  # under LoRA the reference is the base: no copy
+        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed, reference=objective.reference)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(

@@ -15,6 +15,7 @@ from jaxtrain import train
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.config import base_config
 from jaxtrain.data import chat, layout, prepare
+from jaxtrain.models import lora as lora_lib
 from jaxtrain.models import sampling
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.tools import hf as hf_cli
@@ -60,7 +61,9 @@ def test_dpo_on_eight_devices_with_accumulation_equals_one_device(tiny_config, p
                                            "train.microbatches": 2, **lora})
     one = trainer_lib.build_trainer(_dpo(tiny_config, pairs_data, **lora), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
-    assert ("reference" in one.abstract_state) != adapters  # under LoRA the base is the reference: no copy
+    # The frozen reference: a copy of every weight, or under LoRA of the (fresh: B = 0) adapters over the base.
+    copied = [str(p[-1].key) for p, _ in jax.tree_util.tree_leaves_with_path(one.abstract_state["reference"])]
+    assert copied and all(lora_lib.is_adapter(k) for k in copied) == adapters
     facts = config_lib.validate(cfg, 8)
     eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
     before, after, history = train_on_stream(one, pairs_data, 3, seq_len=128)
@@ -108,20 +111,20 @@ def _config(workdir, data, steps, seq_len, **groups):
 @pytest.mark.slow
 def test_dpo_after_sft_prefers_the_chosen_answers(tmp_path):
     rng = np.random.default_rng(0)
-    words = [list(rng.choice(WORDS, 4)) for _ in range(3000)]
+    words = [list(rng.choice(WORDS, 3)) for _ in range(3000)]
     hf = chat_tokenizer_dir(tmp_path / "hf", WORDS)
     # SFT: the answer is the copy or the reversal, at random: greedy answers are some of each.
     sft = [{"messages": [_message("user", w), _message("assistant", w if rng.random() < 0.5 else w[::-1])]}
            for w in words[:1500]]
     sft_data = _prepare(tmp_path / "sft", hf, sft, chat=True, max_len=64)
     pairs = _prepare(tmp_path / "pairs", hf, _pairs(words[1500:]), preference=True, max_len=128)
-    sft_run = _config(tmp_path / "sft_run", sft_data, 500, 64)
+    sft_run = _config(tmp_path / "sft_run", sft_data, 600, 64)
     train.run(sft_run, **QUIET)
     assert hf_cli.main(["export", "--workdir", sft_run.workdir, "--output", str(tmp_path / "sft_hf")]) == 0
 
     tok = layout.load_tokenizer(sft_data)
     template, variables = chat.load_template(sft_data), chat.special_tokens(sft_data)
-    prompts = [list(rng.choice(WORDS, 4)) for _ in range(40)]
+    prompts = [list(rng.choice(WORDS, 3)) for _ in range(40)]
 
     def shares(workdir):
         """The shares of held-out prompts answered greedily with the copy, and with the reversal."""
@@ -133,7 +136,7 @@ def test_dpo_after_sft_prefers_the_chosen_answers(tmp_path):
                 np.mean([a == " ".join(w[::-1]) for a, w in zip(answers, prompts)]))
 
     copies, reversals = shares(sft_run.workdir)
-    assert reversals > 0.1  # there is something to move
+    assert reversals >= 0.2, (copies, reversals)  # there is something to move
     dpo_run = _config(tmp_path / "dpo_run", pairs, 120, 128, train={"objective": "dpo"}, optim={"lr": 1e-3},
                       model={"init_from": str(tmp_path / "sft_hf"), "lora_rank": 8})
     summary = train.run(dpo_run, **QUIET)

@@ -171,18 +171,19 @@ def resolve_dtypes(dtype: str, param_dtype: str, platform: str) -> tuple[str, st
 
 
 def config_defaults() -> dict:
-    """The config schema's `model` group: every ModelConfig field but the pipeline's, and `init_from`."""
+    """The config schema's `model` group: every ModelConfig field but the pipeline's, `init_from` and
+    `init_adapters`."""
     group = {f.name: f.default for f in dataclasses.fields(ModelConfig)
              if f.name not in (*PIPELINE_FIELDS, "grad_reduce_dtype")}
     # A Hugging Face directory whose weights start a fresh run (jaxtrain.models.hf): where the weights come from,
-    # not what the model is.
-    return {**group, "init_from": ""}
+    # not what the model is. `init_adapters`: a PEFT LoRA directory whose adapters start the run over that base.
+    return {**group, "init_from": "", "init_adapters": ""}
 
 
 def from_config(model, pipeline, platform: str, grad_reduce_dtype: str = "float32") -> ModelConfig:
     """The ModelConfig of the config's `model` and `pipeline` groups (and optim.grad_reduce_dtype), its dtypes
     resolved for `platform`."""
-    m = {k: v for k, v in dict(model).items() if k != "init_from"}
+    m = {k: v for k, v in dict(model).items() if k not in ("init_from", "init_adapters")}
     m["dtype"], m["param_dtype"] = resolve_dtypes(m["dtype"], m["param_dtype"], platform)
     return ModelConfig(**m, pipeline_stages=pipeline.stages, pipeline_microbatches=pipeline.microbatches,
                        pipeline_schedule=pipeline.schedule, pipeline_repeats=pipeline.repeats,

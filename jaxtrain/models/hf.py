@@ -286,12 +286,15 @@ def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model
     return _written_whole(out_dir, fill, "jaxtrain hf export --adapters")
 
 
-def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
-    """The adapters of a PEFT LoRA directory (export_adapters' format, or PEFT's own) for `model_cfg`, as the
-    params' adapter leaves (numpy f32, jaxtrain's layout): what continues training them. HFError names the field
-    or tensor that does not fit: r and lora_alpha must equal model.lora_rank and lora_alpha, and each adapted
-    module must be one `model.lora_targets` names."""
-    adapter_dir = Path(adapter_dir)
+def check_init_adapters(adapter_dir, model_cfg: ModelConfig) -> None:
+    """`model.init_adapters`' adapter_config.json against `model_cfg` (its weights are read at init)."""
+    try:
+        _adapter_config(Path(adapter_dir), model_cfg)
+    except HFError as e:
+        raise ConfigError("model.init_adapters", str(e)) from None
+
+
+def _adapter_config(adapter_dir: Path, model_cfg: ModelConfig) -> dict:
     config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
     for path in (config_path, weights_path):
         if not path.is_file():
@@ -301,6 +304,17 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
         if config.get(field) != ours:
             raise HFError(f"{config_path}: {field} is {config.get(field)!r}, the run has {ours!r} "
                           f"(model.lora_rank / model.lora_alpha)")
+    return config
+
+
+def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
+    """The adapters of a PEFT LoRA directory (export_adapters' format, or PEFT's own) for `model_cfg`, as the
+    params' adapter leaves (numpy f32, jaxtrain's layout): what continues training them. HFError names the field
+    or tensor that does not fit: r and lora_alpha must equal model.lora_rank and lora_alpha, and each adapted
+    module must be one `model.lora_targets` names."""
+    adapter_dir = Path(adapter_dir)
+    _adapter_config(adapter_dir, model_cfg)
+    weights_path = adapter_dir / ADAPTER_WEIGHTS
     with safe_open(str(weights_path), framework="numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     shapes, r = param_shapes(model_cfg), model_cfg.lora_rank

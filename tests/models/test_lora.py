@@ -210,3 +210,28 @@ def test_a_peft_adapter_directory_imports_as_the_adapters_peft_computes(tmp_path
     with pytest.raises(HFError, match="no place for"):
         hf.import_adapters(tmp_path / "ours", ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, tie_embeddings=False,
                                                           lora_targets="q,v"))
+
+
+def test_a_run_starts_from_a_peft_adapter_directory(tmp_path, tiny_config):
+    """model.init_adapters: a LoRA run over model.init_from's base starts with a PEFT directory's adapters, so
+    its step-0 eval loss is the merged model's; without a base, or with another rank, it exits before the run."""
+    from jaxtrain import train  # noqa: PLC0415
+    from jaxtrain.models import hf  # noqa: PLC0415
+
+    sizes = {f"model.{k}": v for k, v in CFG.items() if k != "dtype"}
+    sizes = {**sizes, "model.vocab_size": 512, "model.tie_embeddings": False}
+    cfg = ModelConfig(**{**CFG, "vocab_size": 512}, lora_rank=4, lora_alpha=8.0, tie_embeddings=False)
+    adapters, base = lora.split(_params(cfg))
+    adapters = jax.tree.map(lambda x: x + 0.05, adapters)
+    base_dir = hf.export(base, ModelConfig(**{**CFG, "vocab_size": 512}, tie_embeddings=False), tmp_path / "base")
+    hf.export_adapters(lora.join(adapters, base), cfg, tmp_path / "adapters")
+    merged_dir = hf.export(lora.join(adapters, base), cfg, tmp_path / "merged")
+    quiet = {"print_fn": lambda *a, **k: None}
+    lora_run = {**sizes, "model.lora_rank": 4, "model.lora_alpha": 8.0, "model.init_from": str(base_dir),
+                "model.init_adapters": str(tmp_path / "adapters"), "train.steps": 2}
+    started = train.run(tiny_config(**lora_run), **quiet)["eval"][0]
+    merged = train.run(tiny_config(**sizes, **{"model.init_from": str(merged_dir), "train.steps": 2}), **quiet)["eval"][0]
+    assert started[0] == merged[0] == 0 and started[1] == pytest.approx(merged[1], rel=1e-5)
+    for bad, field in (({"model.init_from": ""}, "model.init_adapters"), ({"model.lora_alpha": 16.0}, "model.init_adapters")):
+        with pytest.raises(ConfigError, match=field):
+            config_lib.validate(tiny_config(**{**lora_run, **bad}), 8)

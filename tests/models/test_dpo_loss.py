@@ -178,7 +178,7 @@ def test_step_loss_equals_numpy_over_sequences_run_alone(chunk, adapters):
     rules = mesh_lib.resolve_rules("dp")
     objective = step_lib.dpo(beta, smoothing)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora=adapters))
-    loss_sum, count, metrics = eval_step(moved, None if adapters else start, batch)
+    loss_sum, count, metrics = eval_step(moved, lora.split(start)[0] if adapters else start, batch)
     assert float(count) == 3
     np.testing.assert_allclose(float(loss_sum) / 3, expected, rtol=2e-5)
     np.testing.assert_allclose(float(metrics["dpo/logp_chosen"]) / 3, policy[0::2].mean(), rtol=2e-5)
