@@ -154,16 +154,18 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
 
 def step_bytes_floor(cfg: ml_collections.ConfigDict, num_devices: int) -> float:
     """A floor under one step's bytes per device, however the mesh splits it: params and gradients in f32 and
-    AdamW's two moments (the matmul params only; none for another optimizer or a state offloaded to the host),
-    plus, as under full remat, one bf16 residual per layer and token of a microbatch, all spread evenly over every
-    device. Any real step needs more; `jaxtrain plan` gives its figure."""
+    AdamW's two moments (the matmul params only; none for another optimizer or a state offloaded to the host;
+    under LoRA the frozen weights alone; DPO's reference copy without LoRA), plus, as under full remat, one bf16
+    residual per layer and token of a microbatch, all spread evenly over every device. Any real step needs more;
+    `jaxtrain plan` gives its figure."""
     m = model_lib.from_config(cfg.model, cfg.pipeline, "cpu")
     from jaxtrain.models import transformer  # noqa: PLC0415 - imports flax; the arithmetic is all here
 
     tokens = cfg.train.batch_size // cfg.train.microbatches * cfg.train.seq_len
     o = cfg.optim
     moments = 0 if o.offload or o.name != "adamw" else 2 * (2 if o.moments_dtype == "bfloat16" else 4)
-    return ((8 + moments) * transformer.matmul_params(m) + 2 * tokens * m.n_layers * m.d_model) / num_devices
+    per_param = 4 if m.lora_rank else 8 + moments + (4 if cfg.train.objective == "dpo" else 0)
+    return (per_param * transformer.matmul_params(m) + 2 * tokens * m.n_layers * m.d_model) / num_devices
 
 
 def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, device_bytes: float | None) -> None:

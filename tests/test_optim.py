@@ -294,14 +294,18 @@ def test_weight_grad_in_gives_the_matmul_gradient_from_a_matmul_with_that_dtype(
 
 def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(tiny_config):
     """config.step_bytes_floor (what check_fits refuses a run by): AdamW's two f32 moments are 8 bytes per matmul
-    parameter, bf16 moments 4, another optimizer's or an offloaded state's none."""
+    parameter, bf16 moments 4, another optimizer's or an offloaded state's none; under LoRA the frozen weights
+    alone count (4 bytes), and DPO's reference copy 4 more."""
     from jaxtrain.models import transformer
 
     cfg = tiny_config()
     n = transformer.matmul_params(config_lib.model_config(cfg, "cpu"))
     floors = {}
     for key, settings in {"adamw": {}, "bf16": {"optim.moments_dtype": "bfloat16"}, "offload": {"optim.offload": True},
-                          "lion": {"optim.name": "lion"}}.items():
+                          "lion": {"optim.name": "lion"}, "lora": {"model.lora_rank": 4},
+                          "dpo": {"train.objective": "dpo"}}.items():
         floors[key] = config_lib.step_bytes_floor(tiny_config(**settings), 8)
+    assert floors["adamw"] - floors["lora"] == pytest.approx(12 * n / 8)
+    assert floors["dpo"] - floors["adamw"] == pytest.approx(4 * n / 8)
     assert floors["adamw"] - floors["bf16"] == pytest.approx(4 * n / 8)
     assert floors["adamw"] - floors["offload"] == floors["adamw"] - floors["lion"] == pytest.approx(8 * n / 8)

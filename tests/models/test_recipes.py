@@ -32,3 +32,18 @@ def test_recipe_validates_with_the_published_size(path):
 
 def test_every_recipe_is_listed():
     assert {p.stem for p in RECIPES} == set(PARAMS)
+
+
+@pytest.mark.parametrize("recipe", ["sft_full", "sft_lora", "dpo_lora"])
+def test_fine_tuning_recipes_validate_on_the_cpu_model_and_the_8b_ones(recipe):
+    """configs/sft_full.py, sft_lora.py and dpo_lora.py: the CPU model, and `:llama3_8b` / `:qwen3_8b` that
+    model's published architecture with the same fine-tuning settings."""
+    path = RECIPES[0].parents[1] / f"{recipe}.py"
+    for model in ("", "llama3_8b", "qwen3_8b"):
+        cfg = files.run_python_file(path, "get_config", *([model] if model else []), field="--config")
+        config_lib.validate(cfg, 8)
+        assert (cfg.model.lora_rank > 0) == ("lora" in recipe)
+        assert cfg.train.objective == ("dpo" if recipe.startswith("dpo") else "lm")
+        if model:
+            published = files.run_python_file(RECIPES[0].parent / f"{model}.py", "get_config", field="--config")
+            assert n_params(cfg.model) == n_params(published.model) == pytest.approx(PARAMS[model], rel=0.01)

@@ -176,8 +176,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         (trainer.model_cfg, model_cfg)
 
     t = config.train
+    keys = ("tokens", "segment_ids", "positions") + (("loss_weights",) if t.objective == "dpo" else ())
     abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
-                      for k in ("tokens", "segment_ids", "positions")}
+                      for k in keys}
     t0 = time.perf_counter()
     compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
     compile_s = time.perf_counter() - t0
@@ -186,6 +187,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     sharded = {"params": per_device_bytes(state["params"]), "optimizer": per_device_bytes(state["opt_state"]),
                "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
     sharded["gradients"] = per_device_bytes(trainer_lib.trained_params(model_cfg)(state["params"]))
+    sharded["reference"] = per_device_bytes(state["reference"]) if "reference" in state else 0.0  # DPO's
     # optim.offload: the state's shards live in each device's host memory. Counted by the config, not the
     # shardings' memory kind, which a described GPU's devices (no memories) drop.
     sharded["host"] = {"optimizer": sharded["optimizer"] if config.optim.offload else 0.0}
@@ -212,6 +214,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
                    pipeline=dict(config.pipeline), offload=config.optim.offload)
+    # DPO's frozen reference: a copy of the trained params (all, or LoRA's adapters), an argument of the step.
+    est["reference"] = est["gradients"] if "reference" in state else 0.0
+    est["arguments"] += est["reference"]
 
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""
@@ -231,6 +236,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     n_params = sum(math.prod(p["shape"]) for p in inventory)
     tokens = t.batch_size * t.seq_len
     model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
+    if t.objective == "dpo":  # the reference model's forward, a third of a train step's FLOPs
+        model_flops *= 4 / 3
     cost = _cost_flops(compiled)
     dots = hlo_lib.dot_flops(module) if text else None
     step_s = model_flops / (peak_dev * num_devices * mfu)
@@ -246,6 +253,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         ("params", sharded["params"], est["params"]),
         ("optimizer", sharded["optimizer"], est["optimizer"]),
         ("gradients", sharded["gradients"], est["gradients"]),
+        *([("reference", sharded["reference"], est["reference"])] if "reference" in state else []),
         ("arguments", (memory or {}).get("argument"), est["arguments"]),
         ("temporaries", (memory or {}).get("temp"), est["temporaries"]),
     ]

@@ -51,7 +51,8 @@ def format_report(r: dict) -> str:
         f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}",
     ]
     labels = {"params": "params (shardings)", "optimizer": "optimizer state (shardings)",
-              "gradients": "gradients (trained params)", "arguments": "arguments (compiled)",
+              "gradients": "gradients (trained params)", "reference": "DPO reference (frozen)",
+              "arguments": "arguments (compiled)",
               "temporaries": "temporaries (compiled temp)"}
     for row in mem["rows"]:
         lines.append(f"  {labels[row['name']]:<26}{_b(row['compiled']):>20}{_b(row['analytic']):>14}"
@@ -95,10 +96,13 @@ def format_report(r: dict) -> str:
                      f"counts the fused kernel's (its softmax statistics only)")
     f = r["flops"]
     s = r["speed"]
+    # DPO adds the reference model's forward to each step.
+    flops_label = "model FLOPs ((6N + attn) x 4/3, DPO)" if mem["sharding"].get("reference") else \
+        "model FLOPs (6N + attention)"
     lines += [
         "",
         "compute per step (all devices)",
-        f"  {'model FLOPs (6N + attention)':<38}{_f(f['model_per_step']):>16}",
+        f"  {flops_label:<38}{_f(f['model_per_step']):>16}",
         f"  {'XLA cost_analysis flops':<38}{_f(f['cost_analysis_total']):>16}   "
         f"x{_r(f['cost_analysis_vs_model'])} of model (while-loop bodies counted once)",
         f"  {'HLO dot FLOPs x trip counts':<38}{_f(f['hlo_dots_total']):>16}   "
