@@ -13,7 +13,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
