@@ -112,12 +112,12 @@ class LogHook(Hook):
                   "skipped_steps": len(fetched) - sum(bool(m["finite"]) for m in fetched)}
         record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if k.startswith(("moe/", "dpo/"))})
         self.writer.write_scalars(step, record)
-        moe = f" | moe drop {100 * record['moe/dropped_fraction']:.1f}%" if "moe/dropped_fraction" in record else ""
+        extra = f" | moe drop {100 * record['moe/dropped_fraction']:.1f}%" if "moe/dropped_fraction" in record else ""
         if "dpo/accuracy" in record:
-            moe += f" | pref acc {100 * record['dpo/accuracy']:.1f}% margin {record['dpo/margin']:.3f}"
+            extra += f" | pref acc {100 * record['dpo/accuracy']:.1f}% margin {record['dpo/margin']:.3f}"
         self.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {record['loss']:.4f} | "
                    f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
-                   f"MFU {100 * mfu:.1f}%{moe} | ETA {_duration(eta)}")
+                   f"MFU {100 * mfu:.1f}%{extra} | ETA {_duration(eta)}")
         self.last_step, self.last_time, self.last_wait = step, now, self.clock.data_wait_s
 
 

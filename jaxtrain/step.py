@@ -1,9 +1,9 @@
 """Pure train and eval steps, and the objectives they minimise.
 
 State is a plain dict {"step", "params", "opt_state"} of arrays (plus "reference", DPO's frozen starting
-weights: the adapters only under LoRA); the model graph is rebuilt from its static `graphdef` only while tracing, so the
-jitted step is a plain function of arrays. An `Objective` is a loss over a batch: the language model's
-cross-entropy (pretraining, and SFT through chat data's loss weights) or DPO over preference pairs.
+weights: the adapters only under LoRA); the model graph is rebuilt from its static `graphdef` only while
+tracing, so the jitted step is a plain function of arrays. An `Objective` is a loss over a batch: the language
+model's cross-entropy (pretraining, and SFT through chat data's loss weights) or DPO over preference pairs.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ class Objective:
     scalars); the step divides both sums by count(batch) over the whole batch (scored tokens, or pairs), so that
     gradient accumulation equals one big step. `reference`: the batch also needs "reference_log_probs", the
     frozen reference model's token_log_probs."""
-    name: str
     terms: Callable
     count: Callable
     reference: bool = False
@@ -84,7 +83,7 @@ def _lm_terms(graphdef, params, batch):
     return ce_sum, {}, aux
 
 
-LANGUAGE_MODEL = Objective("lm", _lm_terms, lambda batch: next_token_targets(batch)[1].sum())
+LANGUAGE_MODEL = Objective(_lm_terms, lambda batch: next_token_targets(batch)[1].sum())
 
 
 def dpo(beta: float, label_smoothing: float = 0.0) -> Objective:
@@ -94,7 +93,7 @@ def dpo(beta: float, label_smoothing: float = 0.0) -> Objective:
                                             label_smoothing)
         return loss, metrics, aux
 
-    return Objective("dpo", terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]), reference=True)
+    return Objective(terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]), reference=True)
 
 
 def objective(config) -> Objective:
@@ -124,11 +123,6 @@ def reference_params(state: dict, lora: bool):
     if lora:
         return lora_lib.join(state["reference"], lora_lib.split(state["params"])[1])
     return state["reference"]
-
-
-def loss_sum(graphdef, params, batch):
-    """Summed token cross-entropy (f32) and the number of scored tokens."""
-    return loss_terms(graphdef, params, batch)[:2]
 
 
 def accumulates_per_replica(model_cfg, microbatches: int) -> bool:

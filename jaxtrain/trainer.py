@@ -102,7 +102,7 @@ class Trainer:
 
     def eval_metrics(self, params, batches, reference=None) -> dict:
         """{"loss": the objective's mean over process-local numpy batches, and its metrics' means (DPO's)}.
-        `reference`: the state's "reference" (DPO without LoRA)."""
+        `reference`: the state's "reference" (DPO's starting weights, or adapters under LoRA)."""
         sums = jax.device_get([self.eval_step(params, reference, global_batch(b, self.batch_sharding))
                                for b in batches])
         count = max(float(sum(c for _, c, _ in sums)), 1.0)

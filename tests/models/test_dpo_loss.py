@@ -143,13 +143,15 @@ def _sequence_log_probs(graphdef, params, sequences, t):
 def test_step_loss_equals_numpy_over_sequences_run_alone(chunk, adapters):
     """Two packed rows of pairs; the policy has moved from the reference. The loss the eval step computes (and
     the train step reports) equals numpy's over each sequence run on its own."""
-    cfg = ModelConfig(**CFG, loss_chunk_tokens=chunk, **(dict(lora_rank=4, lora_targets="q,v,down") if adapters else {}))
+    adapter_settings = dict(lora_rank=4, lora_targets="q,v,down") if adapters else {}
+    cfg = ModelConfig(**CFG, loss_chunk_tokens=chunk, **adapter_settings)
     graphdef, shapes = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, 0)))
     noise = np.random.default_rng(1)
     normal = lambda shape, scale: (scale * noise.normal(size=shape)).astype(np.float32)  # noqa: E731
     # Random weights (compiling the model's init costs more than this whole test); B = 0 as LoRA starts.
     start = jax.tree_util.tree_map_with_path(
-        lambda path, x: np.zeros(x.shape, np.float32) if str(path[-1].key).endswith("_lora_b") else normal(x.shape, 0.3),
+        lambda path, x: np.zeros(x.shape, np.float32) if str(path[-1].key).endswith("_lora_b")
+        else normal(x.shape, 0.3),
         nnx.to_pure_dict(shapes))
     moved = jax.tree.map(lambda p: p + normal(p.shape, 0.05), start)
     if adapters:  # the reference is the base: only the adapters move
