@@ -1,5 +1,5 @@
-"""DPO as a run: on 8 devices with gradient accumulation it equals one device (the reference an explicit frozen
-copy, or under LoRA the base with adapters off); it resumes bit-exactly with the reference unchanged; and after
+"""DPO as a run: on 8 devices with gradient accumulation, or a pipeline with a split sequence, it equals one device
+(the reference an explicit frozen copy, or under LoRA the base with adapters off); it resumes bit-exactly with the reference unchanged; and after
 SFT on answers that are half copies, half reversals, DPO preferring the copies reaches >90% held-out preference
 accuracy and moves greedy answers to the copies."""
 
@@ -54,11 +54,20 @@ def _dpo(tiny_config, data, **overrides):
                           **overrides})
 
 
-@pytest.mark.parametrize("adapters", [False, True], ids=["reference_copy", "lora"])
-def test_dpo_on_eight_devices_with_accumulation_equals_one_device(tiny_config, pairs_data, adapters):
+MESHES = {"reference_copy": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2},
+          "lora": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2, "model.lora_rank": 4},
+          "pipeline_sequence": {"mesh.data": 2, "mesh.pipeline": 2, "mesh.sequence": 2, "pipeline.stages": 2,
+                                "pipeline.microbatches": 2}}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_dpo_on_eight_devices_equals_one_device(tiny_config, pairs_data, mesh):
+    """data x fsdp x tensor with gradient accumulation (the reference a frozen copy, or LoRA's), and a
+    pipeline with the sequence split."""
+    settings = MESHES[mesh]
+    adapters = "model.lora_rank" in settings
     lora = {"model.lora_rank": 4} if adapters else {}
-    cfg = _dpo(tiny_config, pairs_data, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
-                                           "train.microbatches": 2, **lora})
+    cfg = _dpo(tiny_config, pairs_data, **settings)
     one = trainer_lib.build_trainer(_dpo(tiny_config, pairs_data, **lora), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     # The frozen reference: a copy of every weight, or under LoRA of the (fresh: B = 0) adapters over the base.
