@@ -147,7 +147,10 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
         group, key = field.split(".")
         # A key older workdirs did not save has its schema default.
         was, now = saved.get(group, {}).get(key, base_config()[group][key]), cfg[group][key]
-        if was != now:
+        same = was == now
+        if field == "model.lora_targets":  # the same adapters, however named ("all", or listed)
+            same = len({model_lib.lora_target_names(v, cfg.model.n_experts) for v in (was, now)}) == 1
+        if not same:
             raise ConfigError(field, f"is {now!r} but the checkpoints in {workdir} were made with {was!r}; "
                               f"set it back or use a new workdir")
 

@@ -38,6 +38,18 @@ def next_token_targets(batch):
     return targets, weights
 
 
+def _inputs(batch):
+    """The model's inputs in `batch`; its "dropout_keys" are there in training steps only (`dropout_keys`)."""
+    return batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("dropout_keys")
+
+
+def dropout_keys(seed: int, step, rows: int):
+    """LoRA dropout's per-row keys (uint32 key data [rows, ...]) for `step`: a function of (seed, step, row) alone,
+    so a resumed run draws the masks it would have drawn."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x10BA), step)
+    return jax.vmap(lambda row: jax.random.key_data(jax.random.fold_in(key, row)))(jnp.arange(rows))
+
+
 def loss_terms(graphdef, params, batch):
     """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
     model = nnx.merge(graphdef, params)
@@ -45,11 +57,11 @@ def loss_terms(graphdef, params, batch):
     # The head fused with the loss, chunk by chunk: no [B, T, vocab] logits. Not with a final soft-cap (Gemma 2),
     # which the fused kernel does not apply.
     if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
-        x, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        x, aux = model.hidden(*_inputs(batch))
         ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
                                       model.cfg.grad_reduce_dtype)
         return ce_sum, jnp.sum(weights), aux
-    logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logits, aux = model.forward(*_inputs(batch))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return jnp.sum(ce * weights), jnp.sum(weights), aux
 
@@ -59,10 +71,10 @@ def token_log_probs(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     targets, weights = next_token_targets(batch)
     if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
-        x, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+        x, aux = model.hidden(*_inputs(batch))
         log_probs = cross_entropy.token_log_probs(x, model.head(), targets, model.cfg.loss_chunk_tokens, x.dtype)
     else:
-        logits, aux = model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, aux = model.forward(*_inputs(batch))
         log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
     return log_probs * weights, aux
 
@@ -154,7 +166,8 @@ def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches):
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
-                    offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL) -> Callable:
+                    offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL,
+                    dropout_seed: int | None = None) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -163,13 +176,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     `offload` (optim.offload): the optimizer state lives in pinned host memory; it is copied to the device for the
     update and the new state back, so between steps the device holds none of it. `lora` (model.lora_rank > 0):
     only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
-    they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy)."""
+    they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy).
+    `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's count so that accumulation equals one big step.
             total = jnp.maximum(objective.count(batch), 1.0)
             if objective.reference:
                 batch = with_reference(graphdef, reference_params(state, lora), batch, microbatches)
+            if dropout_seed is not None:  # after the reference, which runs without dropout
+                batch = {**batch, "dropout_keys": dropout_keys(dropout_seed, state["step"], batch["tokens"].shape[0])}
 
             # What is differentiated and updated: every parameter, or the LoRA adapters over frozen base weights.
             if lora:

@@ -1,6 +1,6 @@
 """SFT as a run: on a copy task (the assistant repeats the user's 4 words) a small model trained by `train.run` on
 `prepare --chat` data answers held-out prompts exactly, greedy, through `generate --chat` as well; on 8 devices
-with gradient accumulation it equals one device, and it resumes bit-exactly."""
+with gradient accumulation it equals one device, and with LoRA's dropout it resumes bit-exactly."""
 
 import json
 
@@ -56,9 +56,11 @@ def test_sft_on_eight_devices_with_accumulation_equals_one_device(tiny_config, c
     np.testing.assert_allclose(train_on_stream(eight, chat_data, 3, seq_len=64)[2], history, rtol=1e-5, atol=1e-7)
 
 
-def test_sft_resumes_bit_exactly(tiny_config, chat_data):
+def test_sft_with_lora_dropout_resumes_bit_exactly(tiny_config, chat_data):
+    """LoRA's dropout masks are a function of the seed and the step: a resumed run draws the ones it would have."""
     run = {"data.dir": chat_data, "train.seq_len": 64, "train.steps": 6, "checkpoint.every_steps": 3, "eval.every_steps": 3,
-           "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2}
+           "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2, "model.lora_rank": 4,
+           "model.lora_dropout": 0.2, "optim.lr": 1e-2}
     quiet = {"print_fn": lambda *a, **k: None}
     straight = train.run(tiny_config(**run), **quiet)
     first = tiny_config(**run, **{"train.stop_at": 3})

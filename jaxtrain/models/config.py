@@ -54,9 +54,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
 PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
-# model.lora_targets' names -> the weights they adapt (jaxtrain.models.lora).
-LORA_TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+# model.lora_targets' names (jaxtrain.models.lora): the attention projections, a dense MLP's, and a mixture of
+# experts' experts (their gate and up projections together, as Hugging Face stores them, and down).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
+DENSE_MLP_TARGETS = ("gate", "up", "down")
 
+
+
+def lora_target_names(lora_targets: str, n_experts: int) -> frozenset[str]:
+    """model.lora_targets as the set of LORA_TARGETS it names ("all": every one the model has)."""
+    names = {t.strip() for t in str(lora_targets).split(",") if t.strip()}
+    if names == {"all"}:
+        names = {"q", "k", "v", "o", *(("experts",) if n_experts else DENSE_MLP_TARGETS)}
+    return frozenset(names)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -152,10 +162,12 @@ class ModelConfig:
     # device at a time (jaxtrain.models.cross_entropy), so the [B, T, vocab] logits never exist whole. 0 = unfused.
     loss_chunk_tokens: int = 512
     # LoRA (jaxtrain.models.lora): rank-`lora_rank` adapters (0 = none) on the projections `lora_targets` names
-    # (comma-separated LORA_TARGETS), scaled by lora_alpha / lora_rank; training then updates the adapters only.
+    # (comma-separated LORA_TARGETS, or "all" the model has), scaled by lora_alpha / lora_rank, their input
+    # dropped out with probability lora_dropout in training steps; training then updates the adapters only.
     lora_rank: int = 0
     lora_alpha: float = 16.0
-    lora_targets: str = "q,k,v,o,gate,up,down"
+    lora_targets: str = "all"
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         if "auto" in (self.dtype, self.param_dtype):  # built directly, not by `from_config`: the host's platform
@@ -244,13 +256,21 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
                           f"multiple of 8, got {m.head_dim} (use 'xla')")
     if g.positive_int("lora_rank", allow_zero=True):
         g.number("lora_alpha", lo=0, lo_open=True)
+        if g.number("lora_dropout", lo=0) >= 1:
+            raise ConfigError("model.lora_dropout", f"must be < 1, got {m.lora_dropout!r}")
         names = [t.strip() for t in str(m.lora_targets).split(",") if t.strip()]
-        if not names or any(t not in LORA_TARGETS for t in names):
-            raise ConfigError("model.lora_targets", f"{m.lora_targets!r}: expected a comma-separated list of "
-                              f"{', '.join(LORA_TARGETS)}")
-        if m.n_experts and any(LORA_TARGETS[t] in ("w_gate", "w_up", "w_down") for t in names):
-            raise ConfigError("model.lora_targets", "adapters on a mixture of experts' MLPs are not built yet; "
-                              "name the attention projections only (q,k,v,o)")
+        if names != ["all"] and (not names or any(t not in LORA_TARGETS for t in names)):
+            raise ConfigError("model.lora_targets", f"{m.lora_targets!r}: expected 'all' or a comma-separated list "
+                              f"of {', '.join(LORA_TARGETS)}")
+        if m.n_experts and (dense := [t for t in names if t in DENSE_MLP_TARGETS]):
+            raise ConfigError("model.lora_targets", f"{','.join(dense)}: a mixture of experts has no dense MLP; "
+                              "'experts' adapts its experts")
+        if not m.n_experts and "experts" in names:
+            raise ConfigError("model.lora_targets", "'experts': the model has no mixture of experts "
+                              "(model.n_experts is 0)")
+        if m.lora_dropout and m.n_experts and ("experts" in names or names == ["all"]):
+            raise ConfigError("model.lora_dropout", "the experts' adapters take no dropout (nor do PEFT's); set it "
+                              "to 0 or leave 'experts' out of model.lora_targets")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:

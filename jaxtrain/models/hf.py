@@ -245,23 +245,54 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 
 def _adapter_tensors(model_cfg: ModelConfig):
-    """(adapter param path, "lora_A" or "lora_B", PEFT tensor names, the stacked axes the names enumerate) of each
-    adapter `model_cfg` has: base_model.model.<module of the adapted weight's HF name>.lora_A/B.weight."""
+    """(adapter param path, "lora_A" or "lora_B", PEFT tensor names, the stacked axes the names enumerate, whether
+    it is an expert adapter) of each adapter `model_cfg` has: base_model.model.<module of the adapted weight's HF
+    name>.lora_A/B.weight, or for the experts the module PEFT wraps their fused parameter in."""
     table = family_of(model_cfg).weights(model_cfg)
     for path in param_shapes(model_cfg):
         if not lora.is_adapter(path[-1]):
             continue
         suffix = next(x for x in lora.SUFFIXES if path[-1].endswith(x))
-        names, _, lead = _hf_names(path[:-1] + (path[-1][: -len(suffix)],), model_cfg, table)
         kind = "lora_A" if suffix == lora.SUFFIXES[0] else "lora_B"
-        yield path, kind, [f"base_model.model.{n.removesuffix('.weight')}.{kind}.weight" for n in names], lead
+        weight_path = path[:-1] + (path[-1][: -len(suffix)],)
+        experts = bool(model_cfg.n_experts) and weight_path[1:] in families.base.EXPERT_ADAPTERS
+        if experts:
+            module = families.base.EXPERT_ADAPTERS[weight_path[1:]]
+            names, lead = [module.format(i=i) for i in range(model_cfg.n_layers)], 1
+        else:
+            names, _, lead = _hf_names(weight_path, model_cfg, table)
+            names = [n.removesuffix(".weight") for n in names]
+        yield path, kind, [f"base_model.model.{n}.{kind}.weight" for n in names], lead, experts
+
+
+def _to_peft(x: np.ndarray, kind: str, experts: bool) -> np.ndarray:
+    """One layer's adapter in PEFT's layout: lora_A [r, in], lora_B [out, r] (HF's [out, in] order); for E experts
+    lora_A [E * r, in] (expert-major) and lora_B [out, r * E] (expert-minor), as PEFT's ParamWrapper reshapes them."""
+    if experts:
+        e, r = x.shape[0], x.shape[-1] if kind == "lora_A" else x.shape[1]
+        if kind == "lora_A":
+            return x.transpose(0, 2, 1).reshape(e * r, -1)
+        return x.reshape(e, r, -1).transpose(2, 1, 0).reshape(-1, r * e)
+    r = x.shape[-1] if kind == "lora_A" else x.shape[0]
+    return (x.reshape(-1, r) if kind == "lora_A" else x.reshape(r, -1)).T
+
+
+def _from_peft(w: np.ndarray, kind: str, experts: bool, one: tuple[int, ...]) -> np.ndarray:
+    """`_to_peft`'s inverse, into one layer's shape `one`."""
+    if experts:
+        e, r = one[0], one[-1] if kind == "lora_A" else one[1]
+        if kind == "lora_A":
+            return w.reshape(e, r, -1).transpose(0, 2, 1).reshape(one)
+        return w.reshape(-1, r, e).transpose(2, 1, 0).reshape(one)
+    return w.T.reshape(one)
 
 
 def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model: str = "",
                     overwrite: bool = False) -> Path:
     """Writes a LoRA run's adapters alone in PEFT's format: adapter_config.json and adapter_model.safetensors, each
     adapted weight W (the family's HF name, e.g. model.layers.0.self_attn.q_proj.weight) giving
-    base_model.model.<W's module>.lora_A.weight [r, in] and lora_B.weight [out, r] (HF's [out, in] order), in f32.
+    base_model.model.<W's module>.lora_A.weight [r, in] and lora_B.weight [out, r] (HF's [out, in] order), in f32;
+    a mixture of experts' adapters as PEFT's target_parameters on transformers' fused experts (`_to_peft`).
     `base_model`: what the config names as the base (base_model_name_or_path)."""
     out_dir = Path(out_dir)
     check_output(out_dir, overwrite)
@@ -269,13 +300,17 @@ def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model
     if not adapters:
         raise HFError("params hold no LoRA adapters (model.lora_rank is 0); `hf export` writes the model itself")
     r, tensors = model_cfg.lora_rank, {}
-    for path, kind, names, lead in _adapter_tensors(model_cfg):
+    experts = False
+    for path, kind, names, lead, expert in _adapter_tensors(model_cfg):
         x = np.asarray(jax.device_get(adapters[path]), np.float32)
-        for name, part in zip(names, x.reshape(-1, *x.shape[lead:])):  # [in..., r] or [r, out...], per layer
-            tensors[name] = np.ascontiguousarray((part.reshape(-1, r) if kind == "lora_A" else part.reshape(r, -1)).T)
-    modules = sorted({name.split(".")[-3] for name in tensors})  # q_proj, ...
+        for name, part in zip(names, x.reshape(-1, *x.shape[lead:])):  # one layer's
+            tensors[name] = np.ascontiguousarray(_to_peft(part, kind, expert))
+        experts |= expert
+    modules = sorted({name.split(".")[-3] for name in tensors if ".experts." not in name})  # q_proj, ...
+    # lora_dropout: 0 (PEFT refuses dropout on experts; it is a training setting, and the adapters are exported).
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
               "r": r, "lora_alpha": model_cfg.lora_alpha, "lora_dropout": 0.0, "target_modules": modules,
+              "target_parameters": families.base.EXPERT_PARAMETERS if experts else None,
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
               "inference_mode": True}
 
@@ -317,11 +352,11 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
     weights_path = adapter_dir / ADAPTER_WEIGHTS
     with safe_open(str(weights_path), framework="numpy") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    shapes, r = param_shapes(model_cfg), model_cfg.lora_rank
+    shapes = param_shapes(model_cfg)
     flat, used = {}, set()
-    for path, kind, names, lead in _adapter_tensors(model_cfg):
+    for path, kind, names, lead, expert in _adapter_tensors(model_cfg):
         one = shapes[path][lead:]
-        want = (r, math.prod(one[:-1])) if kind == "lora_A" else (math.prod(one[1:]), r)
+        want = _to_peft(np.zeros(one, np.float32), kind, expert).shape
         parts = []
         for name in names:
             if name not in tensors:
@@ -329,7 +364,7 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
             w = np.asarray(tensors[name], np.float32)
             if w.shape != want:
                 raise HFError(f"{weights_path}: tensor {name} has shape {list(w.shape)}, the run implies {list(want)}")
-            parts.append(np.ascontiguousarray(w.T.reshape(one)))
+            parts.append(np.ascontiguousarray(_from_peft(w, kind, expert, one)))
             used.add(name)
         flat[path] = np.stack(parts).reshape(shapes[path]) if lead else parts[0]
     if extra := sorted(set(tensors) - used):

@@ -1,11 +1,14 @@
 """LoRA: low-rank adapters beside frozen projections (Hu et al. 2021, in PEFT's layout).
 
-A target projection W [in..., out...] (`model.lora_targets`: q, k, v, o, gate, up, down) gets A [in..., r] and
-B [r, out...]; its output gains (lora_alpha / r) * (x A) B. B starts at zero, so step 0 is the base model, and A
-as PEFT's (uniform in +-1/sqrt(fan in)). Each adapter names W's logical axes on its W side and leaves the rank
-unsharded, so it shards like the weight it wraps. The adapters live in the params beside the weights, under
-W's name plus `_lora_a` / `_lora_b`: `split` separates them, and the step differentiates, clips and updates the
-adapters only; the base weights get no gradient and no optimizer state. `merged` folds them into the weights.
+A target projection W [in..., out...] (`model.lora_targets`) gets A [in..., r] and B [r, out...]; its output
+gains (lora_alpha / r) * (dropout(x) A) B. B starts at zero, so step 0 is the base model, and A as PEFT's
+(uniform in +-1/sqrt(fan in)). A mixture of experts' experts get one pair per expert (a leading "experts" axis)
+on their gate and up projections together (one A, B [r, 2, f]: Hugging Face's fused gate_up_proj, as PEFT
+adapts it) and on down. Each adapter names W's logical axes on its W side and leaves the rank unsharded, so it
+shards like the weight it wraps. The adapters live in the params beside the weights, under W's name plus
+`_lora_a` / `_lora_b`: `split` separates them, and the step differentiates, clips and updates the adapters
+only; the base weights get no gradient and no optimizer state. `merged` folds them into the weights. Dropout
+(PEFT's lora_dropout, on A's input) draws from per-row keys (`dropout_keys`), in training steps only.
 """
 
 from __future__ import annotations
@@ -16,44 +19,79 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.models.config import LORA_TARGETS, ModelConfig
+from jaxtrain.models.config import ModelConfig, lora_target_names
 
 SUFFIXES = ("_lora_a", "_lora_b")
+# An adapter over several weights joined along B's first output axis (the experts' gate and up, as HF fuses them).
+JOINED = {"w_gate_up": ("w_gate", "w_up")}
+# Each adapted weight's index in the dropout keys, so that projections of one input draw different masks.
+_DROPOUT_STREAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def targets(cfg: ModelConfig) -> set[str]:
-    """The weight names (wq, ..., w_down) that carry adapters; empty without LoRA."""
-    if not cfg.lora_rank:
-        return set()
-    return {LORA_TARGETS[t.strip()] for t in cfg.lora_targets.split(",") if t.strip()}
+def targets(cfg: ModelConfig) -> frozenset[str]:
+    """The model.lora_targets names (q, ..., experts) that carry adapters; empty without LoRA."""
+    return lora_target_names(cfg.lora_targets, cfg.n_experts) if cfg.lora_rank else frozenset()
 
 
-def add(module: nnx.Module, name: str, w_shape: tuple, w_names: tuple, contract: int, cfg: ModelConfig,
-        rngs: nnx.Rngs) -> None:
-    """Gives `module` the adapters of its weight `name` (shape and logical names as the weight's; its first
-    `contract` dims are the input) when `name` is a target."""
-    if name not in targets(cfg):
+def add(module: nnx.Module, name: str, target: str, w_shape: tuple, w_names: tuple, contract: int,
+        cfg: ModelConfig, rngs: nnx.Rngs, lead: int = 0) -> None:
+    """Gives `module` the adapters `name` of a weight of shape `w_shape` and logical names `w_names` (its first
+    `lead` dims index separate matrices, e.g. experts; the next `contract` are the input) when `target` is one of
+    the run's targets."""
+    if target not in targets(cfg):
         return
     r, dtype = cfg.lora_rank, jnp.dtype(cfg.param_dtype)
-    bound = 1.0 / math.sqrt(math.prod(w_shape[:contract]))
-    a = jax.random.uniform(rngs.params(), (*w_shape[:contract], r), dtype, -bound, bound)
-    setattr(module, name + SUFFIXES[0], nnx.Param(a, out_sharding=(*w_names[:contract], None), eager_sharding=False))
-    b = jnp.zeros((r, *w_shape[contract:]), dtype)
-    setattr(module, name + SUFFIXES[1], nnx.Param(b, out_sharding=(None, *w_names[contract:]), eager_sharding=False))
+    ins, outs = slice(lead, lead + contract), slice(lead + contract, None)
+    bound = 1.0 / math.sqrt(math.prod(w_shape[ins]))
+    a = jax.random.uniform(rngs.params(), (*w_shape[:lead], *w_shape[ins], r), dtype, -bound, bound)
+    setattr(module, name + SUFFIXES[0], nnx.Param(a, out_sharding=(*w_names[:lead], *w_names[ins], None),
+                                                  eager_sharding=False))
+    b = jnp.zeros((*w_shape[:lead], r, *w_shape[outs]), dtype)
+    setattr(module, name + SUFFIXES[1], nnx.Param(b, out_sharding=(*w_names[:lead], None, *w_names[outs]),
+                                                  eager_sharding=False))
 
 
-def delta(module: nnx.Module, name: str, x, contract: int, cfg: ModelConfig, project):
-    """(alpha / r) * (x A) B for the weight `name` of `module`, in x's dtype; None where it has no adapters.
-    `project` is layers.project (passed in: the layers import this module)."""
+def factors(module: nnx.Module, name: str, dtype):
+    """(A, B times alpha / r), both in `dtype`, of the adapters `name` of `module`; None where it has none."""
     if not hasattr(module, name + SUFFIXES[0]):
         return None
-    a, b = (getattr(module, name + s)[...].astype(x.dtype) for s in SUFFIXES)
+    a, b = (getattr(module, name + s)[...].astype(dtype) for s in SUFFIXES)
+    return a, b * jnp.asarray(module.cfg.lora_alpha / module.cfg.lora_rank, dtype)
+
+
+def dropout(x, keys, name: str, rate: float):
+    """x [B, ...] with each element zeroed with probability `rate` and the rest scaled by 1 / (1 - rate), from
+    row b's key keys[b] (uint32 key data) and the weight `name`; x itself where keys is None or rate is 0."""
+    if keys is None or not rate:
+        return x
+    stream = _DROPOUT_STREAMS.index(name)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(_fold(k, stream), 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def delta(module: nnx.Module, name: str, x, contract: int, project, keys=None):
+    """(alpha / r) * (dropout(x) A) B for the weight `name` of `module`, in x's dtype; None where it has no
+    adapters. `project` is layers.project (passed in: the layers import this module); `keys`: `dropout`'s."""
+    if (ab := factors(module, name, x.dtype)) is None:
+        return None
+    a, b = ab
+    x = dropout(x, keys, name, module.cfg.lora_dropout)
     low = project(x, a, contract=contract)  # [..., r]: named like every weight matmul, so remat keeps it
     # Not named: remat recomputes this r-deep product rather than keep a second output as wide as the weight's
     # (kept, plan_1b's LoRA step needed 27.3 GiB of temporaries on 8 H100s; recomputed, 18.0 against full
     # fine-tuning's 21.1).
-    up = jnp.matmul(low.reshape(-1, low.shape[-1]), b.reshape(b.shape[0], -1)).reshape(*low.shape[:-1], *b.shape[1:])
-    return up * jnp.asarray(cfg.lora_alpha / cfg.lora_rank, x.dtype)
+    return jnp.matmul(low.reshape(-1, low.shape[-1]), b.reshape(b.shape[0], -1)).reshape(*low.shape[:-1], *b.shape[1:])
+
+
+def next_keys(keys):
+    """The per-row dropout keys of the next layer (each layer draws from its own); None stays None."""
+    if keys is None:
+        return None
+    return jax.vmap(lambda k: jax.random.key_data(_fold(k, len(_DROPOUT_STREAMS))))(keys)
+
+
+def _fold(key_data, n: int):
+    return jax.random.fold_in(jax.random.wrap_key_data(key_data), n)
 
 
 def is_adapter(key: str) -> bool:
@@ -98,12 +136,18 @@ def merged(params: dict, cfg: ModelConfig) -> dict:
                 name = key[: -len(SUFFIXES[0])]
                 a = jnp.asarray(value, jnp.float32)
                 b = jnp.asarray(adapter_node[name + SUFFIXES[1]], jnp.float32)
-                w = jnp.asarray(base_node[name])
-                shared = a.ndim + b.ndim - 2 - w.ndim  # leading dims of all three: the stacked layers
+                weights = JOINED.get(name, (name,))
+                w0 = jnp.asarray(base_node[weights[0]])
+                # Leading dims of all three: the stacked layers (and experts).
+                shared = a.ndim + b.ndim - 2 - w0.ndim - (len(weights) > 1)
                 lead = "abcd"[:shared]
                 ins, outs = "ijkl"[:a.ndim - 1 - shared], "stuv"[:b.ndim - 1 - shared]
                 d = jnp.einsum(f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}", a, b)
-                out[name] = (w.astype(jnp.float32) + scale * d).astype(w.dtype)
+                parts = [d] if len(weights) == 1 else [jnp.take(d, i, axis=shared + len(ins))
+                                                      for i in range(len(weights))]
+                for weight_name, part in zip(weights, parts):
+                    w = jnp.asarray(base_node[weight_name])
+                    out[weight_name] = (w.astype(jnp.float32) + scale * part).astype(w.dtype)
         return out
 
     return fold(base, adapters)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.models import lora
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.models.layers import activation, param, split_last, weight
 from jaxtrain.parallel.mesh import constrain, split_ways
@@ -163,11 +164,12 @@ def _grouped_matmul_bwd(res, g):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def dropless_experts(x, experts, gates, w_gate_up, w_down, act):
+def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None)):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
     (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run as one
-    ragged_dot per projection, the group sizes the assignments per expert: no capacity, nothing dropped."""
+    ragged_dot per projection, the group sizes the assignments per expert: no capacity, nothing dropped.
+    `adapters`: the LoRA factors (lora.factors) of gate-and-up (A [E, d, r], B [E, r, 2, f]) and of down, or None."""
     n, k = experts.shape
     flat = experts.reshape(n * k)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
@@ -178,7 +180,14 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act):
     e, d, ways, width = w_gate_up.shape
     joined = _grouped_matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(n * k, ways, width)
     gate, up = (h.reshape(n * k, -1) for h in split_last(joined, (width // 2,)))
-    out = _grouped_matmul(act(gate) * up, w_down, sizes)
+    low_rank = lambda h, a, b: _grouped_matmul(_grouped_matmul(h, a, sizes), b.reshape(e, a.shape[-1], -1), sizes)
+    if adapters[0] is not None:
+        gate_up = low_rank(rows, *adapters[0]).reshape(n * k, 2, -1)
+        gate, up = gate + gate_up[:, 0], up + gate_up[:, 1]
+    hidden = act(gate) * up
+    out = _grouped_matmul(hidden, w_down, sizes)
+    if adapters[1] is not None:
+        out = out + low_rank(hidden, *adapters[1])
     out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
     return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
 
@@ -220,6 +229,9 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
                              std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        # LoRA: one A for gate and up (B's outputs [2, f]), as PEFT adapts Hugging Face's fused gate_up_proj.
+        lora.add(self, "w_gate_up", "experts", (e, d, 2, f), ("experts", "embed", None, "mlp"), 1, cfg, rngs, lead=1)
+        lora.add(self, "w_down", "experts", (e, f, d), ("experts", "mlp", "embed"), 1, cfg, rngs, lead=1)
 
     def gate_up_weights(self, dt):
         """w_gate and w_up [E, d, f] joined as [E, d, T, 2f/T], T the ways "mlp" is split (1 if that does not divide
@@ -263,9 +275,15 @@ class MoE(nnx.Module):
         rows = ("act_experts", "batch", "seq" if group < tokens else None, None)
         expert_in = constrain(jnp.einsum("bngec,bngd->ebncd", dispatch, x), (*rows, "act_embed"))
         gate, up = self.gate_up(expert_in, dt)
+        if (ab := lora.factors(self, "w_gate_up", dt)) is not None:
+            low = jnp.einsum("ebncd,edr->ebncr", expert_in, ab[0])
+            gate, up = (h + jnp.einsum("ebncr,erf->ebncf", low, ab[1][:, :, i]) for i, h in enumerate((gate, up)))
         hidden = constrain(activation(cfg.mlp_activation)(gate) * up, (*rows, "act_mlp"))
-        expert_out = constrain(jnp.einsum("ebncf,efd->ebncd", hidden, weight(self.w_down, dt)),
-                               (*rows, "act_embed"))
+        expert_out = jnp.einsum("ebncf,efd->ebncd", hidden, weight(self.w_down, dt))
+        if (ab := lora.factors(self, "w_down", dt)) is not None:
+            expert_out = expert_out + jnp.einsum("ebncr,erd->ebncd", jnp.einsum("ebncf,efr->ebncr", hidden, ab[0]),
+                                                 ab[1])
+        expert_out = constrain(expert_out, (*rows, "act_embed"))
         # Back to the token layout here, so that the combine's backward keeps this copy for the gates' gradient (left
         # to XLA, a pipeline's tick loop moved the expert outputs once more in the backward).
         expert_out = constrain(expert_out, (None, "batch", rows[2], None, "act_embed"))
@@ -286,5 +304,6 @@ class MoE(nnx.Module):
         # partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
         y = dropless_experts(x.reshape(batch * tokens, d), experts.reshape(batch * tokens, -1),
                              gates.reshape(batch * tokens, -1), self.gate_up_weights(dt), weight(self.w_down, dt),
-                             activation(cfg.mlp_activation))
+                             activation(cfg.mlp_activation),
+                             (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
         return constrain(y.reshape(batch, tokens, d), ("batch", "seq", "act_embed")), stats

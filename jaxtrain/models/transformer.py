@@ -52,7 +52,7 @@ class Attention(nnx.Module):
                          std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         for name, contract in (("wq", 1), ("wk", 1), ("wv", 1), ("wo", 2)):
             w = getattr(self, name)
-            lora.add(self, name, w.shape, w.get_metadata()["out_sharding"], contract, cfg, rngs)
+            lora.add(self, name, name[1], w.shape, w.get_metadata()["out_sharding"], contract, cfg, rngs)
         if cfg.qkv_bias:
             zeros = lambda n, names: nnx.Param(jnp.zeros((n, hd), cfg.param_dtype), out_sharding=names,
                                                eager_sharding=False)
@@ -62,16 +62,16 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(cfg, rngs, dim=hd, names=("head_dim",))
             self.k_norm = RMSNorm(cfg, rngs, dim=hd, names=("head_dim",))
 
-    def qkv(self, x):
+    def qkv(self, x, keys=None):
         """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike; then the
-        biases and q/k norms where the family has them (before RoPE)."""
+        biases and q/k norms where the family has them (before RoPE). `keys`: LoRA dropout's (lora.dropout)."""
         if split_ways("kv_heads") != split_ways("q_heads"):
             q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
                        for w in (self.wq, self.wk, self.wv)]
         else:
             q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
                                     "act_heads", quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
-        q, k, v = (adapted(self, name, x, y) for name, y in (("wq", q), ("wk", k), ("wv", v)))
+        q, k, v = (adapted(self, name, x, y, keys=keys) for name, y in (("wq", q), ("wk", k), ("wv", v)))
         if self.cfg.qkv_bias:
             q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
         if self.cfg.qk_norm:
@@ -84,9 +84,9 @@ class Attention(nnx.Module):
         block, impl = (0, "xla") if decoding else (cfg.attention_block, cfg.attention_impl)
         return causal_attention(q, k, v, mask, block, impl, cfg.attn_scale, cfg.attn_softcap)
 
-    def __call__(self, x, rotary_tables, mask):
+    def __call__(self, x, rotary_tables, mask, keys=None):
         dt = x.dtype
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, keys)
         q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
         # Every query needs every earlier key: under sequence parallelism the queries stay split along the
         # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
@@ -95,7 +95,7 @@ class Attention(nnx.Module):
         out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
-                                                grad_dtype=self.cfg.grad_reduce_dtype), contract=2)
+                                                grad_dtype=self.cfg.grad_reduce_dtype), contract=2, keys=keys)
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
@@ -119,23 +119,24 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         for name in ("w_gate", "w_up", "w_down"):
             w = getattr(self, name)
-            lora.add(self, name, w.shape, w.get_metadata()["out_sharding"], 1, cfg, rngs)
+            lora.add(self, name, name[2:], w.shape, w.get_metadata()["out_sharding"], 1, cfg, rngs)
         self.act = activation(cfg.mlp_activation)
         self.cfg, self.quant, self.grad_dtype = cfg, cfg.quant, cfg.grad_reduce_dtype
 
-    def __call__(self, x):
+    def __call__(self, x, keys=None):
         dt = x.dtype
         gate, up = project_fused(x, [weight(self.w_gate, dt), weight(self.w_up, dt)], "mlp", "act_mlp",
                                  quant=self.quant, grad_dtype=self.grad_dtype)
-        gate, up = adapted(self, "w_gate", x, gate), adapted(self, "w_up", x, up)
+        gate, up = adapted(self, "w_gate", x, gate, keys=keys), adapted(self, "w_up", x, up, keys=keys)
         hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
         return adapted(self, "w_down", hidden, project(hidden, weight(self.w_down, dt), quant=self.quant,
-                                                       grad_dtype=self.grad_dtype))
+                                                       grad_dtype=self.grad_dtype), keys=keys)
 
 
-def adapted(module, name: str, x, y, contract: int = 1):
-    """y, the projection of x by module's weight `name`, plus its LoRA adapters' term where it has them."""
-    d = lora.delta(module, name, x, contract, module.cfg, project)
+def adapted(module, name: str, x, y, contract: int = 1, keys=None):
+    """y, the projection of x by module's weight `name`, plus its LoRA adapters' term where it has them (x
+    dropped out by `keys`, lora.dropout's per-row keys, in training)."""
+    d = lora.delta(module, name, x, contract, project, keys)
     return y if d is None else y + d.astype(y.dtype)
 
 
@@ -149,9 +150,9 @@ class Block(nnx.Module):
             self.attn_post_norm = RMSNorm(cfg, rngs)
             self.mlp_post_norm = RMSNorm(cfg, rngs)
 
-    def feed_forward(self, x):
+    def feed_forward(self, x, keys=None):
         """(output, stats): stats are the MoE's routing counts per batch row (moe.route), or nothing."""
-        out, stats = self.mlp(self.mlp_norm(x)) if self.mlp_is_moe else (self.mlp(self.mlp_norm(x)), {})
+        out, stats = self.mlp(self.mlp_norm(x)) if self.mlp_is_moe else (self.mlp(self.mlp_norm(x), keys), {})
         return (self.mlp_post_norm(out) if self.post_norms else out), stats
 
     @property
@@ -162,11 +163,12 @@ class Block(nnx.Module):
     def post_norms(self):
         return hasattr(self, "attn_post_norm")
 
-    def __call__(self, x, rotary_tables, mask):
-        """rotary_tables: RoPE's (cos, sin) (`rotary_lookup`). -> (x, this layer's MoE routing stats per row)."""
-        out = self.attn(self.attn_norm(x), rotary_tables, mask)
+    def __call__(self, x, rotary_tables, mask, keys=None):
+        """rotary_tables: RoPE's (cos, sin) (`rotary_lookup`); keys: LoRA dropout's per-row keys (lora.dropout),
+        None outside training. -> (x, this layer's MoE routing stats per row)."""
+        out = self.attn(self.attn_norm(x), rotary_tables, mask, keys)
         x = x + (self.attn_post_norm(out) if self.post_norms else out)
-        out, stats = self.feed_forward(x)
+        out, stats = self.feed_forward(x, keys)
         return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots):
@@ -195,10 +197,10 @@ class Transformer(nnx.Module):
         their row, 0 <= p < T (`rotary_lookup`); one outside gives NaN logits."""
         return self.forward(tokens, positions, segment_ids)[0]
 
-    def forward(self, tokens, positions, segment_ids):
+    def forward(self, tokens, positions, segment_ids, dropout_keys=None):
         """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
-        model)."""
-        x, aux = self.hidden(tokens, positions, segment_ids)
+        model). dropout_keys: uint32 key data [B, ...], one per row, which turn LoRA's dropout on (training)."""
+        x, aux = self.hidden(tokens, positions, segment_ids, dropout_keys)
         logits = self.cap(project(x, self.head().astype(x.dtype), grad_dtype=self.cfg.grad_reduce_dtype))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
@@ -222,7 +224,7 @@ class Transformer(nnx.Module):
         """The output projection [d_model, vocab] in the param dtype (the embedding, transposed, when tied)."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
 
-    def hidden(self, tokens, positions, segment_ids):
+    def hidden(self, tokens, positions, segment_ids, dropout_keys=None):
         """-> (final-normed hidden states [B, T, d_model] in the compute dtype, aux): `forward` before the head."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
@@ -239,8 +241,9 @@ class Transformer(nnx.Module):
                 mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
                 tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
 
-                def layer(x, state):
-                    return nnx.merge(block_def, state)(x, tables, mask)
+                def layer(carry, state):
+                    x, stats = nnx.merge(block_def, state)(carry[0], tables, mask, carry[1])
+                    return (x, lora.next_keys(carry[1])), stats
 
                 xs = block_state
             else:  # sliding and global layers: each layer picks its mask and RoPE tables
@@ -248,13 +251,16 @@ class Transformer(nnx.Module):
                 tables = (rotary_lookup(positions, rope_frequencies(cfg, local=True)),
                           rotary_lookup(positions, rope_frequencies(cfg)))
 
-                def layer(x, xs):
+                def layer(carry, xs):
                     state, slides = xs
                     pick = lambda a, b: jnp.where(slides, a, b)
-                    return nnx.merge(block_def, state)(x, jax.tree.map(pick, *tables), pick(*masks))
+                    x, stats = nnx.merge(block_def, state)(carry[0], jax.tree.map(pick, *tables), pick(*masks),
+                                                           carry[1])
+                    return (x, lora.next_keys(carry[1])), stats
 
                 xs = (block_state, jnp.asarray(local))
-            x, stats = jax.lax.scan(remat(layer), x, xs, unroll=cfg.scan_unroll)  # stats [L, B, ...]
+            # Each layer's LoRA dropout keys are the previous layer's, folded (lora.next_keys), as in a pipeline.
+            (x, _), stats = jax.lax.scan(remat(layer), (x, dropout_keys), xs, unroll=cfg.scan_unroll)  # [L, B, ...]
         else:  # every layer alike (config validation refuses mixed sliding and global layers in a pipeline)
             window = cfg.sliding_window if local is not None else 0
             freqs = rope_frequencies(cfg, local=local is not None)
@@ -262,18 +268,23 @@ class Transformer(nnx.Module):
             def pipelined_layer(state, carry):
                 # The mask is rebuilt per microbatch from its segment ids: [T, T] per row, cheap next to attention.
                 x, stats = nnx.merge(block_def, state)(
-                    carry["x"], rotary_lookup(carry["positions"], freqs), attention_mask(carry["segment_ids"], window))
+                    carry["x"], rotary_lookup(carry["positions"], freqs), attention_mask(carry["segment_ids"], window),
+                    carry.get("dropout"))
                 # Each row's MoE stats ride along as a shift register [rows, L, ...]: after the L layers, which a
                 # microbatch always runs in order, slot l holds layer l's.
                 routing = jax.tree.map(lambda buf, s: jnp.concatenate([buf[:, 1:], s[:, None]], axis=1),
                                        carry["moe"], stats)
+                if "dropout" in carry:
+                    carry = {**carry, "dropout": lora.next_keys(carry["dropout"])}
                 return {**carry, "x": x, "moe": routing}
 
             routing = {}
             if cfg.n_experts:
                 routing = moe.zero_stats((tokens.shape[0], cfg.n_layers), cfg.n_experts)
-            carry = pipeline_parallel.run(remat(pipelined_layer), block_state,
-                                          {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing},
+            carry = {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing}
+            if dropout_keys is not None:
+                carry["dropout"] = dropout_keys
+            carry = pipeline_parallel.run(remat(pipelined_layer), block_state, carry,
                                           stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
                                           schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
             x = constrain(carry["x"], ("batch", "seq", "act_embed"))

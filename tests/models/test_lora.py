@@ -95,7 +95,8 @@ def test_training_moves_only_the_adapters(tiny_config, tiny_data_dir):
 
 
 def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_config, tiny_data_dir):
-    lora_cfg = {"model.lora_rank": 4, "optim.lr": 1e-2}
+    """With dropout on (its masks drawn per row, whatever the mesh or the microbatches), and moving the loss."""
+    lora_cfg = {"model.lora_rank": 4, "optim.lr": 1e-2, "model.lora_dropout": 0.3}
     cfg = tiny_config(**lora_cfg, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2})
     facts = config_lib.validate(cfg, 8)
     eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
@@ -109,12 +110,76 @@ def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_conf
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     history = train_on_stream(one, tiny_data_dir, 3)[2]
     np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-7)
+    undropped = trainer_lib.build_trainer(tiny_config(**{**lora_cfg, "model.lora_dropout": 0.0}),
+                                          {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
+                                          devices=jax.devices()[:1])
+    without = train_on_stream(undropped, tiny_data_dir, 3)[2]
+    assert without[0, 0] == pytest.approx(history[0, 0], rel=1e-6)  # B = 0: the adapters add nothing yet
+    assert np.all(np.abs(without[:, 1] / history[:, 1] - 1) > 0.05)  # but B's gradient sees the dropped inputs
+
+
+class _Adapted(nnx.Module):
+    def __init__(self, cfg):
+        self.cfg = cfg
+        rngs = nnx.Rngs(0)
+        lora.add(self, "wq", "q", (8, 2, 3), ("embed", "q_heads", "head_dim"), 1, cfg, rngs)
+        self.wq_lora_b = nnx.Param(jax.random.normal(jax.random.key(3), (4, 2, 3)))
+
+
+def test_dropout_drops_the_adapters_input_as_peft_does():
+    """PEFT's lora_B(lora_A(dropout(x))) * alpha / r: each element of A's input zeroed with probability p, the rest
+    scaled by 1 / (1 - p); per row key and weight; off without keys (eval, the DPO reference, decoding)."""
+    from jaxtrain.models.layers import project  # noqa: PLC0415
+    from jaxtrain.step import dropout_keys  # noqa: PLC0415
+
+    p = 0.25
+    module = _Adapted(ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, lora_dropout=p))
+    keys = dropout_keys(0, 5, 4)
+    assert keys.shape[0] == 4 and keys.dtype == jnp.uint32
+    ones = jnp.ones((4, 500, 8))
+    dropped = np.asarray(lora.dropout(ones, keys, "wq", p))
+    assert set(np.unique(dropped)) == {0.0, np.float32(1 / (1 - p))}
+    assert abs((dropped == 0).mean() - p) < 0.01
+    assert not np.array_equal(dropped[0], dropped[1])  # rows draw their own masks
+    assert not np.array_equal(dropped, np.asarray(lora.dropout(ones, keys, "wk", p)))  # and each weight its own
+    assert not np.array_equal(dropped, np.asarray(lora.dropout(ones, dropout_keys(0, 6, 4), "wq", p)))  # and step
+    np.testing.assert_array_equal(dropped, lora.dropout(ones, dropout_keys(0, 5, 4), "wq", p))
+
+    x = jax.random.normal(jax.random.key(4), (4, 500, 8))
+    a, b = np.asarray(module.wq_lora_a[...]), np.asarray(module.wq_lora_b[...])
+    expected = np.einsum("btd,dr,rhk->bthk", np.asarray(x) * dropped, a, b) * 2.0
+    np.testing.assert_allclose(lora.delta(module, "wq", x, 1, project, keys), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lora.delta(module, "wq", x, 1, project), np.einsum("btd,dr,rhk->bthk", x, a, b) * 2.0,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_under_a_pipeline_equals_one_stage():
+    """Each layer folds the keys it was given into the next layer's, so a pipelined model draws the same masks."""
+    from jaxtrain.step import dropout_keys  # noqa: PLC0415
+
+    cfg = ModelConfig(**{**CFG, "n_layers": 4}, lora_rank=4, lora_dropout=0.5)
+    adapters, base = lora.split(_params(cfg))
+    params = lora.join(jax.tree.map(lambda x: x + 0.1, adapters), base)
+    staged = ModelConfig(**{**CFG, "n_layers": 4}, lora_rank=4, lora_dropout=0.5, pipeline_stages=2,
+                         pipeline_microbatches=2)
+    tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 64)
+    positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
+
+    def hidden(cfg, keys):
+        graphdef, state = transformer.from_params(cfg, params)
+        return nnx.merge(graphdef, state).hidden(tokens, positions, jnp.ones_like(tokens), keys)[0]
+
+    keys = dropout_keys(0, 0, 4)
+    plain = hidden(cfg, keys)
+    np.testing.assert_allclose(hidden(staged, keys), plain, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(plain, hidden(cfg, None), atol=1e-3)
 
 
 @pytest.mark.parametrize("override, field", [
     ({"model.lora_rank": -1}, "model.lora_rank"),
     ({"model.lora_rank": 4, "model.lora_targets": "q,x"}, "model.lora_targets"),
     ({"model.lora_rank": 4, "model.lora_alpha": 0.0}, "model.lora_alpha"),
+    ({"model.lora_rank": 4, "model.lora_dropout": 1.0}, "model.lora_dropout"),
 ])
 def test_bad_lora_settings_name_their_field(tiny_config, override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

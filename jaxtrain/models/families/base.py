@@ -189,6 +189,11 @@ MLP = {("mlp", "w_gate"): ("mlp.gate_proj.weight", 1), ("mlp", "w_up"): ("mlp.up
        ("mlp", "w_down"): ("mlp.down_proj.weight", 1)}
 NORMS = {("attn_norm", "scale"): ("input_layernorm.weight", None),
          ("mlp_norm", "scale"): ("post_attention_layernorm.weight", None)}
+# A mixture of experts' adapters as PEFT names them on transformers' fused experts (`target_parameters`): one
+# ParamWrapper per 3-D parameter of this module, gate_up_proj's nested inside down_proj's.
+EXPERT_ADAPTERS = {("mlp", "w_gate_up"): "model.layers.{i}.mlp.experts.base_layer",
+                   ("mlp", "w_down"): "model.layers.{i}.mlp.experts"}
+EXPERT_PARAMETERS = ["experts.down_proj", "experts.gate_up_proj"]
 TOP = {("embed",): ("model.embed_tokens.weight", None), ("final_norm", "scale"): ("model.norm.weight", None),
        ("unembed",): ("lm_head.weight", 1)}
 
