@@ -1,9 +1,10 @@
 """DPO as a run: on 8 devices with gradient accumulation, or a pipeline with a split sequence, it equals one device
 (the reference an explicit frozen copy, or under LoRA the base with adapters off); it resumes bit-exactly with the reference unchanged; and after
 SFT on answers that are half copies, half reversals, DPO preferring the copies reaches >90% held-out preference
-accuracy and moves greedy answers to the copies."""
+accuracy and moves greedy answers to the copies. Sweeps and reports take DPO runs like any other."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from jaxtrain.models import lora as lora_lib
 from jaxtrain.models import sampling
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.tools import hf as hf_cli
+from jaxtrain.tools import report, sweep
 
 WORDS = "red green blue cat dog sun moon tree fish bird king star rain wind fire stone".split()
 QUIET = {"print_fn": lambda *a, **k: None}
@@ -100,6 +102,27 @@ def test_dpo_resumes_bit_exactly_with_the_reference_unchanged(tiny_config, pairs
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed["state"]["params"]),
                                                         jax.tree.leaves(start)))
+
+
+def test_a_sweep_and_a_report_over_dpo_runs_with_lora(tiny_config, pairs_data, tmp_path):
+    """A grid over dpo.beta: each trial's objective is its last eval_loss (the mean pair loss), and the report
+    draws the preference accuracy and margin beside the losses."""
+    config = _dpo(tiny_config, pairs_data, **{"train.steps": 2, "eval.every_steps": 2, "checkpoint.every_steps": 2,
+                                              "log.every_steps": 1, "model.lora_rank": 4, "model.n_layers": 1,
+                                              "optim.lr": 1e-2, "optim.warmup_steps": 0})
+    results = sweep.run(config, {"space": {"dpo.beta": [0.1, 1.0]}, "sampler": "grid", "name": "dpo"},
+                        tmp_path / "sweep", print_fn=lambda *a, **k: None)
+    rows = results["rows"]
+    assert sorted(r["dpo.beta"] for r in rows) == [0.1, 1.0] and {r["state"] for r in rows} == {"complete"}
+    for r in rows:
+        records = [json.loads(line) for line in (Path(r["workdir"]) / "metrics.jsonl").read_text().splitlines()]
+        assert r["objective"] == [x["eval_loss"] for x in records if "eval_loss" in x][-1]
+        assert json.loads((Path(r["workdir"]) / "config.json").read_text())["dpo"]["beta"] == r["dpo.beta"]
+    assert rows[0]["objective"] != rows[1]["objective"]  # beta scales the margins
+    written = report.write_report([r["workdir"] for r in rows], tmp_path / "report")
+    assert {"dpo/accuracy", "dpo/margin", "loss", "eval_loss"} <= set(written["paths"])
+    assert written["paths"]["dpo/accuracy"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [row["steps"] for row in written["rows"]] == [2, 2]
 
 
 def _config(workdir, data, steps, seq_len, **groups):

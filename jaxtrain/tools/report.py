@@ -34,6 +34,8 @@ CURVES = {
     "lr": ("learning rate", 1.0),
     "tokens_per_sec": ("tokens/s", 1.0),
     "mfu": ("MFU (%)", 100.0),
+    "dpo/accuracy": ("preference accuracy (%)", 100.0),  # DPO runs (train.objective=dpo)
+    "dpo/margin": ("reward margin", 1.0),
 }
 
 # The table: row key -> markdown header. CSV uses the keys and raw numbers (fractions, seconds).
@@ -372,7 +374,7 @@ def write_report(workdirs, output="report", price: float | None = None, names=No
         fig = Figure(figsize=(7, 4.5))
         plot_metric(fig.add_subplot(), runs, metric)
         fig.tight_layout()
-        paths[metric] = output / f"{metric}.png"
+        paths[metric] = output / f"{metric.replace('/', '_')}.png"  # dpo/accuracy -> dpo_accuracy.png
         fig.savefig(paths[metric], dpi=110)
     if curves:
         paths["curves"] = output / "curves.png"
