@@ -1,7 +1,8 @@
-"""LoRA on a mixture of experts' experts (model.lora_targets "experts"): per-expert adapters on the fused gate-and-up
-and on down, under both routings; the adapted forward equals the merged weights', gradients reach every expert
-adapter and none of the base; they shard like the experts; and PEFT (target_parameters on transformers' fused
-experts) computes the same logits from our export, as we do from its own save."""
+"""LoRA on a mixture of experts' experts (model.lora_targets "experts"): per-expert adapters on the fused
+gate-and-up and on down, under both routings; the adapted forward equals the merged weights', gradients reach
+every expert adapter and none of the base; they shard like the experts, and 8 devices (expert x fsdp x tensor)
+equal one; and PEFT (target_parameters on transformers' fused experts) computes the same logits from our export,
+as we do from its own save."""
 
 import json
 
@@ -12,12 +13,14 @@ import pytest
 import torch
 import transformers as T
 from flax import nnx
+from helpers import train_on_stream
 
 from jaxtrain import config as config_lib
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import hf, lora, transformer
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.parallel import mesh as mesh_lib
 
 MOE = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24, n_experts=4,
            moe_top_k=2, dtype="float32", param_dtype="float32", loss_chunk_tokens=0)
@@ -70,17 +73,24 @@ def test_expert_adapters_equal_their_merged_weights_and_train_alone(routing):
         assert np.all(np.abs(np.asarray(g)).reshape(2, 4, -1).max(-1) > 0), name
 
 
-def test_expert_adapters_shard_like_the_experts(tiny_config):
-    cfg = tiny_config(**{"model.n_experts": 4, "model.moe_top_k": 2, "model.lora_rank": 4, "mesh.expert": 2,
-                         "mesh.fsdp": 2, "mesh.tensor": 2})
+def test_expert_adapters_shard_like_the_experts_and_eight_devices_equal_one(tiny_config, tiny_data_dir):
+    moe = {"model.n_experts": 4, "model.moe_top_k": 2, "model.moe_routing": "dropless", "model.lora_rank": 4,
+           "optim.lr": 1e-2}
+    cfg = tiny_config(**moe, **{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     facts = config_lib.validate(cfg, 8)
-    mlp = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).shardings["params"]["blocks"]["mlp"]
+    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    mlp = eight.shardings["params"]["blocks"]["mlp"]
     d, f = cfg.model.d_model, cfg.model.d_ff
     # [layers, experts, embed, r] / [layers, experts, r, 2, mlp]: experts over `expert`, and each weight's own axes
     assert mlp["w_gate_up_lora_a"].shard_shape((2, 4, d, 4)) == (2, 2, d // 2, 4)
     assert mlp["w_gate_up_lora_b"].shard_shape((2, 4, 4, 2, f)) == (2, 2, 4, 2, f // 2)
     assert mlp["w_down_lora_b"].shard_shape((2, 4, 4, d)) == (2, 2, 4, d // 2)
     assert mlp["w_gate"].shard_shape((2, 4, d, f)) == (2, 2, d // 2, f // 2)
+    one = trainer_lib.build_trainer(tiny_config(**moe), {"data": 1, "fsdp": 1, "tensor": 1},
+                                    mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
+    before, after, history = train_on_stream(one, tiny_data_dir, 3)
+    assert after < before
+    np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("override, message", [
