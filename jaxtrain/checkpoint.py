@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import os
+import sys
 import time
 
 import jax
@@ -534,6 +536,7 @@ class Checkpointer:
                     return self._in_own_order(*d.load(step, abstract_state, self.run_id))
                 except _Corrupt as e:
                     problems.append(f"{d.path}: {e}")
+                _drop_failed_reads()
         raise CheckpointError(f"cannot restore checkpoint step {step}: " + ("; ".join(problems) or "not found"))
 
     def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
@@ -552,10 +555,23 @@ class Checkpointer:
                 moved = d.move_aside(step)
                 self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "
                          "trying an older one")
+            _drop_failed_reads()
         if candidates:
             raise CheckpointError(f"none of the {len(candidates)} checkpoints could be restored (see the log); "
                                   "they were moved aside, not deleted")
         return None
+
+
+def _drop_failed_reads() -> None:
+    """Collects the reads Orbax left suspended when a load failed, without their "Exception ignored in
+    <coroutine>" tracebacks: the failure itself is logged, and otherwise they reach the user's terminal whenever
+    the garbage collector meets them (after the one-line error, when every checkpoint is damaged)."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def abstract_with_shardings(abstract_tree, shardings):

@@ -105,6 +105,19 @@ def test_a_damaged_config_json_is_named_and_the_workdir_kept(trained, tmp_path):
     assert_one_line(jaxtrain("generate", "--workdir", workdir, "--prompt", "In"), 2, workdir / "config.json")
 
 
+def test_every_checkpoint_damaged_is_one_line_and_nothing_deleted(trained, tmp_path):
+    """Orbax's suspended reads of a failed restore used to print their tracebacks after our line."""
+    workdir = copy_of(trained, tmp_path)
+    for shard in (workdir / "checkpoints").glob("*/state/ocdbt.process_0/d/*"):
+        damaged = bytearray(shard.read_bytes())
+        damaged[::50] = bytes(b ^ 0xFF for b in damaged[::50])
+        shard.write_bytes(damaged)
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(trained), f"--config.workdir={workdir}",
+                    "--config.train.steps=12")
+    assert_one_line(proc, 4, "none of the 2 checkpoints could be restored", "moved aside, not deleted")
+    assert sorted(p.name.split(".")[0] for p in (workdir / "checkpoints").glob("*.corrupt-*")) == ["10", "5"]
+
+
 def test_a_damaged_data_shard_is_named_with_the_fix(tiny_config, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny_config().data.dir, data)
