@@ -186,6 +186,17 @@ def test_bad_lora_settings_name_their_field(tiny_config, override, field):
         config_lib.validate(tiny_config(**override), 8)
 
 
+def test_all_and_the_list_it_stands_for_resume_alike(tiny_config):
+    """A workdir saved with the targets listed resumes under "all" (the default), and not under fewer targets."""
+    cfg = tiny_config(**{"model.lora_rank": 4})
+    saved = cfg.to_dict()
+    saved["model"]["lora_targets"] = "v,q,k,o,gate,up,down"
+    config_lib.check_resumable(saved, cfg, "runs/x")
+    saved["model"]["lora_targets"] = "q,v"
+    with pytest.raises(ConfigError, match=r"model\.lora_targets.*'all'.*'q,v'"):
+        config_lib.check_resumable(saved, cfg, "runs/x")
+
+
 def test_hf_export_folds_the_adapters_in_and_init_from_starts_at_the_base(tmp_path, tokens, tiny_config):
     """`hf export` of a LoRA model writes the merged weights (its logits are the adapted model's), and a LoRA run
     started from a Hugging Face directory (model.init_from) gets fresh adapters: step 0 is that model."""
