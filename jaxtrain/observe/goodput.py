@@ -54,7 +54,8 @@ class GoodputRecorder:
 
 
 def read_records(path: str | os.PathLike, offset: int = 0) -> list[dict]:
-    """The records from byte `offset` on (the supervisor passes the file's size when it started)."""
+    """The records from byte `offset` on (the supervisor passes the file's size when it started). A line that is
+    not one of the records above (cut short by a kill, or garbage) is skipped."""
     if not os.path.exists(path):
         return []
     records = []
@@ -62,10 +63,19 @@ def read_records(path: str | os.PathLike, offset: int = 0) -> list[dict]:
         f.seek(offset)
         for line in f:
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:  # the line a kill interrupted
                 continue
+            if _is_record(record):
+                records.append(record)
     return records
+
+
+def _is_record(r) -> bool:
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return (isinstance(r, dict) and r.get("event") in ("start", "step", "checkpoint", "rewind")
+            and isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) and number(r.get("t"))
+            and number(r.get("step_s", 0.0)))
 
 
 def goodput(records: list[dict], wall_s: float) -> dict:

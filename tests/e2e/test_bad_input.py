@@ -105,6 +105,18 @@ def test_a_damaged_config_json_is_named_and_the_workdir_kept(trained, tmp_path):
     assert_one_line(jaxtrain("generate", "--workdir", workdir, "--prompt", "In"), 2, workdir / "config.json")
 
 
+def test_garbage_in_goodput_jsonl_is_skipped_and_the_run_finishes(trained, tmp_path):
+    """Lines that are JSON but not goodput records used to crash the run after training, with no summary.json."""
+    workdir = copy_of(trained, tmp_path)
+    with open(workdir / "goodput.jsonl", "a") as f:
+        f.write('42\n[]\n{}\n"x"\n{"event": "step", "step": "7", "t": 1}\n{"event": "start", "step": 1}\ngarbage{\n')
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(trained), f"--config.workdir={workdir}",
+                    "--config.train.steps=12")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["step"] == 12 and len(summary["goodput"]["attempts"]) == 2
+
+
 def test_every_checkpoint_damaged_is_one_line_and_nothing_deleted(trained, tmp_path):
     """Orbax's suspended reads of a failed restore used to print their tracebacks after our line."""
     workdir = copy_of(trained, tmp_path)
