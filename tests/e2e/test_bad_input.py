@@ -94,6 +94,15 @@ def test_checkpoint_paths_are_checked_before_the_workdir_exists(case, tiny_confi
     assert (tmp_path / "run").exists() == (case == "checkpoints_is_a_file")
 
 
+@pytest.mark.parametrize("case", ["workdir_is_a_file", "parent_is_a_file"])
+def test_a_workdir_path_through_a_file_is_named(case, tiny_config, tmp_path):
+    (tmp_path / "a_file").write_text("mine\n")
+    config = tiny_config(tmp_path / "a_file" if case == "workdir_is_a_file" else tmp_path / "a_file" / "run")
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config))
+    assert_one_line(proc, 2, "workdir", f"{tmp_path / 'a_file'} is a file")
+    assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
+
+
 def test_a_damaged_config_json_is_named_and_the_workdir_kept(trained, tmp_path):
     workdir = copy_of(trained, tmp_path)
     (workdir / "config.json").write_text("garbage{")

@@ -22,6 +22,11 @@ BAD = {
     # Sizes the machine cannot hold: refused by the step's memory floor, before anything is allocated.
     "seq_len_beyond_memory": (["--config.train.seq_len=1000000000"], "train.seq_len"),
     "batch_beyond_memory": (["--config.train.batch_size=1000000000"], "train.batch_size"),
+    # A tracker name W&B refuses, holding a password: named, the password not repeated (asserted for every case).
+    "tracker_name_with_secret": (["--config.log.trackers=wandb", "--config.log.experiment=postgresql://u:S3CRET@db/x"],
+                                 "log.experiment"),
+    # A data dir that is neither prepared data nor empty: named before the workdir exists.
+    "data_dir_not_prepared": ([f"--config.data.dir={REPO / 'docs'}"], "docs: exists but has no manifest.json"),
 }
 
 
@@ -96,6 +101,7 @@ def test_bad_config_exits_2_with_one_line(case, workdir_state, tiny_data_dir, tm
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and field in lines[0], lines[0]
     assert proc.stdout == "", proc.stdout
+    assert "S3CRET" not in proc.stderr
     if workdir_state == "missing":
         assert not workdir.exists()
     else:
