@@ -125,6 +125,7 @@ class Workdir:
         self.path, self.is_main = Path(path), is_main
         self.lock = Lock(path) if is_main else None
         self.created = False
+        self.found: set[str] | None = None  # an existing workdir's entries when claimed (process 0)
 
     def __enter__(self) -> Workdir:
         return self.claim()
@@ -144,6 +145,7 @@ class Workdir:
         if self.is_main:
             try:
                 self.created = not path.exists()
+                self.found = None if self.created else {p.name for p in path.iterdir()}
                 path.mkdir(parents=True, exist_ok=True)
                 self.lock.acquire()
             except OSError as e:
@@ -179,7 +181,7 @@ class Workdir:
         there binds nothing, since no checkpoint was made with it."""
         if self.is_main:
             files.write_json(self.path / CONFIG, config)
-            self.created = False  # from here the workdir holds a run
+            self.created, self.found = False, None  # from here the workdir holds a run
 
     def close(self, failed: bool) -> None:
         if failed:
@@ -189,13 +191,17 @@ class Workdir:
 
     def _remove_if_created(self) -> None:
         """Empties nothing: removes the lock file and then directories left empty, bottom up, of a workdir this
-        run created and wrote nothing of its own into."""
-        if not self.created or not self.is_main:
+        run created and wrote nothing of its own into; in a workdir that existed, what this run added there
+        (the lock file, and directories it left empty), so that the workdir is as it was."""
+        if not self.is_main or not (self.created or self.found is not None):
             return
-        (self.path / LOCK).unlink(missing_ok=True)
-        for root, dirs, names in sorted(os.walk(self.path), key=lambda entry: -len(entry[0])):
-            if not names:
-                try:
-                    os.rmdir(root)
-                except OSError:
-                    pass
+        if self.created or LOCK not in self.found:
+            (self.path / LOCK).unlink(missing_ok=True)
+        tops = [self.path] if self.created else [p for p in self.path.iterdir() if p.name not in self.found]
+        for top in tops:
+            for root, dirs, names in sorted(os.walk(top), key=lambda entry: -len(entry[0])):
+                if not names:
+                    try:
+                        os.rmdir(root)
+                    except OSError:
+                        pass

@@ -93,7 +93,11 @@ def test_a_fresh_run_failing_on_its_input_leaves_no_workdir(tiny_config, tmp_pat
     Path(existing.workdir).mkdir()
     with pytest.raises(errors.ConfigError, match="^model.init_from: "):
         train.run(existing, print_fn=quiet)
-    assert sorted(p.name for p in Path(existing.workdir).iterdir()) == [".lock", "checkpoints"]  # not ours: kept
+    assert list(Path(existing.workdir).iterdir()) == []  # as it was: what the run added is removed, nothing else
+    (Path(existing.workdir) / "notes.txt").write_text("mine\n")
+    with pytest.raises(errors.ConfigError, match="^model.init_from: "):
+        train.run(existing, print_fn=quiet)
+    assert [p.name for p in Path(existing.workdir).iterdir()] == ["notes.txt"]
 
 
 def test_config_json_binds_only_a_workdir_with_checkpoints(tiny_config, monkeypatch):
