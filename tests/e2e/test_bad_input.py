@@ -103,6 +103,17 @@ def test_a_workdir_path_through_a_file_is_named(case, tiny_config, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
 
 
+def test_supervise_over_a_run_with_a_bad_config_stops_at_its_one_line(tmp_path):
+    """The supervisor used to crash writing supervisor.json into a workdir its child never created."""
+    workdir = tmp_path / "run"
+    proc = jaxtrain("supervise", "--workdir", workdir, "--", sys.executable, "-m", "jaxtrain.main", "--config",
+                    "configs/tiny.py", f"--config.workdir={workdir}", "--config.optim.lr=-1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == ["error: optim.lr: must be > 0, got -1.0"]
+    assert "attempt 1 exited 2: bad config or input" in proc.stdout
+    assert json.loads((workdir / "supervisor.json").read_text())["exit_code"] == 2
+
+
 def test_a_damaged_config_json_is_named_and_the_workdir_kept(trained, tmp_path):
     workdir = copy_of(trained, tmp_path)
     (workdir / "config.json").write_text("garbage{")
