@@ -100,7 +100,9 @@ def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identic
     """Checkpoints 5, 10, 15; then 10 and 15 swapped and (true) 15 copied to 35, by hand or a sync tool. Each step
     dir that holds another step's checkpoint is moved aside, not restored and not deleted: the run resumes from 5,
     the last true step, and ends where an uninterrupted run ends."""
-    steps = {"train.steps": 20, "checkpoint.every_steps": 5, "checkpoint.keep": 10, "eval.every_steps": 0}
+    # keep=3: retention runs (it deleted the true step 20's directory in the original report), and must not touch
+    # what was moved aside.
+    steps = {"train.steps": 20, "checkpoint.every_steps": 5, "checkpoint.keep": 3, "eval.every_steps": 0}
     straight = train.run(tiny_config(**steps), print_fn=quiet)
     cfg = tiny_config(**steps, **{"train.stop_at": 15})
     train.run(cfg, print_fn=quiet)
@@ -121,6 +123,7 @@ def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identic
     assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
     kept = [tree_digest(p) for p in root.glob("*.corrupt-*")]  # the moved-aside dirs, every byte of them
     assert len(kept) == 3 and all(digest in kept for digest in misplaced)
+    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == [10, 15, 20]  # 5 retired
 
 
 def test_a_step_dir_copied_from_another_run_is_set_aside_and_the_run_ends_bit_identical(tiny_config):
