@@ -10,7 +10,8 @@ and every process follows its answer.
 
 config.json is the config the checkpoints were made with: written once, atomically, only once every check of
 the run's input has passed and while no checkpoint exists, so a run that failed early leaves nothing that
-blocks a corrected rerun. A workdir this run created is removed again if it fails before writing config.json.
+blocks a corrected rerun. What a run added to its workdir (the workdir too, if it created it) is removed again
+if it fails before writing config.json.
 run_id names the workdir's checkpoints (jaxtrain/checkpoint.py checks it), so one copied in from elsewhere is
 not restored.
 """
@@ -119,13 +120,14 @@ def read_config(workdir) -> dict:
 
 class Workdir:
     """A run's workdir, claimed: `claim` checks and locks it, `record_config` writes config.json, `close` releases
-    the lock and removes the workdir again if this run created it and failed before config.json."""
+    the lock and, if the run failed before config.json, removes what it added (the workdir, if it created it)."""
 
     def __init__(self, path, *, is_main: bool):
         self.path, self.is_main = Path(path), is_main
         self.lock = Lock(path) if is_main else None
         self.created = False
-        self.found: set[str] | None = None  # an existing workdir's entries when claimed (process 0)
+        # The workdir's entries when process 0 claimed it (none if it created it); None once it holds a run.
+        self.found: set[str] | None = None
 
     def __enter__(self) -> Workdir:
         return self.claim()
@@ -145,7 +147,7 @@ class Workdir:
         if self.is_main:
             try:
                 self.created = not path.exists()
-                self.found = None if self.created else {p.name for p in path.iterdir()}
+                self.found = set() if self.created else {p.name for p in path.iterdir()}
                 path.mkdir(parents=True, exist_ok=True)
                 self.lock.acquire()
             except OSError as e:
@@ -190,12 +192,11 @@ class Workdir:
             self.lock.release()
 
     def _remove_if_created(self) -> None:
-        """Empties nothing: removes the lock file and then directories left empty, bottom up, of a workdir this
-        run created and wrote nothing of its own into; in a workdir that existed, what this run added there
-        (the lock file, and directories it left empty), so that the workdir is as it was."""
-        if not self.is_main or not (self.created or self.found is not None):
+        """Empties nothing: removes what this run added to the workdir, the lock file (unless one was there) and
+        directories it left empty, bottom up; the workdir itself too if this run created it."""
+        if not self.is_main or self.found is None or not self.path.is_dir():
             return
-        if self.created or LOCK not in self.found:
+        if LOCK not in self.found:
             (self.path / LOCK).unlink(missing_ok=True)
         tops = [self.path] if self.created else [p for p in self.path.iterdir() if p.name not in self.found]
         for top in tops:

@@ -60,13 +60,13 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
 DENSE_MLP_TARGETS = ("gate", "up", "down")
 
 
-
 def lora_target_names(lora_targets: str, n_experts: int) -> frozenset[str]:
     """model.lora_targets as the set of LORA_TARGETS it names ("all": every one the model has)."""
     names = {t.strip() for t in str(lora_targets).split(",") if t.strip()}
     if names == {"all"}:
         names = {"q", "k", "v", "o", *(("experts",) if n_experts else DENSE_MLP_TARGETS)}
     return frozenset(names)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -268,7 +268,7 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if not m.n_experts and "experts" in names:
             raise ConfigError("model.lora_targets", "'experts': the model has no mixture of experts "
                               "(model.n_experts is 0)")
-        if m.lora_dropout and m.n_experts and ("experts" in names or names == ["all"]):
+        if m.lora_dropout and "experts" in lora_target_names(m.lora_targets, m.n_experts):
             raise ConfigError("model.lora_dropout", "the experts' adapters take no dropout (nor do PEFT's); set it "
                               "to 0 or leave 'experts' out of model.lora_targets")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
