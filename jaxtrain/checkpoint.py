@@ -17,9 +17,12 @@ import dataclasses
 import gc
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
+import traceback
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -530,6 +533,7 @@ class Checkpointer:
         `abstract_state` holds jax.ShapeDtypeStruct leaves with the target shardings. Bad copies are left in
         place; raises CheckpointError naming each copy's problem."""
         problems = []
+        _quiet_abandoned_reads()
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
@@ -548,6 +552,7 @@ class Checkpointer:
             d.manager.reload()
         candidates = sorted(((s, -i, d) for i, d in enumerate(self._dirs) for s in d.manager.all_steps()),
                             key=lambda c: c[:2], reverse=True)
+        _quiet_abandoned_reads()
         for step, _, d in candidates:
             try:
                 return step, *self._in_own_order(*d.load(step, abstract_state, self.run_id))
@@ -562,16 +567,63 @@ class Checkpointer:
         return None
 
 
+def _quiet_abandoned_reads() -> None:
+    """Keeps what a failed load leaves behind off the user's terminal for the rest of the process: the failure
+    itself is logged, and the rest would print at any later time, from any thread, around the one-line error
+    when every checkpoint is damaged. Installed before the first load, since tensorstore's reads still in flight
+    report within milliseconds, once Orbax's loop is closed, through sys.unraisablehook ("Event loop is
+    closed"). Their futures and Orbax's tasks come through asyncio's logger ("... exception was never
+    retrieved"), their coroutines as warnings. Each filter is narrow; everything else passes."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReads())
+    if not isinstance(sys.unraisablehook, _LateCompletions):
+        sys.unraisablehook = _LateCompletions(sys.unraisablehook)
+    # jaxtrain has no coroutines of its own.
+    warnings.filterwarnings("ignore", r"coroutine '\w+' was never awaited", RuntimeWarning)
+
+
 def _drop_failed_reads() -> None:
-    """Collects the reads Orbax left suspended when a load failed, without their "Exception ignored in
-    <coroutine>" tracebacks: the failure itself is logged, and otherwise they reach the user's terminal whenever
-    the garbage collector meets them (after the one-line error, when every checkpoint is damaged)."""
+    """Collects the coroutines a failed load left suspended now, without their "Exception ignored in" reports."""
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
         gc.collect()
     finally:
         sys.unraisablehook = hook
+
+
+class _AbandonedReads(logging.Filter):
+    """Drops asyncio's report of a future whose exception nobody retrieved when it was one of Orbax's tasks or
+    gathers (an Orbax frame raised it) or a tensorstore read (set from C++: no frames, an absl status code)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or "exception was never retrieved" not in str(record.msg).partition("\n")[0]:
+            return True
+        if exc.__traceback__ is None:
+            return str(exc).partition(":")[0] not in _ABSL_STATUS_CODES
+        return not any("orbax" in f.filename for f in traceback.extract_tb(exc.__traceback__))
+
+
+_ABSL_STATUS_CODES = frozenset(
+    "CANCELLED UNKNOWN INVALID_ARGUMENT DEADLINE_EXCEEDED NOT_FOUND ALREADY_EXISTS PERMISSION_DENIED "
+    "RESOURCE_EXHAUSTED FAILED_PRECONDITION ABORTED OUT_OF_RANGE UNIMPLEMENTED INTERNAL UNAVAILABLE DATA_LOSS "
+    "UNAUTHENTICATED".split())
+
+
+class _LateCompletions:
+    """An unraisable hook that drops a read finishing after its loop was closed, and passes on all else."""
+
+    def __init__(self, passed_on):
+        self.passed_on = passed_on
+
+    def __call__(self, unraisable) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        late = (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in frames))
+        if not late:
+            self.passed_on(unraisable)
 
 
 def abstract_with_shardings(abstract_tree, shardings):

@@ -4,7 +4,10 @@ Each bad checkpoint must be detected, named in the log, skipped in favour of the
 disk (moved aside); a failed write must surface as CheckpointError without losing the last committed step.
 """
 
+import asyncio
 import errno
+import gc
+import logging
 import os
 import shutil
 import signal
@@ -328,3 +331,66 @@ def test_full_disk_surfaces_by_the_next_save_and_keeps_the_last_checkpoint(tmp_p
     # 1 goes once 4 has committed; the partial writes of failed saves are removed by later saves, not left to
     # pile up on a full disk.
     assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == ["4"]
+
+
+def test_reports_of_orbax_reads_abandoned_by_a_failed_restore_are_dropped(caplog, capsys, monkeypatch):
+    """A failed load leaves Orbax's reads behind, to report at any later time from any thread: finished tasks
+    through asyncio's logger ("Task exception was never retrieved"), and reads still in flight in tensorstore
+    through sys.unraisablehook once Orbax's loop is closed. Only those are dropped, and only once a restore ran."""
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # as in a process that restored nothing
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    orbax_frame = compile("async def read():\n    raise ValueError('corrupt shard')\n", "orbax/checkpoint/x.py", "exec")
+    scope = {}
+    exec(orbax_frame, scope)
+
+    async def ours():
+        raise ValueError("not orbax")
+
+    def abandon(coroutine_fn):
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(coroutine_fn())
+        loop.run_until_complete(asyncio.sleep(0))
+        assert task.done()
+        loop.close()
+        del task
+        gc.collect()
+
+    class Raises:  # an object whose finalizer raises reaches sys.unraisablehook, as tensorstore's callbacks do
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __del__(self):
+            self.fn()
+
+    def late_completion():  # a read ending after Orbax closed its loop
+        loop = asyncio.new_event_loop()
+        loop.close()
+        Raises(lambda: loop.call_soon_threadsafe(lambda: None))
+
+    def other_unraisable():
+        Raises(lambda: 1 / 0)
+
+    def tensorstore_future():  # a failed read's future, set from C++: no traceback, an absl status in its text
+        loop = asyncio.new_event_loop()
+        future = loop.create_future()
+        future.set_exception(ValueError("DATA_LOSS: Error reading \"x\": corrupt"))
+        loop.close()
+        del future
+        gc.collect()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        abandon(scope["read"])
+        late_completion()
+        assert "corrupt shard" in caplog.text  # no restore yet: both reports stand
+        assert "Event loop is closed" in capsys.readouterr().err
+        caplog.clear()
+        checkpoint._quiet_abandoned_reads()
+        abandon(scope["read"])
+        tensorstore_future()
+        abandon(ours)
+        late_completion()
+        other_unraisable()
+    assert "corrupt" not in caplog.text
+    assert "not orbax" in caplog.text
+    err = capsys.readouterr().err
+    assert "Event loop is closed" not in err and "ZeroDivisionError" in err
