@@ -219,7 +219,7 @@ def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int, re
     docs = []
     for i, start, stop in plan.pieces:
         src = counted.setdefault(i, dataclasses.replace(srcs[i], docs=0, skipped=collections.Counter(),
-                                                        text_bytes=0))
+                                                        text_bytes=0, malformed_at=[]))
         docs.extend(sources_lib.documents(src, text_split, start, stop, records=records))
     picked = np.random.default_rng(np.random.SeedSequence([seed, plan.index])).choice(
         len(docs), min(plan.heldout, len(docs)), replace=False)
@@ -227,7 +227,8 @@ def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int, re
     is_heldout[picked] = True
     train = [d for d, h in zip(docs, is_heldout) if not h]
     heldout = [d for d, h in zip(docs, is_heldout) if h]
-    stats = {i: {"docs": s.docs, "skipped": dict(s.skipped), "text_bytes": s.text_bytes} for i, s in counted.items()}
+    stats = {i: {"docs": s.docs, "skipped": dict(s.skipped), "text_bytes": s.text_bytes,
+                 "malformed_at": s.malformed_at} for i, s in counted.items()}
     return train, heldout, stats
 
 
@@ -474,6 +475,7 @@ def prepare_sources(
     max_len: int | None = None,
     truncate: str = "left",
     preference: bool = False,
+    max_bad_fraction: float | None = None,
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
@@ -481,17 +483,25 @@ def prepare_sources(
     they are spawned, so a script calling this with workers > 1 needs the usual `if __name__ == "__main__":`.
     `chat`: conversations rendered with the tokenizer directory's chat template (or `chat_template`, a file),
     with loss weights; `max_len` and `truncate` ("left" or "drop") bound a conversation's tokens. `preference`:
-    pairs {"prompt", "chosen", "rejected"} for DPO, as chat data (implies `chat`), stored chosen then rejected."""
+    pairs {"prompt", "chosen", "rejected"} for DPO, as chat data (implies `chat`), stored chosen then rejected.
+    `max_bad_fraction`: JSONL lines that are not JSON objects are skipped and counted up to this fraction of all
+    records read; past it DataError (the finished shards are kept, so a rerun with a higher limit resumes). 0
+    raises on the first one."""
     if tokenizer and not os.path.exists(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer not found")
     chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate, preference) if chat or preference \
         else None
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
+    max_bad_fraction = MAX_BAD_FRACTION if max_bad_fraction is None else max_bad_fraction
+    if not 0 <= max_bad_fraction <= 1:
+        raise DataError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
         raise DataError(f"vocab_size must be >= 258, got {vocab_size}")
     tok = layout.open_tokenizer(tokenizer, eos_token) if tokenizer else None
     srcs = sources_lib.expand(inputs, fmt, field, split=split, tfds_data_dir=tfds_data_dir)
+    for s in srcs:
+        s.strict = max_bad_fraction == 0
     data_dir = os.path.abspath(data_dir)
     start = time.perf_counter()
     with _locked(data_dir):
@@ -524,7 +534,9 @@ def prepare_sources(
         try:
             manifest = _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token,
                                              text_split, num_shards, heldout_docs, seed, vocab_size, workers,
-                                             print_fn, chat_settings)
+                                             print_fn, chat_settings, max_bad_fraction)
+        except TooManyMalformed:
+            raise  # the shards are good: a rerun with a higher limit finishes from them
         except (DataError, SourceError, TokenizerError):
             shutil.rmtree(work, ignore_errors=True)  # bad input: nothing worth resuming, nothing left beside it
             raise
@@ -538,6 +550,10 @@ def prepare_sources(
     held = sum(s["docs"] for s in manifest["splits"]["heldout"])
     text_bytes = sum(s.text_bytes for s in srcs)
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    if malformed := sum(skipped[r] for r in sources_lib.MALFORMED):
+        shown = [w for s in srcs for w in s.malformed_at][:sources_lib.MALFORMED_SHOWN]
+        print_fn(f"prepare: warning: skipped {malformed} malformed JSONL lines (within --max_bad_fraction "
+                 f"{max_bad_fraction:g}); the first: " + "; ".join(shown), file=sys.stderr)
     print_fn(
         f"prepared {len(srcs)} {'files' if not any(s.dataset for s in srcs) else 'inputs'} in {seconds:.1f}s:"
         f" {docs} docs / {tokens} tokens (heldout {held} docs), {len(manifest['splits']['train'])} shards,"
@@ -549,7 +565,8 @@ def prepare_sources(
 
 
 def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
-                          num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None) -> dict:
+                          num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None,
+                          max_bad_fraction=0.0) -> dict:
     """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
@@ -560,6 +577,15 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     records = _build_shards(work, srcs, plans, text_split, seed, tok_file, tok.hf_dir is not None, eos_token, dtype,
                             workers, print_fn, chat)
 
+    # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
+    for r in records:
+        for i, st in r["sources"].items():
+            src = srcs[int(i)]
+            src.docs += st["docs"]
+            src.skipped.update(st["skipped"])
+            src.text_bytes += st["text_bytes"]
+            src.malformed_at = (src.malformed_at + st.get("malformed_at", []))[:sources_lib.MALFORMED_SHOWN]
+    _check_malformed(srcs, max_bad_fraction)
     train_rows = [r["train"] for r in records]
     heldout_rows = [r["heldout"] for r in records if r["heldout"]]
     if not sum(r["docs"] for r in train_rows):
@@ -569,13 +595,6 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         # Quotas follow text size: a shard of few, long documents may have fewer than its share.
         print_fn(f"prepare: warning: {held_total} held-out documents instead of --heldout_docs {heldout_docs}: "
                  f"some shards had fewer documents than their share", file=sys.stderr)
-    # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
-    for r in records:
-        for i, st in r["sources"].items():
-            src = srcs[int(i)]
-            src.docs += st["docs"]
-            src.skipped.update(st["skipped"])
-            src.text_bytes += st["text_bytes"]
     manifest = {
         **settings,
         "input_mtimes": [r.get("mtime_ns") for r in identities],
@@ -605,6 +624,23 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         os.rmdir(data_dir)  # an empty dir (checked above) is replaced
     os.rename(work, data_dir)
     return manifest
+
+
+MAX_BAD_FRACTION = 0.001  # of the records read, malformed JSONL lines skipped before prepare gives up
+
+
+class TooManyMalformed(DataError):
+    """More malformed JSONL lines than --max_bad_fraction allows (the shards built are kept for a rerun)."""
+
+
+def _check_malformed(srcs: list, max_bad_fraction: float) -> None:
+    malformed = sum(s.skipped[r] for s in srcs for r in sources_lib.MALFORMED)
+    read = sum(s.docs + sum(s.skipped.values()) for s in srcs)
+    if malformed > max_bad_fraction * read:
+        first = next(w for s in srcs for w in s.malformed_at)
+        raise TooManyMalformed(f"{malformed} of {read} records ({malformed / read:.2%}) are malformed JSONL lines, "
+                               f"past --max_bad_fraction {max_bad_fraction:g}; the first: {first}. Fix the input or "
+                               f"raise the limit: the finished shards are kept, so a rerun resumes")
 
 
 CHAT_TEMPLATE = chat_lib.TEMPLATE_FILE  # in a chat data dir: the template its conversations were rendered with
@@ -701,7 +737,7 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_to
             jobs.append({"plan": plan, "work_dir": work, "num_shards": len(plans), "sources": srcs,
                          "text_split": text_split, "seed": seed, "tokenizer_file": tok_file, "tokenizer_dir": tok_dir,
                          "eos_token": eos_token, "dtype": dtype.name, "key": key, "chat": chat})
-    if records and jobs:
+    if records:
         print_fn(f"prepare: resuming, {len(records)} of {len(plans)} shards already done", file=sys.stderr)
     todo = sum(j["plan"].size for j in jobs)
     t0, done_bytes = time.perf_counter(), 0

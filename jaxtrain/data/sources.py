@@ -5,7 +5,8 @@ A source is one file or one dataset split. `pieces()` cuts it into independently
 given size (byte ranges of line-oriented files, row ranges of Parquet and datasets, whole files otherwise),
 which is what lets `prepare` tokenize a large corpus in parallel and resume it shard by shard.
 `documents()` yields a piece's documents lazily as str; bad documents are skipped and counted in
-`Source.skipped` (reason -> count), while a file that cannot be read at all raises SourceError.
+`Source.skipped` (reason -> count), malformed JSONL lines too (the first few located in `Source.malformed_at`,
+and SourceError instead when `Source.strict`), while a file that cannot be read at all raises SourceError.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ KINDS = ("txt", "jsonl", "parquet")
 TEXT_SPLITS = ("file", "paragraph", "line")
 _EXTENSIONS = {".txt": "txt", ".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 _PARAGRAPH_BREAK = re.compile(rb"\r?\n(?:[ \t\r]*\n)+")  # one or more blank lines
+MALFORMED = ("not_json", "not_an_object")  # skip reasons of JSONL lines that are not records at all
+MALFORMED_SHOWN = 5  # located lines kept per source (and per shard while counting)
 
 
 @dataclasses.dataclass
@@ -45,10 +48,18 @@ class Source:
     text_bytes: int = 0
     mtime_ns: int = 0  # with path and size: lets a rerun trust the recorded sha256 without reading the file
     dataset: object = None  # a dataset_sources.DatasetSource for kind "hf" / "tfds"
+    strict: bool = False  # a malformed JSONL line raises SourceError instead of being skipped
+    malformed_at: list = dataclasses.field(default_factory=list)  # "path: line N is not JSON (...)", the first few
 
     def row(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "field": self.field, "docs": self.docs,
-                "skipped": dict(sorted(self.skipped.items()))}
+        row = {"path": self.path, "kind": self.kind, "field": self.field, "docs": self.docs,
+               "skipped": dict(sorted(self.skipped.items()))}
+        return {**row, "malformed_at": self.malformed_at} if self.malformed_at else row
+
+    def note_malformed(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.malformed_at) < MALFORMED_SHOWN:
+            self.malformed_at.append(where)
 
     def pieces(self, target_bytes: int, text_split: str = "file") -> list[tuple[int, int, int]]:
         """(start, stop, estimated bytes) parts of about target_bytes; stop -1 = to the end.
@@ -168,7 +179,9 @@ def documents_raw(src: Source, start: int, stop: int) -> Iterator[object]:
 
 def _counted_records(src: Source, values: Iterator[object]) -> Iterator[object]:
     for v in values:
-        if v is MISSING:
+        if isinstance(v, _Malformed):
+            src.note_malformed(v.reason, v.where)
+        elif v is MISSING:
             src.skipped["missing_field"] += 1
         elif isinstance(v, bytes):
             src.skipped["undecodable"] += 1
@@ -181,6 +194,9 @@ def _counted_records(src: Source, values: Iterator[object]) -> Iterator[object]:
 def _counted(src: Source, values: Iterator[object]) -> Iterator[str]:
     """Bytes are decoded here and anything that is not a non-empty str is skipped with its reason."""
     for v in values:
+        if isinstance(v, _Malformed):
+            src.note_malformed(v.reason, v.where)
+            continue
         if isinstance(v, bytes):
             src.text_bytes += len(v)
             try:
@@ -256,10 +272,22 @@ def _jsonl_values(src: Source, start: int = 0, stop: int = -1) -> Iterator[objec
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SourceError(f"{src.path}: {where} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise SourceError(f"{src.path}: {where} is not a JSON object")
-        yield record if src.field == RECORD else record.get(src.field, MISSING)
+            bad = _Malformed("not_json", f"{src.path}: {where} is not JSON ({e.msg})")
+        else:
+            if isinstance(record, dict):
+                yield record if src.field == RECORD else record.get(src.field, MISSING)
+                continue
+            bad = _Malformed("not_an_object", f"{src.path}: {where} is not a JSON object")
+        if src.strict:
+            raise SourceError(bad.where)
+        yield bad
+
+
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """A JSONL line that is not a record, passed on to be counted with where it is."""
+    reason: str
+    where: str
 
 
 def _parquet_file(src: Source, f):

@@ -46,6 +46,9 @@ def _prepare(argv) -> int:
     parser.add_argument("--chat_template", help="with --chat: a Jinja template file instead of the tokenizer's own")
     parser.add_argument("--max_len", type=int, help="with --chat: the most tokens a conversation keeps (train.seq_len); "
                         "with --preference: a pair's two sequences together")
+    parser.add_argument("--max_bad_fraction", type=float, default=prepare.MAX_BAD_FRACTION,
+                        help="JSONL lines that are not JSON objects are skipped and counted, the first few named on "
+                        "stderr; past this fraction of all records prepare exits 2 (0: at the first one)")
     parser.add_argument("--truncate", choices=prepare.TRUNCATE, default="left",
                         help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
@@ -60,7 +63,7 @@ def _prepare(argv) -> int:
                                 num_shards=args.num_shards, workers=args.workers, split=args.split,
                                 tfds_data_dir=args.tfds_data_dir, chat=args.chat,
                                 chat_template=args.chat_template, max_len=args.max_len, truncate=args.truncate,
-                                preference=args.preference)
+                                preference=args.preference, max_bad_fraction=args.max_bad_fraction)
     elif chat:
         parser.error("--chat and --preference need --input")
     else:

@@ -141,7 +141,6 @@ def test_rerun_rewrites_nothing_and_other_settings_are_refused(tmp_path, txt, ca
     [
         (lambda d: d / "nothing-*.txt", "matches no file"),
         (lambda d: d / "missing.jsonl", "matches no file"),
-        (lambda d: (d / "x.jsonl").write_text('{"text": "ok"}\nnot json\n') and d / "x.jsonl", "line 2 is not JSON"),
         (lambda d: (d / "x.parquet").write_text("not parquet") and d / "x.parquet", "not a Parquet file"),
         (lambda d: (d / "x.csv").write_text("a,b") and d / "x.csv", "unknown extension"),
     ],
@@ -154,12 +153,41 @@ def test_bad_input_exits_2_naming_the_path(tmp_path, capsys, make, reason):
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+def test_malformed_lines_are_skipped_and_counted_up_to_max_bad_fraction(tmp_path, capsys):
+    """A corpus of billions of lines nearly always holds a few broken ones (a truncated last line, a stray
+    array): they are skipped and counted like other bad documents, until they pass --max_bad_fraction."""
+    f = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "word " * (i % 7)}) for i in range(3000)]
+    lines[1200] = "[1, 2]"
+    f.write_text("\n".join(lines) + '\n{"text": "cut off mid-wr')  # 2 of 3001 records: 0.067%
+    where = [f"{f}: line 1201 is not a JSON object", f"{f}: line 3001 is not JSON (Unterminated string starting at)"]
+
+    assert run(tmp_path, "--input", str(f), "--max_bad_fraction", "0.0005") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: 2 of 3001 records (0.07%) are malformed JSONL lines, past --max_bad_fraction 0.0005;"
+                       f" the first: {where[0]}. Fix the input or raise the limit: the finished shards are kept, so "
+                       f"a rerun resumes")
+    assert not (tmp_path / "out").exists()
+
+    assert run(tmp_path, "--input", str(f)) == 0  # the default limit, 0.1%: resumes from the kept shards
+    err = capsys.readouterr().err
+    assert "resuming, 1 of 1 shards already done" in err
+    assert f"skipped 2 malformed JSONL lines (within --max_bad_fraction 0.001); the first: {'; '.join(where)}" in err
+    (row,) = layout.load_manifest(tmp_path / "out")["sources"]
+    assert row["skipped"] == {"not_an_object": 1, "not_json": 1} and row["malformed_at"] == where
+    assert row["docs"] == 2999 and len(read_back(tmp_path / "out")) == 2999
+
+    assert run(tmp_path, "--input", str(f), "--max_bad_fraction", "0", out="strict") == 2  # today's strict mode
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {where[0]}"
+    assert not (tmp_path / "strict").exists() and not list(tmp_path.glob("strict*"))
+
+
 def test_cli_subprocess_bad_json_and_success(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "a"}\n{oops\n')
     cmd = [sys.executable, "-m", "jaxtrain", "prepare", "--output", str(tmp_path / "out"), "--heldout_docs", "1",
            "--vocab_size", str(VOCAB), "--input", str(f)]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*cmd, "--max_bad_fraction", "0"], check=False, capture_output=True, text=True, timeout=60)
     expected = f"error: {f}: line 2 is not JSON (Expecting property name enclosed in double quotes)"
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [expected]
     f.write_text('{"text": "a"}\n{"text": "b"}\n{"nope": 1}\n')
