@@ -9,13 +9,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the session, which the tests' subprocesses inherit: most tests compile the
 # same tiny programs, and compiling is most of their time. Set JAX_COMPILATION_CACHE_DIR to keep one across runs.
-# The size limit turns on jax's file lock, so concurrent processes never read a half-written entry.
+# No size limit: with one, jax re-reads every entry's access time on each write, which grows quadratic. (A read
+# that meets an entry another process is still writing warns and compiles instead.)
 _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtrain-tests-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import pytest
 
