@@ -566,8 +566,9 @@ def prepare_sources(
 
 def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
                           num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None,
-                          max_bad_fraction=0.0) -> dict:
+                          max_bad_fraction=None) -> dict:
     """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
+    max_bad_fraction = MAX_BAD_FRACTION if max_bad_fraction is None else max_bad_fraction
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
