@@ -177,6 +177,7 @@ def _existing_manifest(data_dir: str, settings: dict) -> dict | None:
 SOURCES_FORMAT = 2  # layout of a `prepare --input` dir (inputs identified by content, per-shard heldout)
 SHARD_BYTES = 256 << 20  # default text per train shard
 TOKENIZER_SAMPLE_BYTES = 1 << 30  # at most this much train text teaches a new BPE
+MAX_BAD_FRACTION = 0.001  # of the records read, malformed JSONL lines skipped before prepare gives up
 PARTIAL = ".partial"  # sibling work dir `.<name>.partial`: finished shards survive an interrupted run
 
 
@@ -475,7 +476,7 @@ def prepare_sources(
     max_len: int | None = None,
     truncate: str = "left",
     preference: bool = False,
-    max_bad_fraction: float | None = None,
+    max_bad_fraction: float = MAX_BAD_FRACTION,
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
@@ -493,7 +494,6 @@ def prepare_sources(
         else None
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
-    max_bad_fraction = MAX_BAD_FRACTION if max_bad_fraction is None else max_bad_fraction
     if not 0 <= max_bad_fraction <= 1:
         raise DataError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
     if not tokenizer and vocab_size < 258:  # 256 byte tokens + 2 special tokens.
@@ -566,9 +566,8 @@ def prepare_sources(
 
 def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
                           num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None,
-                          max_bad_fraction=None) -> dict:
+                          max_bad_fraction=MAX_BAD_FRACTION) -> dict:
     """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
-    max_bad_fraction = MAX_BAD_FRACTION if max_bad_fraction is None else max_bad_fraction
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
@@ -625,9 +624,6 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         os.rmdir(data_dir)  # an empty dir (checked above) is replaced
     os.rename(work, data_dir)
     return manifest
-
-
-MAX_BAD_FRACTION = 0.001  # of the records read, malformed JSONL lines skipped before prepare gives up
 
 
 class TooManyMalformed(DataError):
