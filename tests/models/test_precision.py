@@ -1,6 +1,7 @@
 """Precision is chosen per platform: f32 on CPU, bf16 compute with f32 params on GPU/TPU, unless set. bf16 on CPU
 runs its weight matmuls in the forms XLA:CPU computes in bf16 (forward and backward), with unchanged results."""
 
+import functools
 import re
 
 import jax
@@ -92,15 +93,15 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
 
 
 def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
-    """project_fused (QKV, gate/up) in bf16 with a SwiGLU-like f32 use of its parts: the gradients equal those of a
+    """project_fused's joined matmul (QKV, gate/up) in bf16 with a SwiGLU-like f32 use of its parts: the gradients equal those of a
     plain jnp.split bit for bit, and the compiled backward joins the parts' gradients as 16-bit data. With the
     plain split, XLA joined them in f32 (the check can fail)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(0, 1, (2, 16, 32)), jnp.bfloat16)
     ws = [jnp.asarray(rng.normal(0, 0.2, (32, n)), jnp.bfloat16) for n in (24, 24)]
 
-    def loss(x, ws):
-        gate, up = layers.project_fused(x, ws, "mlp", "act_mlp")
+    def loss(x, ws, project=lambda x, ws: layers.project_joined(x, ws, 1, "mlp", "act_mlp")):
+        gate, up = project(x, ws)
         return jnp.sum((jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(jnp.bfloat16)
                        .astype(jnp.float32) ** 2)
 
@@ -116,6 +117,13 @@ def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
     for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == jnp.bfloat16 and np.array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
     assert joins and joins <= {"bf16", "u16"} and plain_joins == {"f32"}, (joins, plain_joins)
+    # Where the mesh splits neither the weights nor the sequence (here: no mesh) nothing is joined.
+    alone = jax.jit(jax.grad(functools.partial(loss, project=lambda x, ws: layers.project_fused(x, ws, "mlp", "act")),
+                             argnums=(0, 1)))
+    assert not concatenations(alone.lower(x, ws).compile().as_text())
+    for g, w_ in zip(jax.tree.leaves(alone(x, ws)), jax.tree.leaves(want)):
+        w_ = np.asarray(w_, np.float32)  # the same sums, rounded to bf16 in another order
+        np.testing.assert_allclose(np.asarray(g, np.float32), w_, rtol=1e-2, atol=1e-2 * np.abs(w_).max())
 
 
 def test_cpu_cast_to_bf16_equals_astype_bit_for_bit():
