@@ -27,15 +27,18 @@ from jaxtrain.models.config import GRAD_REDUCE_DTYPES
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon", "adafactor", "lion", "sgd")
 MOMENTS_DTYPES = ("float32", "bfloat16")
+MUON_NS_DTYPES = ("auto", "float32", "bfloat16")
 # The config's `optim` group: `name` with linear warmup, then `schedule` down to lr * min_lr_ratio (wsd decays over
 # the last `decay_fraction`); no weight decay on norm scales and biases; global-norm clipping at `clip_norm` (0 =
 # off). b1, b2: Adam's and Lion's betas (and those of the AdamW that Muon runs on the non-matrix weights); eps:
 # Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`. offload: the optimizer state lives in
 # pinned host memory and visits the device for the update (jaxtrain.trainer). grad_reduce_dtype: the dtype the
-# weight gradients are reduced over the batch axes in (models.layers.weight_grad_in).
+# weight gradients are reduced over the batch axes in (models.layers.weight_grad_in). muon_ns_dtype: the dtype of
+# Muon's Newton-Schulz iterations; auto = bfloat16 where the model computes in 16 bits (1.31x Muon's step on an
+# H100, as Jordan's reference runs it), else float32.
 CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
               weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
-              moments_dtype="float32", offload=False, grad_reduce_dtype="float32")
+              moments_dtype="float32", offload=False, grad_reduce_dtype="float32", muon_ns_dtype="auto")
 # Muon's update scaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)), Liu et al. 2025), so that one lr and one
 # weight decay suit both the matrices and the AdamW-trained rest.
 MUON_RMS = 0.2
@@ -114,6 +117,7 @@ def check_config(o, *, total_steps: int) -> None:
     g.number("eps", lo=0, lo_open=True)
     g.number("momentum", lo=0, hi=1)
     g.choice("moments_dtype", MOMENTS_DTYPES, what="dtype")
+    g.choice("muon_ns_dtype", MUON_NS_DTYPES, what="dtype")
     g.choice("grad_reduce_dtype", GRAD_REDUCE_DTYPES, what="dtype")
     parse_groups(g.string("groups"))
 
@@ -196,8 +200,9 @@ def muon_dims(param_names) -> dict:
     return dims
 
 
-def _muon(o, param_names) -> optax.GradientTransformation:
-    """Muon on the layers' matrices (`muon_dims`), Adam on the rest: both directions only (decay and lr follow)."""
+def _muon(o, param_names, ns_dtype) -> optax.GradientTransformation:
+    """Muon on the layers' matrices (`muon_dims`), Adam on the rest: both directions only (decay and lr follow).
+    Newton-Schulz runs in `ns_dtype`; the momentum stays float32 and the state's layout is the same either way."""
     if param_names is None:
         raise ValueError("optim.name=muon needs the params' logical names (make_optimizer's param_names)")
     dims = muon_dims(param_names)
@@ -210,7 +215,18 @@ def _muon(o, param_names) -> optax.GradientTransformation:
     labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
         lambda path, _: "muon" if param_path(path) in dims else "adam", params)
 
+    low = jnp.dtype(ns_dtype) != jnp.float32
+    # In 16 bits optax's own muon keeps the momentum (its iterations skipped: ns_steps=0 only normalises), and a
+    # second one with no memory (beta 0, no Nesterov: its momentum is its input) orthogonalises that in ns_dtype.
+    orthogonalise = contrib.scale_by_muon(beta=0.0, nesterov=False, weight_dimension_numbers=dims_of)
+
     def rms_matched(updates, state, params=None):  # MUON_RMS * sqrt(max(fan_in, fan_out)), as optax's muon's
+        if low:
+            wide = updates
+            updates = jax.tree.map(lambda u: u.astype(ns_dtype), updates)
+            updates = orthogonalise.update(updates, orthogonalise.init(updates))[0]
+            updates = jax.tree.map(lambda u, w: u.astype(w.dtype), updates, wide)
+
         def scaled(path, u):
             if masked(u):
                 return u
@@ -219,12 +235,14 @@ def _muon(o, param_names) -> optax.GradientTransformation:
             return u * jnp.asarray(MUON_RMS * math.sqrt(max(fans)), u.dtype)
         return jax.tree_util.tree_map_with_path(scaled, updates, is_leaf=masked), state
 
-    muon = optax.chain(contrib.scale_by_muon(beta=o.momentum, weight_dimension_numbers=dims_of),
+    skip = {"ns_steps": 0} if low else {}
+    momentum = contrib.scale_by_muon(beta=o.momentum, weight_dimension_numbers=dims_of, **skip)
+    muon = optax.chain(momentum,
                        optax.GradientTransformation(optax.init_empty_state, rms_matched))
     return optax.partition({"muon": muon, "adam": optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)}, labels)
 
 
-def _direction(o, param_names) -> optax.GradientTransformation:
+def _direction(o, param_names, compute_dtype) -> optax.GradientTransformation:
     """The optimizer's update direction, before weight decay and the learning rate."""
     if o.name == "adamw":
         return optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
@@ -235,7 +253,10 @@ def _direction(o, param_names) -> optax.GradientTransformation:
     if o.name == "adafactor":  # factored second moments, updates clipped to RMS 1; no parameter-scale factor
         return optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0))
     if o.name == "muon":
-        return _muon(o, param_names)
+        ns = o.muon_ns_dtype
+        if ns == "auto":
+            ns = "bfloat16" if jnp.dtype(compute_dtype).itemsize == 2 else "float32"
+        return _muon(o, param_names, ns)
     raise ValueError(f"optim.name: unknown optimizer {o.name!r}")
 
 
@@ -282,15 +303,17 @@ def _decay_and_lr(o, lr_schedule) -> list:
     return [_by_path(decay), _by_path(scale), optax.scale_by_learning_rate(lr_schedule)]
 
 
-def make_optimizer(optim_cfg, total_steps: int, param_names=None) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(optim_cfg, total_steps: int, param_names=None,
+                   compute_dtype="float32") -> optax.GradientTransformationExtraArgs:
     """Clipping (optional), `optim.name`'s direction (its moments in optim.moments_dtype), weight decay and the
     learning rate. `update` takes `global_norm=` (the gradients' global norm, when the caller has it) for the clip.
-    `param_names`: the params' logical axis names (a tree of PartitionSpecs), which Muon needs."""
+    `param_names`: the params' logical axis names (a tree of PartitionSpecs), which Muon needs; `compute_dtype`:
+    the model's, which `optim.muon_ns_dtype=auto` follows."""
     o = optim_cfg
     parts = []
     if o.clip_norm > 0:
         parts.append(clip_by_global_norm(o.clip_norm))
-    direction = _direction(o, param_names)
+    direction = _direction(o, param_names, compute_dtype)
     if o.moments_dtype != "float32":
         direction = stored_in(direction, jnp.dtype(o.moments_dtype))
     # Nested as optax.adamw's own chain is, so the default's state keeps the layout of older checkpoints.

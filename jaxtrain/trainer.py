@@ -36,7 +36,7 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     trained = trained_params(model_cfg)
-    optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names))
+    optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names), model_cfg.dtype)
 
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
         fresh = lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))  # noqa: E731

@@ -4,6 +4,8 @@ The default AdamW's layout and numerics are tested in test_step.py; here each ot
 same on 8 devices as on one, shards its state like the parameters, and Muon equals a numpy reference.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +66,35 @@ def test_muon_first_update_equals_a_numpy_reference():
     # The embedding trains with AdamW: its first update is lr * g / (|g| + eps) plus decay.
     e, ge = params["embed"], grads["embed"]
     np.testing.assert_allclose(updates["embed"], -lr * (ge / (np.abs(ge) + 1e-8) + wd * e), rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting, compute, low", [("bfloat16", "float32", True), ("auto", "bfloat16", True),
+                                                   ("auto", "float32", False)])
+def test_muon_newton_schulz_in_bfloat16_tracks_float32_in_the_same_state(setting, compute, low):
+    """optim.muon_ns_dtype: in bf16 (set, or `auto` under 16-bit compute) the iterations' matmuls take bf16 and the
+    update stays f32, a bf16 approximation of the float64 reference (Jordan's reference runs them in bf16); the
+    optimizer state is the f32 setting's, so a run may switch it across a resume."""
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"mlp": {"w_up": rng.normal(size=(2, 8, 12)).astype(np.float32)}},
+              "embed": rng.normal(size=(5, 8)).astype(np.float32)}
+    grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+    names = {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+    o = config_lib.base_config().optim
+    o.update(name="muon", warmup_steps=0, schedule="constant", clip_norm=0.0, weight_decay=0.0, muon_ns_dtype=setting)
+    tx = optim.make_optimizer(o, total_steps=10, param_names=names, compute_dtype=compute)
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    g = grads["blocks"]["mlp"]["w_up"].astype(np.float64)
+    want = -o.lr * np.stack([newton_schulz(m) for m in (0.95 * 0.05 * g / (1 - 0.95**2) + g)]) * 0.2 * np.sqrt(12)
+    got = np.asarray(updates["blocks"]["mlp"]["w_up"])
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert got.dtype == np.float32
+    assert (1e-3 < error < 0.1) if low else error < 1e-5, error  # bf16's rounding, or none
+    text = str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
+    assert bool(re.search(r"bf16\[[\d,]*\] = dot_general", text)) == low
+    ref = optimizer_for(params, names, name="muon", muon_ns_dtype="float32")
+    shapes = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(t.init, params))  # noqa: E731
+    assert shapes(tx) == shapes(ref)
 
 
 def test_muon_orthogonalises_the_layer_matrices_and_leaves_the_rest_to_adamw(tiny_config):

@@ -206,7 +206,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
                   "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize, "trained": f}
                  for n, x, f in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes), flags)]
-    optimizer = optim.make_optimizer(config.optim, t.steps, trained(names))
+    optimizer = optim.make_optimizer(config.optim, t.steps, trained(names), model_cfg.dtype)
     opt_leaves = jax.tree.leaves(jax.eval_shape(optimizer.init, trained(shapes)))
     counters = sum(1 for x in opt_leaves if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
     moments = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim) / sum(
