@@ -55,7 +55,7 @@ def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f3
     assert 0.8 < analytic["temporaries_f32_activations"] / temporaries(cpu) < 1.25
     assert temporaries(gpu) < 0.75 * temporaries(cpu)
     # The roofline of the GPU program: the matmuls are the HLO's dots; XLA's attention writes and re-reads the
-    # [batch, heads, seq, seq] scores, so the other kernels move ~690 GiB a step and cap MFU near 25% (cuDNN's
+    # [batch, heads, seq, seq] scores, so the other kernels move ~560 GiB a step and cap MFU near 25% (cuDNN's
     # flash kernel, not installable here, reads ~63%: BUILD.md). Counting a scan's stacked buffers whole in every
     # iteration instead of the slice it reads or writes would read ~15%.
     roof = gpu["speed"]["roofline"]
@@ -63,7 +63,7 @@ def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f3
     assert roof["matmul_flops"] == pytest.approx(gpu["flops"]["hlo_dots_total"], rel=1e-9)
     assert roof["seconds"] > roof["matmul_flops"] / roof["peak_flops"]
     assert 0.2 < roof["mfu"] < 0.32
-    assert 600 * 2**30 < roof["other_bytes"] < 800 * 2**30
+    assert 480 * 2**30 < roof["other_bytes"] < 640 * 2**30
     assert "roofline of the XLA:GPU program" in stdout and len(roof["top"]) == 5
     # The same parameters and optimizer state either way: the arguments are the sharded state.
     assert gpu["memory"]["compiled"]["argument"] == pytest.approx(cpu["memory"]["compiled"]["argument"], rel=1e-3)
