@@ -44,24 +44,32 @@ def newton_schulz(x, steps=5, coeffs=(3.4445, -4.775, 2.0315), eps=1e-8):
     return x.T if transposed else x
 
 
-def test_muon_first_update_equals_a_numpy_reference():
-    """One Muon step on a layer stack of two [8, 12] matrices (each orthogonalised alone) and AdamW on the
-    embedding: Nesterov momentum with bias correction, Newton-Schulz, the 0.2 * sqrt(max(fan_in, fan_out)) RMS
-    match, decoupled weight decay, times -lr."""
+def muon_problem():
+    """(params, grads, logical names): a layer stack of two [8, 12] matrices (Muon's) and an embedding (AdamW's)."""
     rng = np.random.default_rng(0)
     params = {"blocks": {"mlp": {"w_up": rng.normal(size=(2, 8, 12)).astype(np.float32)}},
               "embed": rng.normal(size=(5, 8)).astype(np.float32)}
     grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
-    names = {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+    return params, grads, {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+
+
+def muon_direction(g, beta):
+    """The matrices' first Muon direction in float64: Nesterov momentum with bias correction (mu_1 = (1 - beta) g,
+    then beta * mu_1 / (1 - beta^2) + (1 - beta) g / (1 - beta)), Newton-Schulz, the 0.2 * sqrt(fan) RMS match."""
+    g = g.astype(np.float64)
+    return np.stack([newton_schulz(m) for m in beta * (1 - beta) * g / (1 - beta**2) + g]) * 0.2 * np.sqrt(12)
+
+
+def test_muon_first_update_equals_a_numpy_reference():
+    """One Muon step on a layer stack of two [8, 12] matrices (each orthogonalised alone) and AdamW on the
+    embedding: Nesterov momentum with bias correction, Newton-Schulz, the 0.2 * sqrt(max(fan_in, fan_out)) RMS
+    match, decoupled weight decay, times -lr."""
+    params, grads, names = muon_problem()
     lr, wd, beta = 0.02, 0.1, 0.95
     tx = optimizer_for(params, names, name="muon", lr=lr, weight_decay=wd, momentum=beta)
     updates, _ = tx.update(grads, tx.init(params), params)
 
-    g = grads["blocks"]["mlp"]["w_up"].astype(np.float64)
-    # mu_1 = (1 - beta) g; Nesterov: beta * mu_1 / (1 - beta^2) + (1 - beta) g / (1 - beta)
-    nesterov = beta * (1 - beta) * g / (1 - beta**2) + g
-    want = np.stack([newton_schulz(m) for m in nesterov]) * 0.2 * np.sqrt(12)
-    want = -lr * (want + wd * params["blocks"]["mlp"]["w_up"])
+    want = -lr * (muon_direction(grads["blocks"]["mlp"]["w_up"], beta) + wd * params["blocks"]["mlp"]["w_up"])
     np.testing.assert_allclose(updates["blocks"]["mlp"]["w_up"], want, rtol=2e-5, atol=1e-7)
     # The embedding trains with AdamW: its first update is lr * g / (|g| + eps) plus decay.
     e, ge = params["embed"], grads["embed"]
@@ -74,18 +82,13 @@ def test_muon_newton_schulz_in_bfloat16_tracks_float32_in_the_same_state(setting
     """optim.muon_ns_dtype: in bf16 (set, or `auto` under 16-bit compute) the iterations' matmuls take bf16 and the
     update stays f32, a bf16 approximation of the float64 reference (Jordan's reference runs them in bf16); the
     optimizer state is the f32 setting's, so a run may switch it across a resume."""
-    rng = np.random.default_rng(0)
-    params = {"blocks": {"mlp": {"w_up": rng.normal(size=(2, 8, 12)).astype(np.float32)}},
-              "embed": rng.normal(size=(5, 8)).astype(np.float32)}
-    grads = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
-    names = {"blocks": {"mlp": {"w_up": P("layers", "embed", "mlp")}}, "embed": P("vocab", "embed")}
+    params, grads, names = muon_problem()
     o = config_lib.base_config().optim
     o.update(name="muon", warmup_steps=0, schedule="constant", clip_norm=0.0, weight_decay=0.0, muon_ns_dtype=setting)
     tx = optim.make_optimizer(o, total_steps=10, param_names=names, compute_dtype=compute)
     updates, _ = tx.update(grads, tx.init(params), params)
 
-    g = grads["blocks"]["mlp"]["w_up"].astype(np.float64)
-    want = -o.lr * np.stack([newton_schulz(m) for m in (0.95 * 0.05 * g / (1 - 0.95**2) + g)]) * 0.2 * np.sqrt(12)
+    want = -o.lr * muon_direction(grads["blocks"]["mlp"]["w_up"], o.momentum)
     got = np.asarray(updates["blocks"]["mlp"]["w_up"])
     error = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert got.dtype == np.float32

@@ -93,9 +93,9 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
 
 
 def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
-    """project_fused's joined matmul (QKV, gate/up) in bf16 with a SwiGLU-like f32 use of its parts: the gradients equal those of a
-    plain jnp.split bit for bit, and the compiled backward joins the parts' gradients as 16-bit data. With the
-    plain split, XLA joined them in f32 (the check can fail)."""
+    """project_fused's joined matmul (QKV, gate/up) in bf16 with a SwiGLU-like f32 use of its parts: the gradients
+    equal those of a plain jnp.split bit for bit, and the compiled backward joins the parts' gradients as 16-bit
+    data. With the plain split, XLA joined them in f32 (the check can fail)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(0, 1, (2, 16, 32)), jnp.bfloat16)
     ws = [jnp.asarray(rng.normal(0, 0.2, (32, n)), jnp.bfloat16) for n in (24, 24)]
