@@ -6,6 +6,7 @@
 # On the device machine (`run` with carry [".whl"]; one call runs at most 10 minutes, so split the variants):
 #   bash scripts/gpu_bench.sh cudnn base lhs batch16
 #   bash scripts/gpu_bench.sh cudnn+lhs cudnn+batch16 cudnn+remat_none cudnn+chunk16k
+#   bash scripts/gpu_bench.sh cudnn cudnn+unroll cudnn+fp8 cudnn+unroll+fp8            # the layers unrolled
 #   bash scripts/gpu_bench.sh cudnn cudnn+fp8 cudnn+int8 cudnn+muon cudnn+moments16   # quantization, optimizers
 #   bash scripts/gpu_bench.sh cudnn cudnn+offload cudnn+offload_dots                   # host offload
 #   bash scripts/gpu_bench.sh cudnn cudnn+lora16                                        # LoRA against full
@@ -34,6 +35,7 @@ one_variant() {  # variant -> "XLA_FLAGS|bench_step flags"
     batch16)    echo "|--config.train.batch_size=16" ;;
     remat_none) echo "|--config.model.remat=none" ;;
     remat_full) echo "|--config.model.remat=full" ;;
+    unroll)     echo "|--config.model.scan_unroll=18" ;;  # bench_gpu's 18 layers with no layer loop
     chunk0)     echo "|--config.model.loss_chunk_tokens=0" ;;
     chunk16k)   echo "|--config.model.loss_chunk_tokens=16384" ;;
     attn512)    echo "|--config.model.attention_block=512" ;;
