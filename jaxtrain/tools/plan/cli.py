@@ -48,6 +48,37 @@ def _prescan_devices(argv: list[str]) -> int | None:
     return None
 
 
+# What the CUDA plugin's C++ code logs on a host with no driver, before absl's logging is set up (so no setting
+# silences it): the compile for described GPUs works all the same.
+PLUGIN_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+
+
+def _drop_plugin_noise() -> None:
+    """Routes fd 2 through a `grep -v` of PLUGIN_NOISE for the rest of the process. A child process filters, so
+    that what a crash writes last still gets through; at exit fd 2 is restored and the child drained."""
+    import atexit  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    grep = shutil.which("grep")
+    if grep is None:
+        return
+    sys.stderr.flush()
+    original = os.dup(2)
+    patterns = [arg for line in PLUGIN_NOISE for arg in ("-e", line)]
+    child = subprocess.Popen([grep, "-v", "--line-buffered", "-F", *patterns], stdin=subprocess.PIPE,
+                             stdout=original, stderr=original)
+    os.dup2(child.stdin.fileno(), 2)
+    child.stdin.close()  # fd 2 is now the pipe's only write end
+
+    def restore():
+        sys.stderr.flush()
+        os.dup2(original, 2)  # closes that write end: the child forwards what is left and exits
+        child.wait(timeout=30)
+
+    atexit.register(restore)
+
+
 def _force_host_devices(n: int) -> None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
@@ -93,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         _force_host_devices(devices)  # before jax is imported (the config file imports it)
     if flag_value(argv, "compiler") == "gpu":
         gpu_topology.use_bundled()  # before jax starts its backends, which is when it loads plugins
+    if "gpu" in (flag_value(argv, "compiler"), flag_value(argv, "backend")):
+        _drop_plugin_noise()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU host: don't grab its memory
     # A CPU host with the CUDA plugin (for --compiler gpu) has no driver: skip jax's check of its CUDA libraries.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
