@@ -395,6 +395,7 @@ class Checkpointer:
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         check_paths(directory, local_directory)
+        _once_per_damaged_metadata()
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
         self.run_id = run_id  # recorded in each save, checked on restore (process 0 needs it; others follow)
@@ -581,6 +582,36 @@ def _quiet_abandoned_reads() -> None:
         sys.unraisablehook = _LateCompletions(sys.unraisablehook)
     # jaxtrain has no coroutines of its own.
     warnings.filterwarnings("ignore", r"coroutine '\w+' was never awaited", RuntimeWarning)
+
+
+def _once_per_damaged_metadata() -> None:
+    """Orbax reads a step's `_CHECKPOINT_METADATA` (timestamps, not the state) each time it lists the steps, and
+    logs an ERROR with the file's whole content each time one is damaged or missing; it then goes on without
+    it. One warning line per file says the same."""
+    absl_log = logging.getLogger("absl")
+    if not any(isinstance(f, _MetadataComplaints) for f in absl_log.filters):
+        absl_log.addFilter(_MetadataComplaints())
+
+
+class _MetadataComplaints(logging.Filter):
+    PREFIXES = ("Failed to json parse Metadata file", "Failed to read Metadata file", "Metadata file does not exist")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if not msg.startswith(self.PREFIXES) or not record.args:
+            return True
+        path = str(record.args[0])
+        if path in self.seen:
+            return False
+        self.seen.add(path)
+        record.msg, record.args = "%s: %s; Orbax goes on without it (the state is still verified)", (
+            path, "missing" if msg.startswith("Metadata file does not exist") else "unreadable")
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def _drop_failed_reads() -> None:
