@@ -199,21 +199,25 @@ def test_sigterm_during_backoff_ends_supervision_without_a_restart():
     assert signal.getsignal(signal.SIGTERM) is previous  # the supervisor's forwarding handler is gone
 
 
-def test_cli_bad_input_is_one_line_and_exit_2_before_any_attempt(tmp_path, capsys):
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_attempt(tmp_path):
+    """Run as a user runs it (a process each): a negative budget, a command that is not found, a held workdir."""
     from jaxtrain import workdir as workdir_lib
 
-    ok = ["--", sys.executable, "-c", "pass"]
+    ok = ["--", sys.executable, "-c", "open('ran', 'w')"]
     for args, message in [(["--max_crash_restarts", "-1", *ok], "error: --max_crash_restarts: must be >= 0, got -1"),
                           (["--", "no-such-command-xyz"], "error: no-such-command-xyz: command not found")]:
-        with pytest.raises(SystemExit) as exit_:
-            supervise.main(args)
-        assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain", "supervise", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [message], proc.stderr[-2000:]
+        assert os.listdir(tmp_path) == []  # no attempt ran, nothing written
     held = workdir_lib.Lock(tmp_path)
     held.acquire()
     try:
-        assert supervise.main(["--workdir", str(tmp_path), *ok]) == 2
+        proc = subprocess.run([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(tmp_path), *ok],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     finally:
         held.release()
-    (line,) = capsys.readouterr().err.splitlines()
+    (line,) = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
     assert line.startswith(f"error: workdir: {tmp_path} is in use by another run (pid {os.getpid()} on ")
-    assert not (tmp_path / "supervisor.json").exists()
+    assert not (tmp_path / "supervisor.json").exists() and not (tmp_path / "ran").exists()
