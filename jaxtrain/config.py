@@ -157,7 +157,7 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
 
 def step_bytes_floor(cfg: ml_collections.ConfigDict, num_devices: int) -> float:
     """A floor under one step's bytes per device, however the mesh splits it: params and gradients in f32 and
-    AdamW's two moments (the matmul params only; none for another optimizer or a state offloaded to the host;
+    AdamW's two moments (the matmul params only, every expert of a mixture; none for another optimizer or a state offloaded to the host;
     under LoRA the frozen weights alone; DPO's reference copy without LoRA), plus, as under full remat, one bf16
     residual per layer and token of a microbatch, all spread evenly over every device. Any real step needs more;
     `jaxtrain plan` gives its figure."""
@@ -168,7 +168,7 @@ def step_bytes_floor(cfg: ml_collections.ConfigDict, num_devices: int) -> float:
     o = cfg.optim
     moments = 0 if o.offload or o.name != "adamw" else 2 * (2 if o.moments_dtype == "bfloat16" else 4)
     per_param = 4 if m.lora_rank else 8 + moments + (4 if cfg.train.objective == "dpo" else 0)
-    return (per_param * transformer.matmul_params(m) + 2 * tokens * m.n_layers * m.d_model) / num_devices
+    return (per_param * transformer.matmul_params(m, stored=True) + 2 * tokens * m.n_layers * m.d_model) / num_devices
 
 
 def check_fits(cfg: ml_collections.ConfigDict, num_devices: int, device_bytes: float | None) -> None:

@@ -329,7 +329,7 @@ def test_weight_grad_in_gives_the_matmul_gradient_from_a_matmul_with_that_dtype(
 def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(tiny_config):
     """config.step_bytes_floor (what check_fits refuses a run by): AdamW's two f32 moments are 8 bytes per matmul
     parameter, bf16 moments 4, another optimizer's or an offloaded state's none; under LoRA the frozen weights
-    alone count (4 bytes), and DPO's reference copy 4 more."""
+    alone count (4 bytes), and DPO's reference copy 4 more; of a mixture of experts, every expert."""
     from jaxtrain.models import transformer
 
     cfg = tiny_config()
@@ -337,8 +337,12 @@ def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(t
     floors = {}
     for key, settings in {"adamw": {}, "bf16": {"optim.moments_dtype": "bfloat16"}, "offload": {"optim.offload": True},
                           "lion": {"optim.name": "lion"}, "lora": {"model.lora_rank": 4},
-                          "dpo": {"train.objective": "dpo"}}.items():
+                          "dpo": {"train.objective": "dpo"}, "moe": {"model.n_experts": 4}}.items():
         floors[key] = config_lib.step_bytes_floor(tiny_config(**settings), 8)
+    # A mixture's state holds every expert, not only the top-k a token uses.
+    moe = config_lib.model_config(tiny_config(**{"model.n_experts": 4}), "cpu")
+    assert floors["moe"] - floors["adamw"] == pytest.approx(16 * (transformer.matmul_params(moe, stored=True) - n) / 8)
+    assert transformer.matmul_params(moe, stored=True) > transformer.matmul_params(moe)
     assert floors["adamw"] - floors["lora"] == pytest.approx(12 * n / 8)
     assert floors["dpo"] - floors["adamw"] == pytest.approx(4 * n / 8)
     assert floors["adamw"] - floors["bf16"] == pytest.approx(4 * n / 8)

@@ -377,13 +377,14 @@ def from_params(cfg: ModelConfig, params: dict):
     return graphdef, state
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def matmul_params(cfg: ModelConfig, stored: bool = False) -> int:
     """Parameters that take part in a matmul per token (the input embedding is a gather, not counted;
-    the output projection is, tied or not; of a mixture of experts, the top-k experts only)."""
+    the output projection is, tied or not; of a mixture of experts, the top-k experts only). `stored`: every
+    expert instead, i.e. the matmul weights the state holds."""
     attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.d_model * cfg.d_ff
     if cfg.n_experts:  # the router, and the experts a token is routed to (MoE FLOPs count active params)
-        mlp = cfg.d_model * cfg.n_experts + cfg.moe_top_k * mlp
+        mlp = cfg.d_model * cfg.n_experts + (cfg.n_experts if stored else cfg.moe_top_k) * mlp
     return cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
 
 

@@ -344,13 +344,16 @@ def test_train_flops_per_token_hand_computed():
     assert transformer.train_flops_per_token(cfg, 64) == 108672
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_matmul_params_match_the_built_model(tie):
+@pytest.mark.parametrize("tie,experts", [(True, 0), (False, 0), (False, 4)])
+def test_matmul_params_match_the_built_model(tie, experts):
     """Every real parameter except the input-embedding gather and the norm scales is a matmul weight
-    (tied: the embedding table is the output head, so it counts once)."""
-    cfg, model = build(tie_embeddings=tie)
+    (tied: the embedding table is the output head, so it counts once); with `stored`, every expert counts
+    (what the memory floor holds), without it only the top-k a token uses (what its FLOPs count)."""
+    cfg, model = build(tie_embeddings=tie, n_experts=experts, moe_top_k=2)
     shapes = param_shapes(model)
     total = sum(int(np.prod(s)) for s in shapes.values())
     norms = sum(int(np.prod(s)) for k, s in shapes.items() if k.endswith("scale"))
     gather_only = 0 if tie else int(np.prod(shapes["embed"]))
-    assert transformer.matmul_params(cfg) == total - norms - gather_only
+    assert transformer.matmul_params(cfg, stored=True) == total - norms - gather_only
+    idle_experts = cfg.n_layers * (experts - 2) * 3 * cfg.d_model * cfg.d_ff if experts else 0
+    assert transformer.matmul_params(cfg) == total - norms - gather_only - idle_experts
