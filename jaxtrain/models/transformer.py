@@ -392,5 +392,10 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token, counted as MaxText does for a dense decoder:
     6 * N_matmul (forward 2, backward 4) plus causal attention 6 * L * S * H * d_head
     (QK^T and AV are 2 * 2 * S * H * d_head per token forward, halved for causality, times 3 for fwd+bwd).
-    Remat recomputation is not counted: MFU measures useful work."""
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    A sliding-window layer (window w < S) counts the keys its queries see: about w - w^2 / 2S on average, not
+    S / 2. Remat recomputation is not counted: MFU measures useful work."""
+    spans = np.full(cfg.n_layers, float(seq_len))  # twice the average keys per query
+    local, w = local_layers(cfg), cfg.sliding_window
+    if local is not None and w < seq_len:
+        spans[local] = 2.0 * w - w * w / seq_len
+    return 6.0 * matmul_params(cfg) + 6.0 * float(spans.sum()) * cfg.n_heads * cfg.head_dim

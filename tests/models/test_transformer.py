@@ -1,5 +1,7 @@
 """The Llama-style decoder: causality, packed-document isolation, GQA, a numpy reference, FLOP count."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -342,6 +344,11 @@ def test_train_flops_per_token_hand_computed():
     # 6 * 11968 = 71808; attention 6 * L * S * H * d_head = 6*3*64*4*8 = 36864; total 108672.
     assert transformer.matmul_params(cfg) == 11968
     assert transformer.train_flops_per_token(cfg, 64) == 108672
+    # Sliding windows of 16 on layers 0 and 1 (global_every 3: layer 2 is global): a query sees on average
+    # 16 - 16^2 / 128 = 14 keys there instead of 32, so those layers' attention counts 28/64 of a global one's.
+    windowed = dataclasses.replace(cfg, sliding_window=16, global_every=3)
+    assert transformer.train_flops_per_token(windowed, 64) == 71808 + 12288 * (1 + 2 * 28 / 64)
+    assert transformer.train_flops_per_token(dataclasses.replace(cfg, sliding_window=64), 64) == 108672
 
 
 @pytest.mark.parametrize("tie,experts", [(True, 0), (False, 0), (False, 4)])
