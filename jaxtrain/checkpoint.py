@@ -575,9 +575,7 @@ def _quiet_abandoned_reads() -> None:
     report within milliseconds, once Orbax's loop is closed, through sys.unraisablehook ("Event loop is
     closed"). Their futures and Orbax's tasks come through asyncio's logger ("... exception was never
     retrieved"), their coroutines as warnings. Each filter is narrow; everything else passes."""
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _AbandonedReads) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_AbandonedReads())
+    _filter_once("asyncio", _AbandonedReads)
     if not isinstance(sys.unraisablehook, _LateCompletions):
         sys.unraisablehook = _LateCompletions(sys.unraisablehook)
     # jaxtrain has no coroutines of its own.
@@ -588,9 +586,14 @@ def _once_per_damaged_metadata() -> None:
     """Orbax reads a step's `_CHECKPOINT_METADATA` (timestamps, not the state) each time it lists the steps, and
     logs an ERROR with the file's whole content each time one is damaged or missing; it then goes on without
     it. One warning line per file says the same."""
-    absl_log = logging.getLogger("absl")
-    if not any(isinstance(f, _MetadataComplaints) for f in absl_log.filters):
-        absl_log.addFilter(_MetadataComplaints())
+    _filter_once("absl", _MetadataComplaints)
+
+
+def _filter_once(logger: str, kind: type[logging.Filter]) -> None:
+    """Adds a `kind` filter to the logger unless it has one: each Checkpointer or load installs it again."""
+    log = logging.getLogger(logger)
+    if not any(isinstance(f, kind) for f in log.filters):
+        log.addFilter(kind())
 
 
 class _MetadataComplaints(logging.Filter):

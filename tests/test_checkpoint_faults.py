@@ -125,18 +125,9 @@ def test_damaged_checkpoint_is_reported_kept_and_skipped(case, template, tmp_pat
     assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == sorted(["3", moved[0]])
 
 
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 @pytest.mark.parametrize("name", ["_CHECKPOINT_METADATA", "_CHECKPOINT_METADATA garbled", "state/_METADATA",
                                   "state/_sharding"])
-def test_missing_redundant_metadata_is_not_damage(name, template, tmp_path):
+def test_missing_redundant_metadata_is_not_damage(name, template, tmp_path, caplog):
     """Orbax's descriptive metadata is not needed to restore onto an abstract target, and the checksums prove
     the data intact: such a checkpoint is used, not skipped. Orbax's complaint about a step's metadata, which
     it repeats with the file's content each time it lists the steps, reaches the user once, as one line."""
@@ -147,17 +138,14 @@ def test_missing_redundant_metadata_is_not_damage(name, template, tmp_path):
         path.write_text("garbage{\n")
     else:
         path.unlink()
-    logs, absl_records = [], Records()
-    logging.getLogger("absl").addHandler(absl_records)
-    try:
+    logs = []
+    with caplog.at_level(logging.WARNING, logger="absl"):
         ckpt = checkpoint.Checkpointer(root, keep=5, log=logs.append)
         step, _, data = ckpt.restore_latest(abstract(make_state(2)))
         ckpt.save(3, make_state(3), {"pos": 3})
         ckpt.close()
-    finally:
-        logging.getLogger("absl").removeHandler(absl_records)
     assert (step, data, logs) == (2, {"pos": 2}, [])
-    about = [(r.levelno, r.getMessage()) for r in absl_records.records if str(path) in r.getMessage()]
+    about = [(r.levelno, r.getMessage()) for r in caplog.records if str(path) in r.getMessage()]
     if name.startswith("_CHECKPOINT_METADATA"):
         reason = "unreadable" if name.endswith("garbled") else "missing"
         assert about == [(logging.WARNING, f"{path}: {reason}; Orbax goes on without it (the state is still "
