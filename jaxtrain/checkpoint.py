@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -311,7 +312,8 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str, ru
         raise _Corrupt(f"missing commit marker {_COMMIT_MARKER}")
     try:
         record = ocp.JsonCheckpointHandler().restore(path / "integrity")
-        record["arrays"] = {name: (tuple(a["shape"]), a["dtype"], a["checksum"]) for name, a in record["arrays"].items()}
+        record["arrays"] = {name: (tuple(a["shape"]), a["dtype"], a["checksum"])
+                            for name, a in record["arrays"].items()}
         record["data_sha256"] = str(record["data_sha256"])
         order = record.get("layer_order")
         record["layer_order"] = None if order is None else tuple(int(i) for i in order)
@@ -573,8 +575,9 @@ def _quiet_abandoned_reads() -> None:
     itself is logged, and the rest would print at any later time, from any thread, around the one-line error
     when every checkpoint is damaged. Installed before the first load, since tensorstore's reads still in flight
     report within milliseconds, once Orbax's loop is closed, through sys.unraisablehook ("Event loop is
-    closed"). Their futures and Orbax's tasks come through asyncio's logger ("... exception was never
-    retrieved"), their coroutines as warnings. Each filter is narrow; everything else passes."""
+    closed"), as do Orbax's suspended reads when they are collected. Its futures and tasks come through
+    asyncio's logger ("... exception was never retrieved"), its coroutines as warnings. Each filter is narrow;
+    everything else passes."""
     _filter_once("asyncio", _AbandonedReads)
     if not isinstance(sys.unraisablehook, _LateCompletions):
         sys.unraisablehook = _LateCompletions(sys.unraisablehook)
@@ -647,16 +650,19 @@ _ABSL_STATUS_CODES = frozenset(
 
 
 class _LateCompletions:
-    """An unraisable hook that drops a read finishing after its loop was closed, and passes on all else."""
+    """An unraisable hook that drops a read finishing after its loop was closed, or one of Orbax's suspended reads
+    raising as the garbage collector closes it ("Exception ignored in: <coroutine ...>"), whenever that happens;
+    it passes on all else. It may run while the interpreter exits, so it binds what it uses now."""
 
-    def __init__(self, passed_on):
-        self.passed_on = passed_on
+    def __init__(self, passed_on, extract_tb=traceback.extract_tb, is_coroutine=inspect.iscoroutine):
+        self.passed_on, self.extract_tb, self.is_coroutine = passed_on, extract_tb, is_coroutine
 
     def __call__(self, unraisable) -> None:
-        frames = traceback.extract_tb(unraisable.exc_traceback)
-        late = (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-                and any(f.name == "call_soon_threadsafe" for f in frames))
-        if not late:
+        obj, exc = unraisable.object, unraisable.exc_value
+        late = (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in self.extract_tb(unraisable.exc_traceback)))
+        closed_read = self.is_coroutine(obj) and "orbax" in obj.cr_code.co_filename
+        if not (late or closed_read):
             self.passed_on(unraisable)
 
 

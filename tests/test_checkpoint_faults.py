@@ -352,7 +352,12 @@ def test_reports_of_orbax_reads_abandoned_by_a_failed_restore_are_dropped(caplog
     through sys.unraisablehook once Orbax's loop is closed. Only those are dropped, and only once a restore ran."""
     monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])  # as in a process that restored nothing
     monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
-    orbax_frame = compile("async def read():\n    raise ValueError('corrupt shard')\n", "orbax/checkpoint/x.py", "exec")
+    orbax_frame = compile(
+        "async def read():\n    raise ValueError('corrupt shard')\n"
+        "class Pending:\n    def __await__(self):\n        yield\n"
+        "async def suspended():\n    try:\n        await Pending()\n"
+        "    except BaseException as e:\n        raise Exception('corrupt index') from e\n",
+        "orbax/checkpoint/x.py", "exec")
     scope = {}
     exec(orbax_frame, scope)
 
@@ -383,6 +388,11 @@ def test_reports_of_orbax_reads_abandoned_by_a_failed_restore_are_dropped(caplog
     def other_unraisable():
         Raises(lambda: 1 / 0)
 
+    def collected_while_suspended():  # Orbax's read raises when the garbage collector closes it
+        read = scope["suspended"]()
+        read.send(None)
+        del read
+
     def tensorstore_future():  # a failed read's future, set from C++: no traceback, an absl status in its text
         loop = asyncio.new_event_loop()
         future = loop.create_future()
@@ -394,16 +404,19 @@ def test_reports_of_orbax_reads_abandoned_by_a_failed_restore_are_dropped(caplog
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         abandon(scope["read"])
         late_completion()
-        assert "corrupt shard" in caplog.text  # no restore yet: both reports stand
-        assert "Event loop is closed" in capsys.readouterr().err
+        collected_while_suspended()
+        assert "corrupt shard" in caplog.text  # no restore yet: all reports stand
+        err = capsys.readouterr().err
+        assert "Event loop is closed" in err and "corrupt index" in err
         caplog.clear()
         checkpoint._quiet_abandoned_reads()
         abandon(scope["read"])
         tensorstore_future()
         abandon(ours)
         late_completion()
+        collected_while_suspended()
         other_unraisable()
     assert "corrupt" not in caplog.text
     assert "not orbax" in caplog.text
     err = capsys.readouterr().err
-    assert "Event loop is closed" not in err and "ZeroDivisionError" in err
+    assert "Event loop is closed" not in err and "corrupt" not in err and "ZeroDivisionError" in err
