@@ -244,9 +244,11 @@ class _Dir:
     def step_path(self, step: int) -> epath.Path:
         return epath.Path(self.path) / str(step)
 
-    def load(self, step: int, abstract_state, run_id: str | None = None):
-        """(state, data_state) of `step`, verified. Raises _Corrupt, or CheckpointError if the checkpoint does
-        not match `abstract_state` (a different model: older steps would not help either).
+    def load(self, step: int, abstract_state, run_id: str | None = None, resettable: tuple[str, ...] = ()):
+        """(state, data_state, layer order, the `resettable` items that start from zeros) of `step`, verified.
+        Raises _Corrupt, or CheckpointError if the checkpoint does not match `abstract_state` (a different model:
+        older steps would not help either). A `resettable` top-level item whose saved arrays differ from the
+        target's, or are missing, is not read: it starts from zeros.
 
         The outcome is the same on every process, and so are the collectives on the way: a process whose shards
         fail to read must not skip the checksum computation that the others run. That is also why the items
@@ -254,10 +256,15 @@ class _Dir:
         which a process that raised would never reach.
         """
         path = self.step_path(step)
-        record = _agreed(lambda: _read_record(path, abstract_state, step, self.path, run_id))
-        state, data = _agreed(lambda: _read_items(path, abstract_state))
+        record = _agreed(lambda: _read_record(path, abstract_state, step, self.path, run_id, resettable))
+        reset = [k for k in resettable
+                 if k in abstract_state and _saved_arrays(record["arrays"], k) != _shapes(abstract_state, k)]
+        target = {k: v for k, v in abstract_state.items() if k not in reset}
+        partial = any(_saved_arrays(record["arrays"], k) for k in resettable if k not in target)
+        state, data = _agreed(lambda: _read_items(path, target, partial))
         sums = checksums(state)  # a collective: every process gets here
-        bad = sorted(name for name, (_, _, digest) in record["arrays"].items() if sums.get(name) != digest)
+        bad = sorted(name for name, (_, _, digest) in record["arrays"].items()
+                     if sums.get(name) != digest and not _under(name, (k for k in resettable if k not in target)))
 
         def verdict():
             if bad:
@@ -266,7 +273,9 @@ class _Dir:
                 raise _Corrupt("data state differs from its recorded hash")
 
         _agreed(verdict)
-        return state, data, record["layer_order"]
+        for k in reset:
+            state[k] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), abstract_state[k])
+        return state, data, record["layer_order"], reset
 
     def move_aside(self, step: int) -> str:
         """Renames a bad step out of Orbax's sight (its listing only matches bare step numbers, and tmp cleanup
@@ -307,7 +316,8 @@ def _agreed(fn):
     return result
 
 
-def _read_record(path: epath.Path, abstract_state, step: int, directory: str, run_id: str | None = None) -> dict:
+def _read_record(path: epath.Path, abstract_state, step: int, directory: str, run_id: str | None = None,
+                 resettable: tuple[str, ...] = ()) -> dict:
     if not (path / _COMMIT_MARKER).exists():
         raise _Corrupt(f"missing commit marker {_COMMIT_MARKER}")
     try:
@@ -322,8 +332,24 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str, ru
     except Exception as e:
         raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e
     _check_identity(record, step, run_id)
-    _check_matches(record["arrays"], abstract_state, step, directory)
+    _check_matches({n: a for n, a in record["arrays"].items() if not _under(n, resettable)},
+                   {k: v for k, v in abstract_state.items() if k not in resettable}, step, directory)
     return record
+
+
+def _under(name: str, keys) -> bool:
+    """Whether the array path `name` lies in one of the top-level items `keys`."""
+    return any(name == k or name.startswith(f"{k}/") for k in keys)
+
+
+def _saved_arrays(arrays: dict, key: str) -> dict:
+    """{path: (shape, dtype)} of the saved arrays under the top-level item `key` (an integrity record's)."""
+    return {name: (shape, dtype) for name, (shape, dtype, _) in arrays.items() if _under(name, (key,))}
+
+
+def _shapes(abstract_state, key: str) -> dict:
+    return {name: (tuple(leaf.shape), str(jnp.dtype(leaf.dtype))) for name, leaf in _flatten(
+        {key: abstract_state[key]})}
 
 
 def _misplaced(path: epath.Path, step: int, run_id: str | None) -> str | None:
@@ -350,10 +376,16 @@ def _check_identity(record: dict, step: int, run_id: str | None) -> None:
                        f"{run_id}): copied from another workdir")
 
 
-def _read_items(path: epath.Path, abstract_state):
-    handler = ocp.StandardCheckpointHandler()
+def _read_items(path: epath.Path, abstract_state, partial: bool = False):
+    """`partial`: the saved state has items `abstract_state` leaves out, which are not read."""
+    if partial:
+        handler = ocp.PyTreeCheckpointHandler()
+        args = ocp.args.PyTreeRestore(item=abstract_state, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+    else:
+        handler, args = ocp.StandardCheckpointHandler(), ocp.args.StandardRestore(abstract_state)
     try:
-        state = handler.restore(path / "state", args=ocp.args.StandardRestore(abstract_state))
+        state = handler.restore(path / "state", args=args)
     finally:
         handler.close()
     return state, ocp.JsonCheckpointHandler().restore(path / "data")
@@ -387,13 +419,16 @@ class Checkpointer:
     must be visible to all of them (Orbax writes each process's shards into one shared step directory).
 
     `layer_order`: the order of the stacked layers in the states this saves, and into which it restores
-    (`pipeline_parallel.layer_order`; None = the model's). See the module docstring.
+    (`pipeline_parallel.layer_order`; None = the model's). See the module docstring. `resettable`: top-level
+    state items (accumulators) a restore may do without: saved in another shape or not at all, they start from
+    zeros, and a restore target without them skips them.
     """
 
     def __init__(self, directory, *, keep: int, keep_period: int = 0, every_steps: int = 0,
                  every_minutes: float = 0, local_directory: str | None = None, local_every_steps: int = 0,
                  local_keep: int = 2, async_save: bool = True, log=print, clock=time.monotonic,
-                 layer_order: tuple[int, ...] | None = None, run_id: str | None = None):
+                 layer_order: tuple[int, ...] | None = None, run_id: str | None = None,
+                 resettable: tuple[str, ...] = ()):
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         check_paths(directory, local_directory)
@@ -401,6 +436,7 @@ class Checkpointer:
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
         self.run_id = run_id  # recorded in each save, checked on restore (process 0 needs it; others follow)
+        self.resettable = tuple(resettable)
         self.layer_order = None if layer_order is None or list(layer_order) == sorted(layer_order) else \
             tuple(layer_order)
         self.persistent = _Dir(str(directory), keep, keep_period, async_save)
@@ -489,6 +525,13 @@ class Checkpointer:
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
         return errors
 
+    def _load(self, d: _Dir, step: int, abstract_state):
+        state, data, order, reset = d.load(step, abstract_state, self.run_id, self.resettable)
+        for key in reset:
+            self.log(f"checkpoint step {step}: its {key} was saved in another shape or not at all (another "
+                     f"mesh or setting); it starts from zeros")
+        return state, data, order
+
     def _in_own_order(self, state, data, saved_order):
         """(state, data) with the stacked layers moved from the checkpoint's order into this run's, leaf by leaf
         (each donated: at most one extra leaf on the devices)."""
@@ -540,7 +583,7 @@ class Checkpointer:
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
-                    return self._in_own_order(*d.load(step, abstract_state, self.run_id))
+                    return self._in_own_order(*self._load(d, step, abstract_state))
                 except _Corrupt as e:
                     problems.append(f"{d.path}: {e}")
                 _drop_failed_reads()
@@ -558,7 +601,7 @@ class Checkpointer:
         _quiet_abandoned_reads()
         for step, _, d in candidates:
             try:
-                return step, *self._in_own_order(*d.load(step, abstract_state, self.run_id))
+                return step, *self._in_own_order(*self._load(d, step, abstract_state))
             except _Corrupt as e:
                 moved = d.move_aside(step)
                 self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "

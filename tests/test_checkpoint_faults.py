@@ -249,10 +249,10 @@ ckpt.close()
 
 # Step 4's shards fail to read on process 1 only (a flaky disk on one host): both must skip it together.
 read_items = checkpoint._read_items
-def flaky(path, abstract):
+def flaky(path, abstract, *rest):
     if pid == 1 and path.name == "4":
         raise OSError("simulated read error on process 1")
-    return read_items(path, abstract)
+    return read_items(path, abstract, *rest)
 checkpoint._read_items = flaky
 logs = []
 ckpt = checkpoint.Checkpointer(os.environ["CKPT_ROOT"], keep=5, log=logs.append)
