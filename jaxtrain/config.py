@@ -83,6 +83,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
         hf.check_init_adapters(cfg.model.init_adapters, model_config(cfg, "cpu"))
     dpo.check_config(cfg.dpo)
     optim.check_config(cfg.optim, total_steps=cfg.train.steps)
+    if cfg.optim.grad_reduce_error_feedback:
+        _check_error_feedback(cfg, shape, rules)
     if cfg.optim.groups:
         optim.check_groups(cfg.optim.groups, param_paths(model_config(cfg, "cpu")))
     data_pipeline.check_config(cfg.data, model_vocab_size=cfg.model.vocab_size)
@@ -92,6 +94,18 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     metrics.check_log_config(cfg.log)
     sampling.check_config(cfg.sample)
     return {"mesh_shape": shape, "rules": rules, "data_parallel": dp, "dcn": dcn}
+
+
+def _check_error_feedback(cfg: ml_collections.ConfigDict, shape: dict, rules: dict) -> None:
+    """optim.grad_reduce_error_feedback keeps a residual per data-parallel replica (jaxtrain.step): it needs
+    replicas, and a step that sums their gradients once (not a pipeline's or a mixture of experts')."""
+    why = ("needs data-parallel replicas (a mesh axis that splits the batch and no parameter, e.g. mesh.data > 1): "
+           "the reduce-scatter over fsdp keeps no residual" if not mesh.replica_axes(shape, rules) else
+           "does not run with pipeline.stages > 1 yet" if cfg.pipeline.stages > 1 else
+           "does not run with model.n_experts yet (the load-balancing loss needs the batch-wide sums)"
+           if cfg.model.n_experts else None)
+    if why:
+        raise ConfigError("optim.grad_reduce_error_feedback", why)
 
 
 def param_paths(model_cfg) -> list[str]:

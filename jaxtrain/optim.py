@@ -33,12 +33,14 @@ MUON_NS_DTYPES = ("auto", "float32", "bfloat16")
 # off). b1, b2: Adam's and Lion's betas (and those of the AdamW that Muon runs on the non-matrix weights); eps:
 # Adam's. momentum: SGD's (Nesterov) and Muon's. groups: see `parse_groups`. offload: the optimizer state lives in
 # pinned host memory and visits the device for the update (jaxtrain.trainer). grad_reduce_dtype: the dtype the
-# weight gradients are reduced over the batch axes in (models.layers.weight_grad_in). muon_ns_dtype: the dtype of
-# Muon's Newton-Schulz iterations; auto = bfloat16 where the model computes in 16 bits (1.31x Muon's step on an
-# H100, as Jordan's reference runs it), else float32.
+# weight gradients are reduced over the batch axes in (models.layers.weight_grad_in); grad_reduce_error_feedback:
+# each data-parallel replica carries its rounding error into its next step's sum (jaxtrain.step). muon_ns_dtype:
+# the dtype of Muon's Newton-Schulz iterations; auto = bfloat16 where the model computes in 16 bits (1.31x Muon's
+# step on an H100, as Jordan's reference runs it), else float32.
 CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
               weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
-              moments_dtype="float32", offload=False, grad_reduce_dtype="float32", muon_ns_dtype="auto")
+              moments_dtype="float32", offload=False, grad_reduce_dtype="float32", grad_reduce_error_feedback=False,
+              muon_ns_dtype="auto")
 # Muon's update scaled to AdamW's RMS (0.2 * sqrt(max(fan_in, fan_out)), Liu et al. 2025), so that one lr and one
 # weight decay suit both the matrices and the AdamW-trained rest.
 MUON_RMS = 0.2
@@ -119,6 +121,9 @@ def check_config(o, *, total_steps: int) -> None:
     g.choice("moments_dtype", MOMENTS_DTYPES, what="dtype")
     g.choice("muon_ns_dtype", MUON_NS_DTYPES, what="dtype")
     g.choice("grad_reduce_dtype", GRAD_REDUCE_DTYPES, what="dtype")
+    if o.grad_reduce_error_feedback and o.grad_reduce_dtype == "float32":
+        raise ConfigError("optim.grad_reduce_error_feedback", "feeds back the rounding of a narrower reduction: "
+                          "set optim.grad_reduce_dtype=bfloat16 too")
     parse_groups(g.string("groups"))
 
 

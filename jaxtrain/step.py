@@ -137,21 +137,28 @@ def reference_params(state: dict, lora: bool):
     return state["reference"]
 
 
+# The train state's item holding error feedback's per-replica rounding errors (optim.grad_reduce_error_feedback):
+# zeros after a restore that has none of this shape (checkpoint.Checkpointer's `resettable`).
+RESIDUAL = "grad_residual"
+
+
 def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
     """Whether gradient accumulation runs on per-replica weight copies (when there are replica axes). Not for a
     mixture of experts: its load-balancing loss is a product of batch-wide means, which per-replica parts change."""
     return microbatches > 1 and not model_cfg.n_experts
 
 
-def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches):
-    """(params to differentiate, value_and_grad of `objective` at them, gradients -> the params' gradients) for
-    gradient accumulation. With pure data-parallel replicas (mesh.replica_axes) the params are one copy per
-    replica and each replica's rows run on its copy (mesh.per_replica), so the accumulated gradients stay local
-    and cross `data` once a step rather than after every microbatch (DDP's no_sync); see accumulates_per_replica."""
+def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches, error_feedback: bool = False):
+    """(params to differentiate, value_and_grad of `objective` at them, (gradients, residual) -> (the params'
+    gradients, the new residual)) for gradient accumulation. With pure data-parallel replicas
+    (mesh.replica_axes) the params are one copy per replica and each replica's rows run on its copy
+    (mesh.per_replica), so the accumulated gradients stay local and cross `data` once a step rather than after
+    every microbatch (DDP's no_sync); see accumulates_per_replica. Error feedback needs those per-replica
+    gradients, with or without accumulation (`sum_with_feedback`)."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     axes = mesh_lib.replica_axes(mesh.shape, rules)
-    if not axes or not accumulates_per_replica(cfg, microbatches):
-        return params, grad_fn, lambda grads: grads
+    if not axes or not (error_feedback or accumulates_per_replica(cfg, microbatches)):
+        return params, grad_fn, lambda grads, residual: (grads, residual)
 
     per_replica = mesh_lib.over_replicas(objective, axes)
 
@@ -159,15 +166,34 @@ def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches):
         value, (loss, aux) = per_replica(copies, mb)
         return value.sum(), (loss.sum(), jax.tree.map(jnp.sum, aux))
 
+    def summed(grads, residual):  # the sum over the replicas is their reduction
+        if error_feedback:
+            return sum_with_feedback(grads, residual, cfg.grad_reduce_dtype)
+        return jax.tree.map(lambda g: sum_in(g, 0, cfg.grad_reduce_dtype), grads), residual
+
     copies = jax.tree.map(lambda w: mesh_lib.per_replica(w, axes), params)
-    return copies, jax.value_and_grad(summed_objective, has_aux=True), lambda grads: jax.tree.map(
-        lambda g: sum_in(g, 0, cfg.grad_reduce_dtype), grads)  # the sum over the replicas is their reduction
+    return copies, jax.value_and_grad(summed_objective, has_aux=True), summed
+
+
+def sum_with_feedback(grads, residual, dtype):
+    """(each gradient summed over its replica dim 0 in `dtype`, the new residual): each replica sends its gradient
+    plus the error it kept from the last step, rounded to `dtype`, and keeps what that rounding lost (error
+    feedback, as in 1-bit SGD and EF-SGD). The sums over a run then add up to the f32 gradients' less the last
+    residual, instead of each step's rounding piling up. `residual`: f32 leaves shaped like the gradients."""
+    def one(g, e):
+        corrected = g.astype(jnp.float32) + e
+        sent = corrected.astype(dtype)
+        return sum_in(sent, 0, dtype).astype(g.dtype), corrected - sent.astype(jnp.float32)
+
+    leaves, tree = jax.tree.flatten(grads)
+    pairs = [one(g, e) for g, e in zip(leaves, tree.flatten_up_to(residual))]
+    return tree.unflatten([p[0] for p in pairs]), tree.unflatten([p[1] for p in pairs])
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
                     offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL,
-                    dropout_seed: int | None = None) -> Callable:
+                    dropout_seed: int | None = None, error_feedback: bool = False) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -177,7 +203,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     update and the new state back, so between steps the device holds none of it. `lora` (model.lora_rank > 0):
     only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
     they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy).
-    `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step."""
+    `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step.
+    `error_feedback` (optim.grad_reduce_error_feedback): the sum over the data-parallel replicas carries each
+    replica's rounding error over to the next step, kept in the state's RESIDUAL item."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's count so that accumulation equals one big step.
@@ -203,11 +231,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 return loss + aux_weight * balance, (loss, {**aux, **{k: v / total for k, v in sums.items()}})
 
             grad_fn = jax.value_and_grad(minimised, has_aux=True)
-            if microbatches == 1:
+            residual = new_residual = state.get(RESIDUAL)
+            if microbatches == 1 and not error_feedback:
                 (_, (loss, aux)), grads = grad_fn(trained, batch)
             else:
                 cfg = nnx.merge(graphdef, state["params"]).cfg
-                params, grad_fn, summed = _accumulation_grad_fn(minimised, cfg, trained, mesh, rules, microbatches)
+                params, grad_fn, summed = _accumulation_grad_fn(minimised, cfg, trained, mesh, rules, microbatches,
+                                                                error_feedback)
 
                 def accumulate(carry, mb):
                     (_, (loss, aux)), grads = grad_fn(params, mb)
@@ -217,7 +247,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 first = jax.tree.map(lambda x: x[0], micro)
                 (_, (loss, aux)), grads = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, first))
                 (loss, aux, grads), _ = jax.lax.scan(accumulate, (loss, aux, grads), micro)
-                grads = summed(grads)
+                grads, new_residual = summed(grads, residual)
 
             if trained_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
@@ -232,14 +262,17 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
             def update(_):
                 updates, new_opt_state = optimizer.update(grads, opt_state, trained, global_norm=grad_norm)
-                return optax.apply_updates(trained, updates), new_opt_state
+                return optax.apply_updates(trained, updates), new_opt_state, new_residual if error_feedback else None
 
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            trained, opt_state = unless_non_finite(finite, update, (trained, opt_state), mesh_lib.compile_platform())
+            trained, opt_state, residual = unless_non_finite(finite, update, (trained, opt_state, residual),
+                                                             mesh_lib.compile_platform())
             params = whole(trained)
             if offload:
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+            if error_feedback:
+                new_state[RESIDUAL] = residual
             # "loss" is the objective alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
                        "finite": finite, "tokens": total, **aux}

@@ -7,6 +7,7 @@ is allocated); `restore_params` reads a workdir's checkpoint back for tools (gen
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -31,12 +32,17 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int, reference: bool = False):
     """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter.
     `reference`: the state also keeps a frozen copy of the starting trained weights (DPO's reference model): every
-    parameter, or under LoRA the starting adapters only (over the frozen base they give the starting model)."""
+    parameter, or under LoRA the starting adapters only (over the frozen base they give the starting model).
+    Under optim.grad_reduce_error_feedback the state's "grad_residual" (step.RESIDUAL) holds each data-parallel
+    replica's rounding error (f32, [replicas, *shape] of each trained parameter, split over the replicas like the
+    per-replica weight copies of jaxtrain.step and otherwise like its parameter)."""
     abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     trained = trained_params(model_cfg)
     optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names), model_cfg.dtype)
+    replicas = mesh_lib.replica_axes(mesh.shape, rules) if optim_cfg.grad_reduce_error_feedback else ()
+    n_replicas = math.prod(mesh.shape[a] for a in replicas)
 
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
         fresh = lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))  # noqa: E731
@@ -47,6 +53,9 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
         params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
+        if replicas:
+            state[step_lib.RESIDUAL] = jax.tree.map(lambda w: jnp.zeros((n_replicas, *w.shape), jnp.float32),
+                                                  trained(params))
         return {**state, "reference": trained(params)} if reference else state
 
     abstract_state = jax.eval_shape(init)
@@ -61,7 +70,10 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
         is_leaf=lambda x: isinstance(x, P) or masked(x))
     names = {"step": None, "params": param_names, "opt_state": opt_names,
              **({"reference": trained(param_names)} if reference else {})}
-    shardings = mesh_lib.tree_shardings(abstract_state, names, mesh, rules)
+    shardings = mesh_lib.tree_shardings({k: abstract_state[k] for k in names}, names, mesh, rules)
+    if replicas:
+        shardings[step_lib.RESIDUAL] = jax.tree.map(lambda s: NamedSharding(mesh, P(replicas, *s.spec)),
+                                                    trained(shardings["params"]))
     if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
         shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
     return graphdef, abstract_state, shardings, init, optimizer
@@ -151,7 +163,8 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
                                  offload=config.optim.offload, lora=lora_run, objective=objective,
-                                 dropout_seed=config.train.seed if model_cfg.lora_dropout else None),
+                                 dropout_seed=config.train.seed if model_cfg.lora_dropout else None,
+                                 error_feedback=config.optim.grad_reduce_error_feedback),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora_run),
                         in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),
@@ -169,7 +182,8 @@ def make_checkpointer(config, workdir: Path, print_fn=print, run_id: str | None 
     return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
-                                 local_keep=c.local_keep, log=print_fn, layer_order=order, run_id=run_id)
+                                 local_keep=c.local_keep, log=print_fn, layer_order=order, run_id=run_id,
+                                 resettable=(step_lib.RESIDUAL,))
 
 
 def load_config(workdir) -> ml_collections.ConfigDict:

@@ -299,16 +299,127 @@ def test_remat_offload_dots_gives_the_same_gradients_as_keeping_them(tiny_config
 def test_bf16_gradient_reduction_tracks_f32_within_1e_3_over_20_steps(tiny_config, tiny_data_dir):
     """data 2 x fsdp 4 with 2 microbatches: the weight gradients are reduce-scattered over fsdp in bf16 (each
     matmul's and the fused head's) and summed over the data replicas in bf16 (per-replica accumulation). 20 steps
-    stay within 1e-3 of the f32 reduction's losses, and differ from them: the bf16 rounding did happen."""
+    stay within 1e-3 of the f32 reduction's losses, and differ from them: the bf16 rounding did happen. So do
+    they with error feedback, which changes them again."""
     runs = {}
-    for dtype in ("float32", "bfloat16"):
-        cfg = tiny_config(**{"optim.grad_reduce_dtype": dtype, "mesh.data": 2, "mesh.fsdp": 4,
-                             "train.microbatches": 2, "train.batch_size": 16, "train.steps": 20})
+    for name, settings in {"float32": {}, "bfloat16": {"optim.grad_reduce_dtype": "bfloat16"},
+                           "feedback": FEEDBACK}.items():
+        cfg = tiny_config(**settings, **{"mesh.data": 2, "mesh.fsdp": 4, "train.microbatches": 2,
+                                         "train.batch_size": 16, "train.steps": 20})
         facts = config_lib.validate(cfg, 8)
-        runs[dtype] = train_on_stream(trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]),
-                                      tiny_data_dir, 20, batch=16)[2][:, 0]
-    np.testing.assert_allclose(runs["bfloat16"], runs["float32"], rtol=1e-3)
-    assert not np.array_equal(runs["bfloat16"], runs["float32"])
+        runs[name] = train_on_stream(trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]),
+                                     tiny_data_dir, 20, batch=16)[2][:, 0]
+    for name in ("bfloat16", "feedback"):
+        np.testing.assert_allclose(runs[name], runs["float32"], rtol=1e-3)
+        assert not np.array_equal(runs[name], runs["float32"])
+    assert not np.array_equal(runs["feedback"], runs["bfloat16"])
+
+
+FEEDBACK = {"optim.grad_reduce_dtype": "bfloat16", "optim.grad_reduce_error_feedback": True}
+
+
+def test_error_feedback_residual_is_split_per_replica_checkpointed_and_reset_on_another_mesh(
+        tiny_config, tiny_data_dir, tmp_path):
+    """data 2 x fsdp 4 without accumulation: the residual is [replicas, *param] split over data and like its
+    param, nonzero after a step where the sum rounded, saved and resumed bit for bit. A run without error feedback restores the same
+    checkpoint without reading it; one on 4 replicas, or one turning error feedback on, starts it from zeros and
+    says so."""
+    from jaxtrain import checkpoint as ckpt_lib, step as step_lib
+    from jaxtrain.data import pipeline
+
+    def build(data, fsdp, **settings):
+        cfg = tiny_config(**settings, **{"mesh.data": data, "mesh.fsdp": fsdp, "train.batch_size": 16})
+        facts = config_lib.validate(cfg, 8)
+        return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+
+    ef, plain, wider = build(2, 4, **FEEDBACK), build(2, 4), build(4, 2, **FEEDBACK)
+    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=16, seed=0)
+    batches = [trainer_lib.global_batch(next(stream), ef.batch_sharding) for _ in range(4)]
+    state = ef.init()
+    residual = state[step_lib.RESIDUAL]["blocks"]["mlp"]["w_up"]  # [replicas, layers, d, d_ff]: fsdp splits d
+    assert residual.shape == (2, 2, 32, 64) and residual.sharding.shard_shape(residual.shape) == (1, 2, 8, 64)
+    assert jax.tree.structure(state[step_lib.RESIDUAL]) == jax.tree.structure(state["params"])
+    for batch in batches[:2]:
+        state, _ = ef.train_step(state, batch)
+    # Without accumulation a weight matmul's gradient is bf16 out of its matmul (layers.weight_grad_in): the sum's
+    # rounding loses nothing of it. The f32 gradients (norm scales, the lookup table's scatter) do lose bits.
+    kept = {optim.param_path(p): float(np.abs(x).max())
+            for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(state[step_lib.RESIDUAL]))}
+    assert {p for p, m in kept.items() if m > 0} == {"blocks/attn_norm/scale", "blocks/mlp_norm/scale", "embed",
+                                                     "final_norm/scale"}, kept
+
+    logs = []
+    checkpointer = ckpt_lib.Checkpointer(tmp_path / "ef", keep=2, log=logs.append, resettable=(step_lib.RESIDUAL,))
+    checkpointer.save(2, state, {})
+    checkpointer.wait()
+    restored, _ = checkpointer.restore(2, ef.abstract_state)
+    params = jax.device_get(state["params"])
+    without, _ = checkpointer.restore(2, plain.abstract_state)
+    assert step_lib.RESIDUAL not in without and logs == []
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(without["params"]), params)
+    moved, _ = checkpointer.restore(2, wider.abstract_state)
+    assert len(logs) == 1 and "grad_residual was saved in another shape or not at all" in logs[0]
+    assert {x.shape[0] for x in jax.tree.leaves(moved[step_lib.RESIDUAL])} == {4}
+    assert not any(np.any(x) for x in jax.tree.leaves(jax.device_get(moved[step_lib.RESIDUAL])))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(moved["params"]), params)
+    checkpointer.close()
+
+    turned_on = ckpt_lib.Checkpointer(tmp_path / "plain", keep=2, log=logs.append, resettable=(step_lib.RESIDUAL,))
+    turned_on.save(2, without, {})
+    turned_on.wait()
+    assert not any(np.any(x) for x in jax.tree.leaves(jax.device_get(
+        turned_on.restore(2, ef.abstract_state)[0][step_lib.RESIDUAL]))) and len(logs) == 2
+    turned_on.close()
+
+    for batch in batches[2:]:
+        state, _ = ef.train_step(state, batch)
+        restored, _ = ef.train_step(restored, batch)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), jax.device_get(state))
+
+
+def test_error_feedback_sends_what_the_last_rounding_lost():
+    """step.sum_with_feedback against numpy: each replica sends bf16(g + e) and keeps (g + e) - bf16(g + e); the
+    sum over the replicas is taken in bf16. Over 100 steps of one replica's constant gradient, what was sent
+    adds up to the exact sum less the last residual (a bf16 rounding of one step), where plain rounding is
+    off by 100 of them."""
+    from jaxtrain import step as step_lib
+
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float32)  # noqa: E731
+    rng = np.random.default_rng(0)
+    g, e = rng.normal(size=(4, 3, 5)).astype(np.float32), (rng.normal(size=(4, 3, 5)) * 1e-3).astype(np.float32)
+    sums, new = step_lib.sum_with_feedback({"w": g}, {"w": e}, jnp.bfloat16)
+    sent = bf16(g + e)
+    want = sent[0]
+    for r in range(1, 4):
+        want = bf16(want + sent[r])
+    np.testing.assert_array_equal(sums["w"], want)
+    np.testing.assert_array_equal(new["w"], (g + e) - sent)
+
+    g = (1 + rng.uniform(size=(1, 64)) * 1e-2).astype(np.float32)  # most of these lose bits in bf16
+    residual, total = np.zeros_like(g), np.zeros(g.shape[1:], np.float64)
+    step = jax.jit(lambda g, e: step_lib.sum_with_feedback(g, e, jnp.bfloat16))
+    for _ in range(100):
+        sent, residual = step(g, residual)
+        total += np.asarray(sent, np.float64)
+    exact = 100 * g[0].astype(np.float64)
+    np.testing.assert_allclose(total + residual[0], exact, rtol=1e-6)
+    assert np.abs(total - exact).max() <= 2 ** -7  # one bf16 ulp at 1
+    assert np.abs(100 * bf16(g[0]) - exact).max() > 10 * 2 ** -7
+
+
+def test_error_feedback_settings_name_the_field(tiny_config):
+    """optim.grad_reduce_error_feedback needs bf16 reductions, and replicas to keep residuals for."""
+    field = "optim.grad_reduce_error_feedback"
+    on = {field: True, "optim.grad_reduce_dtype": "bfloat16", "mesh.data": 2}
+    for settings, devices, message in (
+            ({field: True}, 2, "set optim.grad_reduce_dtype=bfloat16"),
+            ({**on, "mesh.data": 1}, 1, "needs data-parallel replicas"),
+            ({**on, "mesh.data": 1, "mesh.fsdp": 2}, 2, "needs data-parallel replicas"),
+            ({**on, "model.n_experts": 4}, 2, "model.n_experts"),
+            ({**on, "pipeline.stages": 2, "mesh.pipeline": 2, "mesh.data": 2}, 4, "pipeline.stages")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(field)}: .*{re.escape(message)}"):
+            config_lib.validate(tiny_config(**settings), devices)
+    config_lib.validate(tiny_config(**on), 2)
 
 
 def test_weight_grad_in_gives_the_matmul_gradient_from_a_matmul_with_that_dtype():

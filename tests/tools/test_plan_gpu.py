@@ -150,14 +150,18 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
     optim.grad_reduce_dtype=bfloat16 the once-a-step all-reduce of the accumulated gradients over `data` carries
     bf16, half the f32 default's bytes, and the fused head's reduce-scatter over fsdp is bf16 too (the layers'
     weight matmuls give bf16 gradients either way; the lookup table's scatter stays f32). The planner's analytic
-    bytes equal the compiled program's both ways."""
+    bytes equal the compiled program's both ways. Error feedback keeps them, and each device holds its
+    replica's f32 residual of its share of the params, as the planner counts it."""
     base = ["--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler", "gpu",
             "--config.mesh.fsdp=4", "--config.mesh.data=2", "--config.train.microbatches=2",
             "--config.train.batch_size=16"]
     collective = re.compile(r"= (.*) all-reduce(?:-start)?\(")
     rows, reduced_over_data = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        r, hlo, _ = _plan(tmp_path / dtype, *base, f"--config.optim.grad_reduce_dtype={dtype}")
+    runs = {"float32": [], "bfloat16": [], "feedback": ["--config.optim.grad_reduce_error_feedback=true"]}
+    for dtype, extra in runs.items():
+        reduce_dtype = "float32" if dtype == "float32" else "bfloat16"
+        r, hlo, _ = _plan(tmp_path / dtype, *base, f"--config.optim.grad_reduce_dtype={reduce_dtype}", *extra)
+        runs[dtype] = {row["name"]: row for row in r["memory"]["rows"]}
         rows[dtype] = {(row["kind"], tuple(row["axes"])): row for row in r["collectives"]}
         for key in (("all-reduce", ("data",)), ("reduce-scatter", ("fsdp",))):
             assert rows[dtype][key]["bytes"] == pytest.approx(rows[dtype][key]["analytic_bytes"], rel=1e-3), key
@@ -168,4 +172,9 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
     assert data[1] == pytest.approx(data[0] / 2, rel=1e-3)
     scatter = [rows[d][("reduce-scatter", ("fsdp",))]["bytes"] for d in ("float32", "bfloat16")]
     assert scatter[1] < scatter[0]
-    assert reduced_over_data == {"float32": {"f32"}, "bfloat16": {"bf16"}}
+    assert reduced_over_data == {"float32": {"f32"}, "bfloat16": {"bf16"}, "feedback": {"bf16"}}
+    assert rows["feedback"][("all-reduce", ("data",))]["bytes"] == rows["bfloat16"][("all-reduce", ("data",))]["bytes"]
+    residual, gradients = runs["feedback"]["grad_residual"], runs["feedback"]["gradients"]
+    assert "grad_residual" not in runs["bfloat16"]
+    assert residual["compiled"] == residual["analytic"] == gradients["compiled"]  # f32 params, as the residual
+    assert runs["feedback"]["arguments"]["compiled"] == runs["bfloat16"]["arguments"]["compiled"] + residual["compiled"]

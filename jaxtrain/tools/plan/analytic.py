@@ -55,12 +55,13 @@ def _host_activation_bytes_per_token(cfg, tensor: int, seq_len: int) -> float:
 
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
              microbatches: int, opt_counters: int, opt_moments: float = 2.0,
-             pipeline: dict | None = None, offload: bool = False) -> dict:
+             pipeline: dict | None = None, offload: bool = False, per_replica: bool = False) -> dict:
     """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes", "trained"}] (bytes = unsharded; trained: has a
     gradient and optimizer state, false for LoRA's frozen base, default true). `opt_moments`: the
     optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `pipeline`: the
     config's pipeline group (stages, microbatches, repeats) when the layers are pipelined. `offload`
-    (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are."""
+    (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are.
+    `per_replica`: the step differentiates per-replica weight copies even without accumulation (error feedback)."""
     def active(name):
         return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
 
@@ -115,7 +116,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
         # its chunk loop (cross_entropy._gathered_once).
         fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
         passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
-        copies = pipelined or bool(replicas) and step_lib.accumulates_per_replica(model_cfg, microbatches)
+        copies = pipelined or bool(replicas) and (per_replica or step_lib.accumulates_per_replica(model_cfg,
+                                                                                                  microbatches))
         add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
         if not trained:  # a frozen weight (LoRA's base): gathered, never reduced
             continue

@@ -126,7 +126,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     from jaxtrain import config as config_lib, optim  # noqa: PLC0415
     from jaxtrain.parallel import mesh as mesh_lib
     from jaxtrain.parallel import pipeline as pipeline_parallel
-    from jaxtrain import trainer as trainer_lib  # noqa: PLC0415
+    from jaxtrain import step as step_lib, trainer as trainer_lib  # noqa: PLC0415
     from jaxtrain.models import lora, transformer  # noqa: PLC0415
     from jaxtrain.trainer import build_trainer
 
@@ -188,6 +188,8 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
     sharded["gradients"] = per_device_bytes(trainer_lib.trained_params(model_cfg)(state["params"]))
     sharded["reference"] = per_device_bytes(state["reference"]) if "reference" in state else 0.0  # DPO's
+    feedback = step_lib.RESIDUAL in state  # optim.grad_reduce_error_feedback's residual, one per replica
+    sharded["grad_residual"] = per_device_bytes(state[step_lib.RESIDUAL]) if feedback else 0.0
     # optim.offload: the state's shards live in each device's host memory. Counted by the config, not the
     # shardings' memory kind, which a described GPU's devices (no memories) drop.
     sharded["host"] = {"optimizer": sharded["optimizer"] if config.optim.offload else 0.0}
@@ -213,10 +215,14 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         p["bytes"] for p in inventory if p["trained"])
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
-                   pipeline=dict(config.pipeline), offload=config.optim.offload)
+                   pipeline=dict(config.pipeline), offload=config.optim.offload,
+                   per_replica=config.optim.grad_reduce_error_feedback)
     # DPO's frozen reference: a copy of the trained params (all, or LoRA's adapters), an argument of the step.
     est["reference"] = est["gradients"] if "reference" in state else 0.0
     est["arguments"] += est["reference"]
+    # Error feedback's residual: each replica's is f32 and split like its trained params, one copy per device.
+    est["grad_residual"] = est["gradients"] * 4 / jnp.dtype(model_cfg.param_dtype).itemsize if feedback else 0.0
+    est["arguments"] += est["grad_residual"]
 
     memory = _memory_analysis(compiled)
     text = compiled.as_text() or ""
@@ -254,6 +260,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         ("optimizer", sharded["optimizer"], est["optimizer"]),
         ("gradients", sharded["gradients"], est["gradients"]),
         *([("reference", sharded["reference"], est["reference"])] if "reference" in state else []),
+        *([("grad_residual", sharded["grad_residual"], est["grad_residual"])] if feedback else []),
         ("arguments", (memory or {}).get("argument"), est["arguments"]),
         ("temporaries", (memory or {}).get("temp"), est["temporaries"]),
     ]

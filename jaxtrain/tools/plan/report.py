@@ -52,6 +52,7 @@ def format_report(r: dict) -> str:
     ]
     labels = {"params": "params (shardings)", "optimizer": "optimizer state (shardings)",
               "gradients": "gradients (trained params)", "reference": "DPO reference (frozen)",
+              "grad_residual": "error-feedback residual",
               "arguments": "arguments (compiled)",
               "temporaries": "temporaries (compiled temp)"}
     for row in mem["rows"]:
