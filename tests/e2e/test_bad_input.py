@@ -103,6 +103,19 @@ def test_a_workdir_path_through_a_file_is_named(case, tiny_config, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a_file"] and (tmp_path / "a_file").read_text() == "mine\n"
 
 
+def test_a_workdir_that_cannot_be_written_is_named(tiny_config, tmp_path):
+    """A directory without write permission, or for root (whom no permission bit stops) sysfs, which refuses any
+    new directory: one line naming the workdir, and nothing created."""
+    parent = Path("/sys") if os.geteuid() == 0 else tmp_path / "read_only"
+    if parent != Path("/sys"):
+        parent.mkdir()
+        parent.chmod(0o500)
+    config = tiny_config(parent / "jaxtrain_test_run")
+    proc = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config))
+    assert_one_line(proc, 2, f"workdir: {parent / 'jaxtrain_test_run'}: cannot write")
+    assert not (parent / "jaxtrain_test_run").exists()
+
+
 def test_supervise_over_a_run_with_a_bad_config_stops_at_its_one_line(tmp_path):
     """The supervisor used to crash writing supervisor.json into a workdir its child never created."""
     workdir = tmp_path / "run"
