@@ -211,6 +211,22 @@ def test_plan_refuses_what_cannot_fit_the_target_unless_forced(tiny_config):
         plan(config, 8, "gpu", device_kind="H100")
 
 
+def test_a_step_the_compiler_cannot_compile_is_a_plan_error_naming_the_compiler(tiny_config, monkeypatch):
+    """XLA:GPU without autotuning can fail to tile a GEMM (capacity-routed experts at some sizes): the planner
+    says so in one line, with the compiler's first line, instead of a 99-line traceback."""
+    import jax
+
+    from jaxtrain.errors import PlanError
+
+    def fails(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.1\nmore")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", fails)
+    with pytest.raises(PlanError, match=r"^compiler: compiling the step for 1 fake CPU devices failed: INTERNAL: "
+                                        r"Couldn't find output tile sizes that satisfy hlo: %dot\.1$"):
+        plan(tiny_config(), 1, "cpu")
+
+
 def test_lora_plans_gradients_and_optimizer_state_for_the_adapters_only(tiny_config):
     fsdp = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.rules": "fsdp"}
     full = plan(tiny_config(**fsdp), 8, "cpu", peak_flops=1e12)["memory"]

@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, PlanError
 from jaxtrain.observe import hlo as hlo_lib
 from jaxtrain.tools.plan import topology as gpu_topology
 from jaxtrain.tools.plan.analytic import analytic
@@ -180,7 +180,13 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
                       for k in keys}
     t0 = time.perf_counter()
-    compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    try:
+        compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    except jax.errors.JaxRuntimeError as e:  # a compiler limit, e.g. XLA:GPU's GEMM tiling without autotuning
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = "; --compiler cpu plans the same step with XLA:CPU" if compiler == "gpu" else ""
+        raise PlanError(f"compiler: compiling the step for {compiled_on} failed: "
+                        f"{reason[:300]}{'...' if len(reason) > 300 else ''}{hint}") from None
     compile_s = time.perf_counter() - t0
 
     state = trainer.abstract_state
