@@ -260,11 +260,12 @@ class _Dir:
         reset = [k for k in resettable
                  if k in abstract_state and _saved_arrays(record["arrays"], k) != _shapes(abstract_state, k)]
         target = {k: v for k, v in abstract_state.items() if k not in reset}
-        partial = any(_saved_arrays(record["arrays"], k) for k in resettable if k not in target)
+        unread = tuple(k for k in resettable if k not in target)
+        partial = any(_saved_arrays(record["arrays"], k) for k in unread)
         state, data = _agreed(lambda: _read_items(path, target, partial))
         sums = checksums(state)  # a collective: every process gets here
         bad = sorted(name for name, (_, _, digest) in record["arrays"].items()
-                     if sums.get(name) != digest and not _under(name, (k for k in resettable if k not in target)))
+                     if sums.get(name) != digest and not _under(name, unread))
 
         def verdict():
             if bad:
