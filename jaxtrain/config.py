@@ -172,9 +172,9 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
 def step_bytes_floor(cfg: ml_collections.ConfigDict, num_devices: int) -> float:
     """A floor under one step's bytes per device, however the mesh splits it: params and gradients in f32 and
     AdamW's two moments (the matmul params only, every expert of a mixture; none for another optimizer or a
-    state offloaded to the host; under LoRA the frozen weights alone; DPO's reference copy without LoRA), plus, as under full remat, one bf16
-    residual per layer and token of a microbatch, all spread evenly over every device. Any real step needs more;
-    `jaxtrain plan` gives its figure."""
+    state offloaded to the host; under LoRA the frozen weights alone; DPO's reference copy without LoRA), plus, as
+    under full remat, one bf16 residual per layer and token of a microbatch, all spread evenly over every device.
+    Any real step needs more; `jaxtrain plan` gives its figure."""
     m = model_lib.from_config(cfg.model, cfg.pipeline, "cpu")
     from jaxtrain.models import transformer  # noqa: PLC0415 - imports flax; the arithmetic is all here
 

@@ -193,7 +193,7 @@ def sum_with_feedback(grads, residual, dtype):
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
                     offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL,
-                    dropout_seed: int | None = None, error_feedback: bool = False) -> Callable:
+                    dropout_seed: int | None = None) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -204,8 +204,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
     they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy).
     `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step.
-    `error_feedback` (optim.grad_reduce_error_feedback): the sum over the data-parallel replicas carries each
-    replica's rounding error over to the next step, kept in the state's RESIDUAL item."""
+    A state with a RESIDUAL item (optim.grad_reduce_error_feedback) has the sum over the data-parallel replicas
+    carry each replica's rounding error over to the next step in it."""
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's count so that accumulation equals one big step.
@@ -232,6 +232,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
             grad_fn = jax.value_and_grad(minimised, has_aux=True)
             residual = new_residual = state.get(RESIDUAL)
+            error_feedback = residual is not None
             if microbatches == 1 and not error_feedback:
                 (_, (loss, aux)), grads = grad_fn(trained, batch)
             else:
@@ -262,7 +263,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
             def update(_):
                 updates, new_opt_state = optimizer.update(grads, opt_state, trained, global_norm=grad_norm)
-                return optax.apply_updates(trained, updates), new_opt_state, new_residual if error_feedback else None
+                return optax.apply_updates(trained, updates), new_opt_state, new_residual
 
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             trained, opt_state, residual = unless_non_finite(finite, update, (trained, opt_state, residual),

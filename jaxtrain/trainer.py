@@ -163,8 +163,7 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
                                  offload=config.optim.offload, lora=lora_run, objective=objective,
-                                 dropout_seed=config.train.seed if model_cfg.lora_dropout else None,
-                                 error_feedback=config.optim.grad_reduce_error_feedback),
+                                 dropout_seed=config.train.seed if model_cfg.lora_dropout else None),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora_run),
                         in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),
