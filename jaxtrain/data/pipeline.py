@@ -1,6 +1,6 @@
 """Input pipeline: ArrayRecord documents -> packed, batched numpy dicts, as a pure function of position.
 
-The train split is one endless token stream (each epoch's documents in a seeded order). Row r is the `seq_len`
+The train split is one endless token stream (each epoch's documents in a seeded block order, order.py). Row r is the `seq_len`
 tokens from token `r * seq_len`, global batch k holds rows k*B .. k*B+B-1, and each process builds only its
 own block of rows. So the batch at step k is the same on 1 host or 64, and the iterator state is one number,
 the next token offset: a checkpoint restores on any process count, batch size or sequence length without
@@ -8,7 +8,7 @@ repeating or skipping a token (elastic resume).
 
 A batch is {"tokens", "segment_ids", "positions"}, each int32[B // processes, seq_len]: segment ids number the
 documents of a row from 1, and positions restart at each document. Documents are never padded or dropped.
-Grain reads (ArrayRecordDataSource) and prefetches (optionally in worker processes); the packing itself is
+records.py reads the shards lazily; Grain prefetches (optionally in worker processes); the packing itself is
 random access, which is what makes it position-addressable (docs/data.md). Chat data (`prepare --chat`) adds
 "loss_weights" and is packed by whole conversations instead: a row holds the conversations that fit, then
 padding (segment 0), and rows are addressed by number (the offset counts seq_len slots per row). Preference
@@ -18,6 +18,7 @@ and 2j+2 (rejected).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import re
@@ -31,6 +32,8 @@ import numpy as np
 from absl import flags
 
 from jaxtrain import files
+from jaxtrain.data import order as order_lib
+from jaxtrain.data import records
 from jaxtrain.data.layout import load_manifest
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.fields import Group
@@ -77,65 +80,69 @@ def check_eval_sets(spec) -> None:
             raise ConfigError("eval.sets", str(e)) from None
 
 
-def _document_lengths(data_dir: str, shards: list[dict], source, dtype: np.dtype) -> np.ndarray:
-    """Tokens per document of a split, from the lengths index `prepare` writes beside each shard. Data dirs
-    made before the index existed are measured by reading every record once (0.3 s for the KJV)."""
-    if all("lengths" in s for s in shards):
-        parts = []
-        for s in shards:
-            path = os.path.join(data_dir, s["lengths"])
-            try:
-                part = np.load(path).astype(np.int64)
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: unreadable lengths index ({e}); prepare the data again") from None
-            if len(part) != s["docs"] or int(part.sum()) != s["tokens"]:
-                raise DataError(f"{path}: does not match {s['file']} ({len(part)} docs / {int(part.sum())} tokens, "
-                                f"manifest {s['docs']} / {s['tokens']}); prepare the data again")
-            parts.append(part)
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    n = len(source)
-    return np.fromiter((len(r) // dtype.itemsize for r in source.__getitems__(range(n))), np.int64, n)
+# The train order: "blocks1" = order.BlockOrder with WINDOW_BLOCKS blocks a window. Saved with the data position;
+# a position saved without one (before the block order) resumes in the order it was made in, LEGACY_ORDER.
+ORDER, LEGACY_ORDER = "blocks1", "permutation"
+WINDOW_BLOCKS = 16
 
 
 class PackedStream:
     """Random access to the packed token stream of one split.
 
-    `seed=None` keeps the file order in every epoch (eval); otherwise epoch e is a permutation of the
-    documents drawn from (seed, e), so nearby seeds and epochs are uncorrelated.
+    `seed=None` keeps the file order in every epoch (eval); otherwise epoch e is the block order of (seed, e)
+    (order.py): windows of WINDOW_BLOCKS random blocks, each window's documents shuffled, so nearby seeds and
+    epochs are uncorrelated and only one window's documents are ever in memory.
     """
 
-    def __init__(self, data_dir: str, split: str, seed: int | None):
+    def __init__(self, data_dir: str, split: str, seed: int | None, *, window_blocks: int = WINDOW_BLOCKS):
         manifest = load_manifest(data_dir)
         if split not in manifest["splits"]:
             raise DataError(f"{data_dir}: no split {split!r} (has {sorted(manifest['splits'])})")
-        paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]]
-        for p in paths:
-            if not os.path.exists(p):
-                raise DataError(f"{p}: missing shard of split {split!r}")
         self.data_dir, self.shards = data_dir, manifest["splits"][split]
-        try:
-            self.source = grain.sources.ArrayRecordDataSource(paths)
-        except RuntimeError as e:  # Riegeli found a damaged file
-            raise self._damaged(e) from None
+        for s in self.shards:
+            if not os.path.exists(p := os.path.join(data_dir, s["file"])):
+                raise DataError(f"{p}: missing shard of split {split!r}")
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.seed = seed
         self.identity = f"{manifest['tokenizer']['sha256'][:16]}/{split}"  # what a saved position refers to
-        n = len(self.source)
-        if n == 0:
-            raise DataError(f"{data_dir}: split {split!r} has no documents")
         self.weighted = bool(manifest.get("loss_weights"))  # chat data: a uint8 weight per token after the tokens
         self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
-        self.lengths = _document_lengths(data_dir, manifest["splits"][split], self.source, self.dtype)
+        try:
+            self.records = records.Split(data_dir, self.shards, self.dtype, self.weighted)
+        except RuntimeError as e:  # Riegeli found a damaged file (measuring a dir without a lengths index)
+            raise self._damaged(e) from None
+        if self.records.n_records == 0:
+            raise DataError(f"{data_dir}: split {split!r} has no documents")
         # What is shuffled and packed whole: a document, or preference data's (chosen, rejected) pair of records.
         self.group = 2 if manifest.get("pairs") else 1
-        if len(self.lengths) % self.group:
-            raise DataError(f"{data_dir}: split {split!r} holds {len(self.lengths)} records, not whole pairs; "
+        if self.records.n_records % self.group:
+            raise DataError(f"{data_dir}: split {split!r} holds {self.records.n_records} records, not whole pairs; "
                             f"prepare the data again")
-        self.unit_lengths = self.lengths.reshape(-1, self.group).sum(1) if self.group > 1 else self.lengths
-        self.epoch_tokens = int(self.lengths.sum())
-        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._row_starts: dict[tuple[int, int], np.ndarray] = {}
-        self._epoch_rows: dict[int, list[int]] = {}  # seq_len -> rows of epochs 0, 1, ...
+        self.epoch_tokens = int(self.records.block_tokens.sum())
+        self.blocks = order_lib.BlockOrder(self.records.block_tokens, seed, window_blocks)
+        self.use_order(ORDER)
+
+    def use_order(self, name: str) -> None:
+        """Switches to the train order `name` (ORDER, or LEGACY_ORDER for a position saved before it)."""
+        if name not in (ORDER, LEGACY_ORDER):
+            raise DataError(f"checkpointed data position uses document order {name!r}; this version knows "
+                            f"{ORDER!r} and {LEGACY_ORDER!r}: resume it with the jaxtrain that saved it")
+        self.order_name = name
+        self._windows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._row_starts: dict[tuple[int, int, int], np.ndarray] = {}
+        self._row_ends: dict[int, list[int]] = {}  # seq_len -> cumulative rows of windows (0,0), (0,1), ...
+        self._unit_lengths = None
+        if name == LEGACY_ORDER:  # every document's length in memory, as that order was made with
+            lengths = self.records.all_lengths()
+            self._unit_lengths = lengths.reshape(-1, self.group).sum(1)
+
+    @property
+    def n_windows(self) -> int:
+        return 1 if self._unit_lengths is not None else self.blocks.n_windows
+
+    def document_lengths(self) -> np.ndarray:
+        """Every record's tokens, in file order (O(documents) memory: for tests and tools)."""
+        return self.records.all_lengths()
 
     def _damaged(self, error: RuntimeError) -> DataError:
         """The shard that fails its manifest checksum (hashed only now, on failure), named with the fix."""
@@ -146,39 +153,57 @@ class PackedStream:
         return DataError(f"{where}: damaged ({str(error).splitlines()[0][:120]}); prepare the data dir again "
                          f"(for the default corpus: delete {self.data_dir} and rerun)")
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(document order, exclusive end offset of each document in that order) for one epoch."""
-        if epoch not in self._epochs:
-            n = len(self.unit_lengths)
-            if self.seed is None:
-                order = np.arange(n)
+    def _window_ends(self, epoch: int) -> np.ndarray:
+        """Exclusive end, in tokens from the epoch's start, of each window of the epoch."""
+        if self._unit_lengths is not None:
+            return np.array([self.epoch_tokens])
+        return self.blocks.window_ends(epoch)
+
+    def window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(units, exclusive end offset of each within the window) of window w of an epoch, in stream order."""
+        if (epoch, w) not in self._windows:
+            if self._unit_lengths is not None:
+                n = len(self._unit_lengths)
+                units = np.arange(n) if self.seed is None else \
+                    np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
+                lengths = self._unit_lengths[units]
             else:
-                order = np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
-            if len(self._epochs) >= 2:  # rows only ever straddle two neighbouring epochs
-                self._epochs.pop(min(self._epochs))
-            self._epochs[epoch] = (order, np.cumsum(self.unit_lengths[order]))
-        return self._epochs[epoch]
+                blocks = self.blocks.blocks(epoch, w)
+                first, count = self.records.block_first[blocks], self.records.block_records[blocks]
+                units = np.concatenate([np.arange(f, f + c) for f, c in zip(first, count)]) // self.group
+                lengths = np.concatenate([self.records.block_lengths(b) for b in blocks.tolist()])
+                units, lengths = units[::self.group], lengths.reshape(-1, self.group).sum(1)
+                inner = self.blocks.inner(epoch, w, len(units))
+                units, lengths = units[inner], lengths[inner]
+            if len(self._windows) >= 3:  # rows straddle at most neighbouring windows
+                self._windows.pop(next(iter(self._windows)))
+            self._windows[(epoch, w)] = (units, np.cumsum(lengths))
+        return self._windows[(epoch, w)]
 
     def pieces(self, start: int, length: int):
         """The documents covering stream tokens [start, start + length): (doc id, first, stop) triples."""
         out = []
         while length > 0:
             epoch, offset = divmod(start, self.epoch_tokens)
-            order, ends = self._epoch(epoch)
+            window_ends = self._window_ends(epoch)
+            w = int(np.searchsorted(window_ends, offset, side="right"))
+            offset -= int(window_ends[w - 1]) if w else 0
+            units, ends = self.window(epoch, w)
             k = int(np.searchsorted(ends, offset, side="right"))
-            doc_start = int(ends[k] - self.lengths[order[k]])
+            doc_start = int(ends[k - 1]) if k else 0
             first = offset - doc_start
-            take = min(length, int(self.lengths[order[k]]) - first)
-            out.append((int(order[k]), first, first + take))
+            take = min(length, int(ends[k]) - doc_start - first)
+            out.append((int(units[k]), first, first + take))
             start, length = start + take, length - take
         return out
 
-    def _packed_rows(self, epoch: int, seq_len: int) -> np.ndarray:
-        """Chat data: index (in the epoch's order) of each row's first conversation, and the count at the end.
-        Greedy: a conversation that does not fit in what is left of a row starts the next one."""
-        if (epoch, seq_len) not in self._row_starts:
-            order, _ = self._epoch(epoch)
-            lengths = self.unit_lengths[order]
+    def _packed_rows(self, epoch: int, w: int, seq_len: int) -> np.ndarray:
+        """Chat data: index (in the window's order) of each row's first conversation, and the count at the end.
+        Greedy: a conversation that does not fit in what is left of a row starts the next one; rows never
+        straddle windows."""
+        if (epoch, w, seq_len) not in self._row_starts:
+            _, ends = self.window(epoch, w)
+            lengths = np.diff(ends, prepend=0)
             if (longest := int(lengths.max())) > seq_len:
                 raise DataError(f"{self.data_dir}: holds a {'pair' if self.group > 1 else 'conversation'} of "
                                 f"{longest} tokens, longer than "
@@ -189,38 +214,38 @@ class PackedStream:
                     starts.append(i)
                     fill = 0
                 fill += n
-            if len(self._row_starts) >= 2:
-                self._row_starts.pop(min(self._row_starts))
-            self._row_starts[(epoch, seq_len)] = np.array(starts + [len(lengths)])
-        return self._row_starts[(epoch, seq_len)]
+            if len(self._row_starts) >= 3:
+                self._row_starts.pop(next(iter(self._row_starts)))
+            self._row_starts[(epoch, w, seq_len)] = np.array(starts + [len(lengths)])
+        return self._row_starts[(epoch, w, seq_len)]
 
-    def _locate_row(self, row: int, seq_len: int) -> tuple[int, int]:
-        """(epoch, row within it) of chat row `row`: epochs hold different numbers of rows."""
-        counts = self._epoch_rows.setdefault(seq_len, [])
-        epoch = 0
-        while True:
-            if epoch == len(counts):
-                counts.append(len(self._packed_rows(epoch, seq_len)) - 1)
-            if row < counts[epoch]:
-                return epoch, row
-            row, epoch = row - counts[epoch], epoch + 1
+    def _locate_row(self, row: int, seq_len: int) -> tuple[int, int, int]:
+        """(epoch, window, row within it) of chat row `row`: windows hold different numbers of rows. Finding a
+        row packs every window before it once (lengths only); the counts are kept, an int per window."""
+        ends = self._row_ends.setdefault(seq_len, [])
+        while not ends or ends[-1] <= row:
+            epoch, w = divmod(len(ends), self.n_windows)
+            ends.append((ends[-1] if ends else 0) + len(self._packed_rows(epoch, w, seq_len)) - 1)
+        i = bisect.bisect_right(ends, row)
+        epoch, w = divmod(i, self.n_windows)
+        return epoch, w, row - (ends[i - 1] if i else 0)
 
     def _records(self, docs: list[int]) -> list[bytes]:
         """The documents' raw records; a damaged shard is a DataError naming it."""
         try:
-            return self.source.__getitems__(docs)
+            return self.records.read(docs)
         except RuntimeError as e:
             raise self._damaged(e) from None
 
     def _conversations_row(self, start: int, seq_len: int) -> dict:
-        epoch, k = self._locate_row(start // seq_len, seq_len)
-        order, _ = self._epoch(epoch)
-        starts = self._packed_rows(epoch, seq_len)
-        docs = [unit * self.group + i for unit in order[starts[k]:starts[k + 1]].tolist() for i in range(self.group)]
+        epoch, w, k = self._locate_row(start // seq_len, seq_len)
+        units, _ = self.window(epoch, w)
+        starts = self._packed_rows(epoch, w, seq_len)
+        docs = [unit * self.group + i for unit in units[starts[k]:starts[k + 1]].tolist() for i in range(self.group)]
         row = {key: np.zeros(seq_len, np.int32) for key in (*_KEYS, "loss_weights")}
         at = 0
-        for segment, (doc, record) in enumerate(zip(docs, self._records(docs)), start=1):
-            n = int(self.lengths[doc])
+        for segment, record in enumerate(self._records(docs), start=1):
+            n = len(record) // self.records.record_width
             row["tokens"][at:at + n] = np.frombuffer(record, self.dtype, n)
             row["loss_weights"][at:at + n] = np.frombuffer(record, np.uint8, n, offset=n * self.dtype.itemsize)
             row["segment_ids"][at:at + n] = segment
@@ -285,6 +310,14 @@ class MixedStream:
                 self._blocks.pop(min(self._blocks))
             self._blocks[k] = (which, rank)
         return self._blocks[k]
+
+    @property
+    def order_name(self) -> str:
+        return self.streams[0].order_name
+
+    def use_order(self, name: str) -> None:
+        for stream in self.streams:
+            stream.use_order(name)
 
     def locate(self, row: int) -> tuple[int, int]:
         """(dataset, row within that dataset's stream) of mixture row `row`."""
@@ -418,7 +451,8 @@ class TrainIterator:
         return batch
 
     def get_state(self) -> dict:
-        return {"next_token": self.next_token, "stream": self.stream.identity, "seed": self.stream.seed}
+        return {"next_token": self.next_token, "stream": self.stream.identity, "seed": self.stream.seed,
+                "order": self.stream.order_name}
 
     def set_state(self, state: dict) -> None:
         for key, mine in (("stream", self.stream.identity), ("seed", self.stream.seed)):
@@ -430,6 +464,7 @@ class TrainIterator:
             what = "a mixture" if isinstance(self.stream, MixedStream) else "chat data"
             raise DataError(f"train.seq_len: {self.seq_len} does not divide the checkpointed position of {what} "
                             f"({state['next_token']} tokens); resume it with its seq_len")
+        self.stream.use_order(state.get("order", LEGACY_ORDER))
         self._start(int(state["next_token"]))
 
     def close(self) -> None:

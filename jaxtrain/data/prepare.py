@@ -242,11 +242,16 @@ def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndar
         writer.write(tokens.tobytes() + (weights[k].astype(np.uint8).tobytes() if weights is not None else b""))
     writer.close()
     lengths = np.array([len(t) for t in token_lists], np.uint32)
-    # The index lets the pipeline skip reading every record at start; np.save(str) would append ".npy".
+    # The indexes let the pipeline skip reading every record at start; np.save(str) would append ".npy".
     with open(path + layout.LENGTHS_SUFFIX, "wb") as f:
         np.save(f, lengths)
-    return {"file": os.path.basename(path), "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
-            "sha256": files.file_hash(path), "lengths": os.path.basename(path) + layout.LENGTHS_SUFFIX}
+    starts = np.arange(0, len(lengths), layout.BLOCK_RECORDS)
+    with open(path + layout.BLOCKS_SUFFIX, "wb") as f:
+        np.save(f, np.add.reduceat(lengths.astype(np.int64), starts) if len(lengths) else np.zeros(0, np.int64))
+    name = os.path.basename(path)
+    return {"file": name, "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
+            "sha256": files.file_hash(path), "lengths": name + layout.LENGTHS_SUFFIX,
+            "blocks": name + layout.BLOCKS_SUFFIX, "block_records": layout.BLOCK_RECORDS}
 
 
 TOKENIZE_BATCH_BYTES = 4 << 20  # text per encode_batch call
@@ -378,7 +383,7 @@ def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
         return None
     for row in filter(None, (record["train"], record["heldout"])):
         path = os.path.join(work, row["file"])
-        if not os.path.exists(path + layout.LENGTHS_SUFFIX) or not os.path.exists(path) or \
+        if not all(os.path.exists(os.path.join(work, row.get(k, "-"))) for k in ("file", "lengths", "blocks")) or \
                 files.file_hash(path) != row["sha256"]:
             return None
     return record

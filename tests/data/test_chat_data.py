@@ -49,8 +49,8 @@ def test_shards_hold_tokens_and_weights_on_the_assistant_turns(chat_dir):
     assert manifest["chat"]["truncate"] == "left" and manifest["chat"]["max_len"] == 64
     tok = layout.load_tokenizer(str(out))
     stream = pipeline.PackedStream(str(out), "train", seed=None)
-    record = stream.source[0]
-    n = int(stream.lengths[0])
+    record = stream.records.read([0])[0]
+    n = int(stream.document_lengths()[0])
     ids = np.frombuffer(record, stream.dtype, n)
     weights = np.frombuffer(record, np.uint8, n, offset=n * stream.dtype.itemsize)
     text = tok.decode(ids)
@@ -65,10 +65,11 @@ def test_rows_pack_whole_conversations_and_pad(chat_dir):
     out, _ = chat_dir
     stream = pipeline.PackedStream(str(out), "train", seed=3)
     seq_len = 48
-    order, _ = stream._epoch(0)
-    lengths = stream.lengths[order]
+    assert stream.n_windows == 1  # (one window: the whole epoch)
+    order, ends = stream.window(0, 0)
+    lengths = np.diff(ends, prepend=0)
     seen = []
-    for r in range(len(stream._packed_rows(0, seq_len)) - 1):
+    for r in range(len(stream._packed_rows(0, 0, seq_len)) - 1):
         row = stream.row(r * seq_len, seq_len)
         segments = row["segment_ids"]
         used = int((segments > 0).sum())
@@ -79,8 +80,8 @@ def test_rows_pack_whole_conversations_and_pad(chat_dir):
             seen.append(len(where))
     assert seen == lengths.tolist()  # every conversation once, whole, in the epoch's order
     # the rows after the first epoch's continue into the next (a different order), as a resume would read them
-    rows = len(stream._packed_rows(0, seq_len)) - 1
-    assert stream._locate_row(rows, seq_len) == (1, 0)
+    rows = len(stream._packed_rows(0, 0, seq_len)) - 1
+    assert stream._locate_row(rows, seq_len) == (1, 0, 0)  # (epoch, window, row)
 
 
 def test_truncation_and_drop_are_counted(chat_dir, tmp_path):
@@ -101,10 +102,11 @@ def test_truncation_and_drop_are_counted(chat_dir, tmp_path):
     # a truncated conversation keeps its end: the reply is still weighted
     stream = pipeline.PackedStream(str(tmp_path / "left"), "train", seed=None)
     tok = layout.load_tokenizer(str(tmp_path / "left"))
-    cut = [k for k in range(len(stream.lengths)) if stream.lengths[k] == 48]
+    lengths = stream.document_lengths()
+    cut = [k for k in range(len(lengths)) if lengths[k] == 48]
     assert len(cut) >= 2  # (one of the three may be the held-out conversation)
     for k in cut:
-        n, record = 48, stream.source[k]
+        n, record = 48, stream.records.read([k])[0]
         ids = np.frombuffer(record, stream.dtype, n)
         weights = np.frombuffer(record, np.uint8, n, offset=n * stream.dtype.itemsize)
         assert tok.decode(ids[weights == 1]) == "cat dog<|im_end|>\n"
@@ -212,6 +214,6 @@ def test_hf_inputs_give_the_same_conversations_as_jsonl(chat_dir, tmp_path, monk
         m = prepare.prepare_sources(str(out), [spec], field="*", tokenizer=str(hf), heldout_docs=2, chat=True,
                                     workers=1, print_fn=lambda *a, **k: None)
         assert m["chat"]["conversations"] == 20
-        records[name] = sorted(r for split in ("train", "heldout")
-                               for r in pipeline.PackedStream(str(out), split, None).source)
+        streams = [pipeline.PackedStream(str(out), split, None) for split in ("train", "heldout")]
+        records[name] = sorted(r for s in streams for r in s.records.read(range(s.records.n_records)))
     assert records["hf"] == records["jsonl"]

@@ -194,17 +194,26 @@ def test_packing_keeps_every_token(data_dir):
     assert max(map(len, docs)) > 3 * SEQ
 
 
-def tiny_prepared_dir(path, docs, dtype="<u2"):
-    """A prepared-looking data dir holding `docs` (lists of ids) as its train split."""
+def tiny_prepared_dir(path, docs, dtype="<u2", block_records=None, shards=1):
+    """A prepared-looking data dir holding `docs` (lists of ids) as its train split: in the oldest format (a
+    manifest naming the shard only), or with lengths indexes and blocks of `block_records` documents."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     os.makedirs(path)
-    writer = ArrayRecordWriter(os.path.join(path, "train-00000-of-00001.array_record"), "group_size:1")
-    for d in docs:
-        writer.write(np.asarray(d, dtype).tobytes())
-    writer.close()
-    manifest = {"dtype": np.dtype(dtype).name, "tokenizer": {"sha256": "0" * 64},
-                "splits": {"train": [{"file": "train-00000-of-00001.array_record"}]}}
+    rows = []
+    for i, part in enumerate(np.array_split(np.arange(len(docs)), shards)):
+        name = f"train-{i:05d}-of-{shards:05d}.array_record"
+        writer = ArrayRecordWriter(os.path.join(path, name), "group_size:1")
+        for j in part:
+            writer.write(np.asarray(docs[j], dtype).tobytes())
+        writer.close()
+        rows.append({"file": name})
+        if block_records:  # the block index is then summed from the lengths at open
+            lengths = np.array([len(docs[j]) for j in part], np.uint32)
+            np.save(os.path.join(path, name + ".lengths"), lengths)
+            rows[-1].update(docs=len(part), tokens=int(lengths.sum()), lengths=name + layout.LENGTHS_SUFFIX,
+                            block_records=block_records)
+    manifest = {"dtype": np.dtype(dtype).name, "tokenizer": {"sha256": "0" * 64}, "splits": {"train": rows}}
     with open(os.path.join(path, layout.MANIFEST), "w") as f:
         json.dump(manifest, f)
     return str(path)
@@ -262,13 +271,17 @@ def test_elastic_resume_changes_batch_and_length_without_repeat_or_skip(data_dir
     np.testing.assert_array_equal(np.concatenate([flat(head), flat(tail)]), reference)
 
 
-def test_elastic_resume_from_2_processes_to_1_sees_every_document_once(tmp_path):
+@pytest.mark.parametrize("block_records", [None, 2])
+def test_elastic_resume_from_2_processes_to_1_sees_every_document_once(tmp_path, block_records):
     """Document ids: every token of document d is the id d, so counting ids over an epoch shows any document
     repeated or skipped. 2 processes x batch 6 stop after 3 steps; 1 process x batch 4 (another seq_len too)
-    resumes from their common state and reads on to exactly the end of epoch 0."""
+    resumes from their common state and reads on to exactly the end of epoch 0. With 2-document blocks, the
+    epoch spans 11 windows of the block order (161 blocks), over 3 shards."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 40, size=50)
-    d = tiny_prepared_dir(tmp_path / "ids", [[doc] * n for doc, n in enumerate(lengths)])
+    lengths = rng.integers(1, 40, size=50 if block_records is None else 320)
+    d = tiny_prepared_dir(tmp_path / "ids", [[doc] * n for doc, n in enumerate(lengths)], block_records=block_records,
+                          shards=1 if block_records is None else 3)
+    assert pipeline.PackedStream(d, "train", 5).n_windows == (1 if block_records is None else 11)
     epoch = int(lengths.sum())
     seen = collections.Counter()
     parts = [pipeline.train_iterator(d, seq_len=10, global_batch=6, seed=5, process_index=p, process_count=2)
@@ -283,6 +296,56 @@ def test_elastic_resume_from_2_processes_to_1_sees_every_document_once(tmp_path)
     tail = np.concatenate([next(resumed)["tokens"].reshape(-1) for _ in range(-(-(epoch - 180) // 28))])
     seen.update(tail[: epoch - 180].tolist())  # 180 = 3 steps x 6 rows x 10 tokens
     assert seen == collections.Counter({doc: int(n) for doc, n in enumerate(lengths)})
+
+
+def test_block_order_windows_hold_whole_random_blocks_and_read_only_those(tmp_path, monkeypatch):
+    """Each window of an epoch is the documents of its blocks (consecutive records), in a shuffled order; the
+    first row opens only the shards of its window's blocks and reads only their lengths."""
+    lengths = np.random.default_rng(1).integers(1, 30, size=384)  # 8 shards x 12 blocks of 4
+    d = tiny_prepared_dir(tmp_path / "b", [[i % 7 + 1] * n for i, n in enumerate(lengths)], block_records=4,
+                          shards=8)
+    stream = pipeline.PackedStream(d, "train", seed=2, window_blocks=4)
+    assert stream.n_windows == 24
+    read_blocks, opened = [], []
+    real_lengths, real_reader = stream.records.block_lengths, stream.records._reader
+    monkeypatch.setattr(stream.records, "block_lengths", lambda b: read_blocks.append(b) or real_lengths(b))
+    monkeypatch.setattr(stream.records, "_reader", lambda s: opened.append(s) or real_reader(s))
+    stream.row(0, 16)
+    first_blocks = stream.blocks.blocks(0, 0)
+    assert sorted(set(read_blocks)) == sorted(first_blocks.tolist())
+    assert set(opened) <= {int(b) // 12 for b in first_blocks}
+    for epoch in range(2):
+        visited = []
+        for w in range(stream.n_windows):
+            units, ends = stream.window(epoch, w)
+            blocks = stream.blocks.blocks(epoch, w)
+            assert sorted(units.tolist()) == sorted(u for b in blocks.tolist() for u in range(4 * b, 4 * b + 4))
+            np.testing.assert_array_equal(np.diff(ends, prepend=0), lengths[units])
+            visited.append(blocks)
+        visited = np.concatenate(visited)
+        assert sorted(visited.tolist()) == list(range(96))  # every block once an epoch
+        assert visited.tolist() != list(range(96))
+    assert stream.blocks.blocks(0, 0).tolist() != stream.blocks.blocks(1, 0).tolist()
+
+
+def test_a_position_saved_before_the_block_order_resumes_in_its_own_order(data_dir):
+    """A data state without "order" was saved by the materialised permutation of every document: resuming it
+    continues that order exactly (here rebuilt from its definition) and keeps saying so in its state."""
+    lengths = pipeline.PackedStream(data_dir, "train", 3).document_lengths()
+    train = records(data_dir, "train")
+    perm = np.random.default_rng(np.random.SeedSequence([3, 0])).permutation(len(lengths))
+    old_stream = [t for doc in perm for t in train[doc]]
+    it = pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=3)
+    state = it.get_state()
+    assert state["order"] == pipeline.ORDER
+    del state["order"]
+    state["next_token"] = 5 * 8 * SEQ
+    it.set_state(state)
+    assert it.get_state()["order"] == pipeline.LEGACY_ORDER
+    got = np.concatenate([b["tokens"].reshape(-1) for b in take(it, 3)]).tolist()
+    assert got == old_stream[5 * 8 * SEQ: 8 * 8 * SEQ]
+    with pytest.raises(DataError, match="document order 'zigzag'"):
+        it.set_state({**state, "order": "zigzag"})
 
 
 def test_resume_refuses_another_seed(data_dir):
@@ -302,7 +365,7 @@ def test_seeds(data_dir):
 
 def test_each_epoch_is_a_new_shuffle(data_dir):
     stream = pipeline.PackedStream(data_dir, "train", seed=0)
-    n, total = len(stream.lengths), stream.epoch_tokens
+    n, total = len(stream.document_lengths()), stream.epoch_tokens
     epochs = [[doc for doc, _, _ in stream.pieces(e * total, total)] for e in range(3)]
     for order in epochs:
         assert sorted(order) == list(range(n))  # every epoch is a permutation of all documents

@@ -40,8 +40,8 @@ def _pairs(n, seed=0):
 
 
 def _record(stream, doc):
-    n = int(stream.lengths[doc])
-    raw = stream.source[doc]
+    raw = stream.records.read([doc])[0]
+    n = len(raw) // (stream.dtype.itemsize + 1)
     return np.frombuffer(raw, stream.dtype, n), np.frombuffer(raw, np.uint8, n, offset=n * stream.dtype.itemsize)
 
 
@@ -65,16 +65,17 @@ def test_pairs_are_stored_chosen_then_rejected_weighted_on_the_response(pairs_di
     tok = layout.load_tokenizer(str(out))
     template, variables = chat.load_template(str(hf)), chat.special_tokens(str(hf))
     stream = pipeline.PackedStream(str(out), "train", seed=None)
-    assert len(stream.lengths) == 2 * len(stream.unit_lengths)
+    units = len(stream.window(0, 0)[0])
+    assert len(stream.document_lengths()) == 2 * units
     records = [json.loads(line) for line in data.read_text().splitlines()]
     heldout = pipeline.PackedStream(str(out), "heldout", seed=None)
-    assert len(heldout.lengths) == 2 * 6
+    assert len(heldout.document_lengths()) == 2 * 6
     # The train split keeps the file order: find each stored pair among the records by its chosen text.
     by_text = {}
     for r in records[:-1]:
         prompt, chosen, rejected = chat.preference(r)
         by_text[chat.render(template, prompt + chosen, variables=variables)] = (prompt, chosen, rejected)
-    for unit in range(len(stream.unit_lengths)):
+    for unit in range(units):
         (c_ids, c_w), (r_ids, r_w) = _record(stream, 2 * unit), _record(stream, 2 * unit + 1)
         prompt, chosen, rejected = by_text[tok.decode(c_ids)]
         for ids, w, response in ((c_ids, c_w, chosen), (r_ids, r_w, rejected)):
@@ -89,7 +90,7 @@ def test_rows_pack_whole_pairs_in_a_seeded_order(pairs_dir):
     out, _, _ = pairs_dir
     stream = pipeline.PackedStream(str(out), "train", seed=3)
     again = pipeline.PackedStream(str(out), "train", seed=3)
-    order, _ = stream._epoch(0)
+    order, _ = stream.window(0, 0)
     seen = []
     for r in range(8):
         row = stream.row(r * 128, 128)
@@ -114,7 +115,7 @@ def test_a_long_pair_is_truncated_to_fit_or_dropped(pairs_dir, tmp_path):
                                            **QUIET)
         counts[mode] = manifest["chat"]
         stream = pipeline.PackedStream(str(tmp_path / mode), "train", seed=None)
-        assert stream.unit_lengths.max() <= 48
+        assert stream.document_lengths().reshape(-1, 2).sum(1).max() <= 48
     assert counts["left"]["truncated"] > 0 and counts["left"]["pairs"] == 60
     assert counts["drop"]["dropped_too_long"] == counts["left"]["truncated"]
     assert counts["drop"]["pairs"] == 60 - counts["drop"]["dropped_too_long"]

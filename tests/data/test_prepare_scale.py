@@ -302,7 +302,7 @@ def test_heldout_shortfall_is_reported(tmp_path, capsys):
     m = layout.load_manifest(str(tmp_path / "out"))
     assert [s["docs"] for s in m["splits"]["heldout"]] == [1]
     assert [s["docs"] for s in m["splits"]["train"]] == [0, 10]  # an empty train shard is fine for the pipeline
-    assert len(pipeline.PackedStream(str(tmp_path / "out"), "train", seed=0).lengths) == 10
+    assert len(pipeline.PackedStream(str(tmp_path / "out"), "train", seed=0).document_lengths()) == 10
 
 
 # 6 -------------------------------------------------------------------------------------------------------
@@ -435,7 +435,7 @@ def test_lengths_index(tmp_path):
     for split in ("train", "heldout"):
         from_records = np.array([len(r) for r in records(out, split)])
         stream = pipeline.PackedStream(str(out), split, seed=0)
-        np.testing.assert_array_equal(stream.lengths, from_records)
+        np.testing.assert_array_equal(stream.document_lengths(), from_records)
         for row in m["splits"][split]:
             index = np.load(out / row["lengths"])
             assert index.dtype == np.uint32 and len(index) == row["docs"] and int(index.sum()) == row["tokens"]
@@ -448,7 +448,7 @@ def test_lengths_index(tmp_path):
         for row in rows:
             del row["lengths"]
     manifest_path.write_text(json.dumps(old))
-    np.testing.assert_array_equal(pipeline.PackedStream(str(out), "train", seed=0).lengths,
+    np.testing.assert_array_equal(pipeline.PackedStream(str(out), "train", seed=0).document_lengths(),
                                   [len(r) for r in records(out, "train")])
     manifest_path.write_text(original)
 
@@ -459,14 +459,27 @@ def test_lengths_index(tmp_path):
     bad[0] += 1
     with open(index_path, "wb") as fh:
         np.save(fh, bad)
+    # (The lengths are read, and checked against the block index, block by block as the stream reaches them.)
     with pytest.raises(prepare.DataError, match=f"{index_path}: does not match"):
-        pipeline.PackedStream(str(out), "train", seed=0)
+        pipeline.PackedStream(str(out), "train", seed=0).document_lengths()
     with open(index_path, "wb") as fh:
         np.save(fh, good[:-1])
     with pytest.raises(prepare.DataError, match=f"{index_path}: does not match"):
-        pipeline.PackedStream(str(out), "train", seed=0)
+        pipeline.PackedStream(str(out), "train", seed=0).document_lengths()
     index_path.write_bytes(b"garbage")
     with pytest.raises(prepare.DataError, match=f"{index_path}: unreadable lengths index"):
+        pipeline.PackedStream(str(out), "train", seed=0).document_lengths()
+    with open(index_path, "wb") as fh:
+        np.save(fh, good)
+
+    # The block index: tokens per block of layout.BLOCK_RECORDS documents, read whole at start.
+    blocks_path = out / m["splits"]["train"][1]["blocks"]
+    np.testing.assert_array_equal(np.load(blocks_path), [good.sum()])  # (20 docs: one block)
+    np.save(str(blocks_path)[:-4], np.array([good.sum() + 1]))
+    with pytest.raises(prepare.DataError, match=f"{blocks_path}: does not match"):
+        pipeline.PackedStream(str(out), "train", seed=0)
+    blocks_path.write_bytes(b"garbage")
+    with pytest.raises(prepare.DataError, match=f"{blocks_path}: unreadable block index"):
         pipeline.PackedStream(str(out), "train", seed=0)
 
 

@@ -1,0 +1,150 @@
+"""One split of a prepared dir, read lazily: records, per-document lengths and per-block token counts.
+
+Nothing is read up front but the manifest and each shard's block index (8 bytes per 1,024 documents). A
+shard's ArrayRecord reader opens on first use, and at most MAX_OPEN stay open (least recently used closes),
+so a host holds the record index of only the shards its rows come from. Lengths are memory-mapped from each
+shard's `.lengths.npy` and checked block by block against the block index as they are read. Dirs prepared
+before the block index existed get it summed from the lengths at open; dirs older than the lengths index
+are measured by reading every record (0.3 s for the KJV).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
+
+from jaxtrain.data import layout
+from jaxtrain.errors import DataError
+
+MAX_OPEN = 32  # shard readers kept open: more than a window's blocks can come from
+
+
+class Split:
+    """Records [0, n_records) of one split, numbered across its shards in manifest order."""
+
+    def __init__(self, data_dir: str, rows: list[dict], dtype: np.dtype, weighted: bool):
+        self.data_dir, self.rows = data_dir, rows
+        self.paths = [os.path.join(data_dir, r["file"]) for r in rows]
+        self._readers: collections.OrderedDict[int, ArrayRecordReader] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        # The oldest manifests count no documents: the shard's own footer does.
+        docs = np.array([r["docs"] if "docs" in r else self._reader(s).num_records() for s, r in enumerate(rows)],
+                        np.int64)
+        self.rows = [{**r, "docs": int(d)} for r, d in zip(rows, docs)]
+        self.starts = np.concatenate([[0], np.cumsum(docs)])  # first record of each shard
+        self.n_records = int(self.starts[-1])
+        self.record_width = dtype.itemsize + (1 if weighted else 0)  # bytes per token (+ a uint8 loss weight)
+        self.block_size = int(rows[0].get("block_records", layout.BLOCK_RECORDS)) if rows else layout.BLOCK_RECORDS
+        self._lengths: dict[int, np.ndarray] = {}  # shard -> memory-mapped lengths
+        self._measured = None  # every record's length, for dirs without a lengths index
+        if not all("lengths" in r for r in rows):
+            self._measured = np.fromiter((len(r) // self.record_width for r in self.read(range(self.n_records))),
+                                         np.int64, self.n_records)
+        blocks, firsts = [], []
+        for s, row in enumerate(self.rows):
+            blocks.append(self._block_index(s, row))
+            firsts.append(self.starts[s] + np.arange(len(blocks[-1]), dtype=np.int64) * self.block_size)
+        self.block_tokens = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
+        self.block_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)  # global record id
+        self.block_records = np.minimum(self.block_first + self.block_size,
+                                        np.repeat(self.starts[1:], [len(b) for b in blocks])) - self.block_first
+        self._checked = np.zeros(len(self.block_tokens), bool)  # blocks whose lengths matched their count
+
+    def __getstate__(self):  # Grain pickles the stream into its workers: no open files, no mapped memory
+        state = dict(self.__dict__)
+        state.update(_readers=collections.OrderedDict(), _lock=None, _lengths={})
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- the index ------------------------------------------------------------------------------------
+    def _block_index(self, s: int, row: dict) -> np.ndarray:
+        n_blocks = -(-row["docs"] // self.block_size)
+        if "blocks" in row:
+            path = os.path.join(self.data_dir, row["blocks"])
+            try:
+                tokens = np.load(path).astype(np.int64)
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path}: unreadable block index ({e}); prepare the data again") from None
+            if len(tokens) != n_blocks or int(tokens.sum()) != row["tokens"]:
+                raise DataError(f"{path}: does not match {row['file']} ({len(tokens)} blocks / {int(tokens.sum())} "
+                                f"tokens, manifest {n_blocks} / {row['tokens']}); prepare the data again")
+            return tokens
+        lengths = self._shard_lengths(s)
+        tokens = np.add.reduceat(lengths, np.arange(0, len(lengths), self.block_size)) if len(lengths) else lengths
+        if "tokens" in row and int(tokens.sum()) != row["tokens"]:
+            raise DataError(f"{self._lengths_path(s)}: does not match {row['file']} ({int(tokens.sum())} tokens, "
+                            f"manifest {row['tokens']}); prepare the data again")
+        return tokens.astype(np.int64)
+
+    def _lengths_path(self, s: int) -> str:
+        return os.path.join(self.data_dir, self.rows[s]["lengths"])
+
+    def _shard_lengths(self, s: int) -> np.ndarray:
+        if self._measured is not None:
+            return self._measured[self.starts[s]:self.starts[s + 1]]
+        if s not in self._lengths:
+            path = self._lengths_path(s)
+            try:
+                lengths = np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path}: unreadable lengths index ({e}); prepare the data again") from None
+            if lengths.shape != (self.rows[s]["docs"],):
+                raise DataError(f"{path}: does not match {self.rows[s]['file']} ({len(lengths)} docs, manifest "
+                                f"{self.rows[s]['docs']}); prepare the data again")
+            self._lengths[s] = lengths
+        return self._lengths[s]
+
+    def block_lengths(self, block: int) -> np.ndarray:
+        """Tokens of each record of one block, checked against the block index."""
+        first = int(self.block_first[block])
+        s = int(np.searchsorted(self.starts, first, side="right")) - 1
+        at = first - int(self.starts[s])
+        lengths = np.asarray(self._shard_lengths(s)[at:at + int(self.block_records[block])], np.int64)
+        if not self._checked[block]:
+            if int(lengths.sum()) != self.block_tokens[block]:
+                raise DataError(f"{self._lengths_path(s)}: does not match {self.rows[s]['file']} (records "
+                                f"{at}..{at + len(lengths) - 1}: {int(lengths.sum())} tokens, block index "
+                                f"{int(self.block_tokens[block])}); prepare the data again")
+            self._checked[block] = True
+        return lengths
+
+    def all_lengths(self) -> np.ndarray:
+        """Every record's tokens (O(documents) memory: for tests and small tools, not the trainer)."""
+        parts = [self.block_lengths(b) for b in range(len(self.block_tokens))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    # -- the records ----------------------------------------------------------------------------------
+    def _reader(self, s: int) -> ArrayRecordReader:
+        if s in self._readers:
+            self._readers.move_to_end(s)
+        else:
+            if len(self._readers) >= MAX_OPEN:
+                self._readers.popitem(last=False)[1].close()
+            self._readers[s] = ArrayRecordReader(self.paths[s], "readahead_buffer_size:0",
+                                                 file_reader_buffer_size=32768)
+        return self._readers[s]
+
+    def read(self, records) -> list[bytes]:
+        """The raw records, in the order asked. A damaged shard raises RuntimeError (the caller names it)."""
+        records = np.asarray(records, np.int64)
+        out: list = [None] * len(records)
+        shard = np.searchsorted(self.starts, records, side="right") - 1
+        with self._lock:
+            for s in np.unique(shard).tolist():
+                where = np.flatnonzero(shard == s)
+                got = self._reader(s).read((records[where] - self.starts[s]).tolist())
+                for i, record in zip(where.tolist(), got):
+                    out[i] = record
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            while self._readers:
+                self._readers.popitem()[1].close()
