@@ -149,6 +149,10 @@ def run(config, print_fn=print, writers=()) -> dict:
             start, state, data_state = restored
             train_iter.set_state(data_state)
             say(f"resumed from checkpoint at step {start}")
+            if train_iter.get_state()["order"] == pipeline.LEGACY_ORDER:
+                say("data: this checkpoint's position predates the block order; it keeps its materialised "
+                    "per-epoch permutation (8-24 bytes per document in host memory), a new workdir gets the block "
+                    "order (docs/data.md)")
         else:
             start, state = 0, fresh_state()
             if config.model.init_from:

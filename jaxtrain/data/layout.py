@@ -24,6 +24,7 @@ TOKENIZER_SPM = "tokenizer.model"
 LENGTHS_SUFFIX = ".lengths.npy"
 BLOCKS_SUFFIX = ".blocks.npy"
 BLOCK_RECORDS = 1024  # records per block of the block index and of the shuffle (even: pairs never straddle)
+CHUNK_RECORDS = 16  # records per ArrayRecord chunk (group_size); divides BLOCK_RECORDS
 
 
 def default_dir(data_cfg) -> str:

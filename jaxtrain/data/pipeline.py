@@ -109,7 +109,8 @@ class PackedStream:
         self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
         try:
             self.records = records.Split(data_dir, self.shards, self.dtype, self.weighted)
-        except RuntimeError as e:  # Riegeli found a damaged file (measuring a dir without a lengths index)
+            self.records.verify()
+        except RuntimeError as e:  # Riegeli found a damaged file
             raise self._damaged(e) from None
         if self.records.n_records == 0:
             raise DataError(f"{data_dir}: split {split!r} has no documents")

@@ -1,7 +1,7 @@
 """One split of a prepared dir, read lazily: records, per-document lengths and per-block token counts.
 
-Nothing is read up front but the manifest and each shard's block index (8 bytes per 1,024 documents). A
-shard's ArrayRecord reader opens on first use, and at most MAX_OPEN stay open (least recently used closes),
+Nothing is read up front but the manifest, each shard's block index (8 bytes per 1,024 documents) and its
+footer (`verify`). A shard's ArrayRecord reader opens on first use, and at most MAX_OPEN stay open (least recently used closes),
 so a host holds the record index of only the shards its rows come from. Lengths are memory-mapped from each
 shard's `.lengths.npy` and checked block by block against the block index as they are read. Dirs prepared
 before the block index existed get it summed from the lengths at open; dirs older than the lengths index
@@ -11,16 +11,20 @@ are measured by reading every record (0.3 s for the KJV).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import threading
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
+from jaxtrain import files
 from jaxtrain.data import layout
 from jaxtrain.errors import DataError
 
-MAX_OPEN = 32  # shard readers kept open: more than a window's blocks can come from
+MAX_OPEN = 16  # shard readers kept open (~0.7 MB each): as many as a window has blocks
+VERIFY_THREADS = 2
+HASH_BELOW = 1 << 30  # bytes of shards a split may hold and still be hashed whole at open (~1 s)
 
 
 class Split:
@@ -53,6 +57,28 @@ class Split:
         self.block_records = np.minimum(self.block_first + self.block_size,
                                         np.repeat(self.starts[1:], [len(b) for b in blocks])) - self.block_first
         self._checked = np.zeros(len(self.block_tokens), bool)  # blocks whose lengths matched their count
+
+    def verify(self) -> None:
+        """Opens every shard once and closes it: a truncated file or a damaged index fails here, before a run
+        touches its workdir. Cheap: a reader's index is an entry per chunk (layout.CHUNK_RECORDS records). A
+        split under HASH_BELOW bytes is also checked against the manifest's sha256s (a flipped bit anywhere);
+        in a larger one, damage inside a chunk is found when the order reaches it."""
+        sizes = [os.path.getsize(p) for p in self.paths]
+        hashed = sum(sizes) < HASH_BELOW
+
+        def check(s: int) -> None:
+            if hashed and self.rows[s].get("sha256") and files.file_hash(self.paths[s]) != self.rows[s]["sha256"]:
+                raise RuntimeError("its sha256 differs from the manifest's")
+            reader = ArrayRecordReader(self.paths[s], "readahead_buffer_size:0", file_reader_buffer_size=4096)
+            try:
+                if (n := reader.num_records()) != self.rows[s]["docs"]:
+                    raise DataError(f"{self.paths[s]}: holds {n} records, the manifest says {self.rows[s]['docs']}; "
+                                    f"prepare the data again")
+            finally:
+                reader.close()
+
+        with concurrent.futures.ThreadPoolExecutor(min(VERIFY_THREADS, max(1, len(self.paths)))) as pool:
+            list(pool.map(check, range(len(self.paths))))
 
     def __getstate__(self):  # Grain pickles the stream into its workers: no open files, no mapped memory
         state = dict(self.__dict__)

@@ -1,7 +1,9 @@
 """Chat data end to end: `prepare --chat` shards (tokens + loss weights), whole-conversation packing, and the SFT
 loss (the mean over assistant tokens) that the step computes from them."""
 
+import collections
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +84,37 @@ def test_rows_pack_whole_conversations_and_pad(chat_dir):
     # the rows after the first epoch's continue into the next (a different order), as a resume would read them
     rows = len(stream._packed_rows(0, 0, seq_len)) - 1
     assert stream._locate_row(rows, seq_len) == (1, 0, 0)  # (epoch, window, row)
+
+
+def test_rows_of_many_windows_hold_each_conversation_once_and_resume(chat_dir, tmp_path):
+    """With 2-conversation blocks and 3-block windows (54 conversations: 9 windows), rows pack inside a window;
+    over two epochs every conversation appears once per epoch, and a resume at any row gives the same rows."""
+    out, _ = chat_dir
+    small = tmp_path / "small"
+    shutil.copytree(out, small)
+    manifest = json.loads((small / "manifest.json").read_text())
+    for row in manifest["splits"]["train"]:
+        del row["blocks"]  # summed from the lengths at open, in blocks of 2
+        row["block_records"] = 2
+    (small / "manifest.json").write_text(json.dumps(manifest))
+    stream = pipeline.PackedStream(str(small), "train", seed=1, window_blocks=3)
+    assert stream.n_windows == 9
+    seq_len = 64
+    epoch_rows = [sum(len(stream._packed_rows(e, w, seq_len)) - 1 for w in range(9)) for e in (0, 1)]
+    rows = [stream.row(r * seq_len, seq_len) for r in range(sum(epoch_rows) + 3)]
+    records = stream.records.read(range(54))
+    width = stream.dtype.itemsize
+    everything = collections.Counter(r[:len(r) // (width + 1) * width] for r in records)  # tokens, then weights
+    for epoch, start in ((0, 0), (1, epoch_rows[0])):
+        seen = collections.Counter()
+        for r in rows[start:start + epoch_rows[epoch]]:
+            assert r["segment_ids"].max() <= 3 * 2  # a row packs within one window (3 blocks of 2)
+            for s in range(1, r["segment_ids"].max() + 1):
+                seen[r["tokens"][r["segment_ids"] == s].astype(stream.dtype).tobytes()] += 1
+        assert seen == everything
+    again = pipeline.PackedStream(str(small), "train", seed=1, window_blocks=3)
+    for r in (sum(epoch_rows) + 2, epoch_rows[0], 5):
+        np.testing.assert_array_equal(again.row(r * seq_len, seq_len)["tokens"], rows[r]["tokens"])
 
 
 def test_truncation_and_drop_are_counted(chat_dir, tmp_path):
