@@ -37,7 +37,10 @@ def file_hash(path: str | os.PathLike) -> str:
 
 
 def dir_problem(path: str | os.PathLike) -> str | None:
-    """Why `path` cannot be or become a directory (it, or a parent on the way, is a file); None if it can."""
+    """Why `path` cannot be or become a directory (it, or a parent on the way, is a file, or it is a URL, which
+    pathlib would turn into a local "gs:" dir); None if it can."""
+    if "://" in str(path):
+        return f"{path}: must be a local path (a bucket can be mounted with gcsfuse or mountpoint-s3)"
     path = Path(path)
     for ancestor in (path, *path.parents):
         if ancestor.exists():

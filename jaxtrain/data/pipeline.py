@@ -465,6 +465,7 @@ class TrainIterator:
             what = "a mixture" if isinstance(self.stream, MixedStream) else "chat data"
             raise DataError(f"train.seq_len: {self.seq_len} does not divide the checkpointed position of {what} "
                             f"({state['next_token']} tokens); resume it with its seq_len")
+        self._close_reader()  # its thread must not read the stream while the order changes under it
         self.stream.use_order(state.get("order", LEGACY_ORDER))
         self._start(int(state["next_token"]))
 

@@ -33,7 +33,7 @@ from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
-from jaxtrain.errors import DataError, SourceError, TokenizerError
+from jaxtrain.errors import ConfigError, DataError, SourceError, TokenizerError
 
 CORPUS = "kjv"
 FORMAT = 1  # Bump when the on-disk layout changes, so old dirs are refused.
@@ -118,7 +118,7 @@ def prepare_default_corpus(data_dir: str, vocab_size: int, heldout_docs: int = 2
         "heldout_docs": heldout_docs,
         "seed": seed,
     }
-    data_dir = os.path.abspath(data_dir)
+    data_dir = _local_output(data_dir)
     if existing := _existing_manifest(data_dir, settings):
         return existing
     if vocab_size < 258:  # 256 byte tokens + 2 special tokens.
@@ -408,6 +408,13 @@ def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
     return out
 
 
+def _local_output(data_dir: str) -> str:
+    """The absolute path of a local output dir; ConfigError for a URL (pathlib would make it a local "gs:")."""
+    if problem := files.dir_problem(data_dir) if "://" in data_dir else None:
+        raise ConfigError("--output", problem)
+    return os.path.abspath(data_dir)
+
+
 @contextlib.contextmanager
 def _locked(data_dir: str):
     """One preparer per output dir at a time; a second one waits, then finds the finished data. The holder
@@ -508,7 +515,7 @@ def prepare_sources(
     srcs = sources_lib.expand(inputs, fmt, field, split=split, tfds_data_dir=tfds_data_dir)
     for s in srcs:
         s.strict = max_bad_fraction == 0
-    data_dir = os.path.abspath(data_dir)
+    data_dir = _local_output(data_dir)
     start = time.perf_counter()
     with _locked(data_dir):
         previous = None

@@ -24,7 +24,7 @@ from jaxtrain.errors import DataError
 
 MAX_OPEN = 16  # shard readers kept open (~0.7 MB each): as many as a window has blocks
 VERIFY_THREADS = 2
-HASH_BELOW = 1 << 30  # bytes of shards a split may hold and still be hashed whole at open (~1 s)
+HASH_BELOW = 64 << 20  # a split of shards under this many bytes is hashed whole at open (~0.1 s)
 
 
 class Split:

@@ -200,6 +200,23 @@ def test_outputs_under_a_file_are_refused_and_nothing_is_written(trained, tmp_pa
     assert blocker.read_text() == "mine\n" and sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
+def test_bucket_urls_where_a_local_path_is_needed_are_one_line_and_nothing_is_written(tiny_config, tmp_path):
+    """Run from tmp_path: pathlib would have turned gs://bucket/x into a local dir "gs:/bucket/x" there."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "jaxtrain", *map(str, args)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, check=False)
+
+    assert_one_line(run("prepare", "--output", "gs://bucket/kjv"), 2, "--output", "gs://bucket/kjv", "mount")
+    assert_one_line(run("prepare", "--input", f"{REPO}/README.md", "--format", "txt", "--output", "s3://b/d"), 2,
+                    "--output", "s3://b/d")
+    tiny, data = f"{REPO}/configs/tiny.py", tiny_config().data.dir
+    assert_one_line(run("train", "--config", tiny, "--config.workdir=gs://bucket/run", f"--config.data.dir={data}"),
+                    2, "workdir", "gs://bucket/run")
+    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=gs://b/d"),
+                    2, "gs://b/d", "mount")
+    assert os.listdir(tmp_path) == []
+
+
 def test_prepare_recurses_on_double_star_and_a_failed_prepare_leaves_nothing(tmp_path):
     (tmp_path / "in" / "sub").mkdir(parents=True)
     (tmp_path / "in" / "a.txt").write_text("one document\n")
