@@ -79,7 +79,9 @@ def test_sft_learns_to_copy_held_out_prompts(tmp_path, capsys):
     c.workdir = str(tmp_path / "run")
     c.model.update(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=128)
     c.train.update(batch_size=16, seq_len=64, steps=400)
-    c.optim.update(warmup_steps=20, lr=3e-3)
+    # 5e-3: at 3e-3, one data order in four (seeds 0-3 of the block order) copied only 27 of 40 after 400 steps;
+    # 5e-3 copied 40/38/39 with seeds 0/1/2 in the same time.
+    c.optim.update(warmup_steps=20, lr=5e-3)
     c.data.update(dir=data, vocab_size=512)
     c.eval.update(batches=1, every_steps=400, at_start=True)
     c.checkpoint.update(every_steps=400)
