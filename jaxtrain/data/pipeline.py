@@ -1,10 +1,10 @@
 """Input pipeline: ArrayRecord documents -> packed, batched numpy dicts, as a pure function of position.
 
-The train split is one endless token stream (each epoch's documents in a seeded block order, order.py). Row r is the `seq_len`
-tokens from token `r * seq_len`, global batch k holds rows k*B .. k*B+B-1, and each process builds only its
-own block of rows. So the batch at step k is the same on 1 host or 64, and the iterator state is one number,
-the next token offset: a checkpoint restores on any process count, batch size or sequence length without
-repeating or skipping a token (elastic resume).
+The train split is one endless token stream (each epoch's documents in a seeded block order, order.py). Row r
+is the `seq_len` tokens from token `r * seq_len`, global batch k holds rows k*B .. k*B+B-1, and each process
+builds only its own block of rows. So the batch at step k is the same on 1 host or 64, and the iterator
+state is one number, the next token offset: a checkpoint restores on any process count, batch size or
+sequence length without repeating or skipping a token (elastic resume).
 
 A batch is {"tokens", "segment_ids", "positions"}, each int32[B // processes, seq_len]: segment ids number the
 documents of a row from 1, and positions restart at each document. Documents are never padded or dropped.

@@ -1,11 +1,11 @@
 """One split of a prepared dir, read lazily: records, per-document lengths and per-block token counts.
 
 Nothing is read up front but the manifest, each shard's block index (8 bytes per 1,024 documents) and its
-footer (`verify`). A shard's ArrayRecord reader opens on first use, and at most MAX_OPEN stay open (least recently used closes),
-so a host holds the record index of only the shards its rows come from. Lengths are memory-mapped from each
-shard's `.lengths.npy` and checked block by block against the block index as they are read. Dirs prepared
-before the block index existed get it summed from the lengths at open; dirs older than the lengths index
-are measured by reading every record (0.3 s for the KJV).
+footer (`verify`). A shard's ArrayRecord reader opens on first use, and at most MAX_OPEN stay open (the
+least recently used closes), so a host holds the record index of only the shards its rows come from.
+Lengths are memory-mapped from each shard's `.lengths.npy` and checked block by block against the block
+index as they are read. Dirs prepared before the block index existed get it summed from the lengths at
+open; dirs older than the lengths index are measured by reading every record (0.3 s for the KJV).
 """
 
 from __future__ import annotations
