@@ -22,7 +22,7 @@ from jaxtrain import files
 from jaxtrain.data import layout
 from jaxtrain.errors import DataError
 
-MAX_OPEN = 16  # shard readers kept open (~0.7 MB each): as many as a window has blocks
+MAX_OPEN = 16  # shard readers kept open (~0.2 MB each with 16-record chunks): a window has 16 blocks
 VERIFY_THREADS = 2
 HASH_BELOW = 64 << 20  # a split of shards under this many bytes is hashed whole at open (~0.1 s)
 
@@ -31,7 +31,7 @@ class Split:
     """Records [0, n_records) of one split, numbered across its shards in manifest order."""
 
     def __init__(self, data_dir: str, rows: list[dict], dtype: np.dtype, weighted: bool):
-        self.data_dir, self.rows = data_dir, rows
+        self.data_dir = data_dir
         self.paths = [os.path.join(data_dir, r["file"]) for r in rows]
         self._readers: collections.OrderedDict[int, ArrayRecordReader] = collections.OrderedDict()
         self._lock = threading.Lock()
