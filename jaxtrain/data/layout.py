@@ -36,7 +36,7 @@ def default_dir(data_cfg) -> str:
 
 def load_manifest(data_dir: str) -> dict:
     path = os.path.join(data_dir, MANIFEST)
-    if "://" in data_dir:  # ArrayRecord's reader opens local files only
+    if "://" in str(data_dir):  # ArrayRecord's reader opens local files only
         raise DataError(f"{data_dir}: a prepared data dir is read from a local path; mount the bucket (gcsfuse, "
                         f"mountpoint-s3) and give the mount's path")
     if not os.path.isdir(data_dir):

@@ -410,7 +410,7 @@ def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
 
 def _local_output(data_dir: str) -> str:
     """The absolute path of a local output dir; ConfigError for a URL (pathlib would make it a local "gs:")."""
-    if problem := files.dir_problem(data_dir) if "://" in data_dir else None:
+    if problem := files.dir_problem(data_dir) if "://" in str(data_dir) else None:
         raise ConfigError("--output", problem)
     return os.path.abspath(data_dir)
 
