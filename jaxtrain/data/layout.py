@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 from jaxtrain import files
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import DataError, TokenizerError
@@ -32,6 +34,12 @@ def default_dir(data_cfg) -> str:
     """Where the default corpus is prepared when `data.dir` is empty."""
     return data_cfg.dir or str(Path.home() / ".cache" / "jaxtrain" / "data" /
                                f"{data_cfg.corpus}_v{data_cfg.vocab_size}_h{data_cfg.heldout_docs}")
+
+
+def block_tokens(lengths: np.ndarray, block_records: int = BLOCK_RECORDS) -> np.ndarray:
+    """Tokens per block of `block_records` consecutive documents (the last block may be shorter)."""
+    lengths = np.asarray(lengths, np.int64)
+    return np.add.reduceat(lengths, np.arange(0, len(lengths), block_records)) if len(lengths) else lengths
 
 
 def load_manifest(data_dir: str) -> dict:

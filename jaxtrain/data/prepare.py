@@ -246,9 +246,8 @@ def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndar
     # The indexes let the pipeline skip reading every record at start; np.save(str) would append ".npy".
     with open(path + layout.LENGTHS_SUFFIX, "wb") as f:
         np.save(f, lengths)
-    starts = np.arange(0, len(lengths), layout.BLOCK_RECORDS)
     with open(path + layout.BLOCKS_SUFFIX, "wb") as f:
-        np.save(f, np.add.reduceat(lengths.astype(np.int64), starts) if len(lengths) else np.zeros(0, np.int64))
+        np.save(f, layout.block_tokens(lengths))
     name = os.path.basename(path)
     return {"file": name, "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
             "sha256": files.file_hash(path), "lengths": name + layout.LENGTHS_SUFFIX,

@@ -69,7 +69,7 @@ class Split:
         def check(s: int) -> None:
             if hashed and self.rows[s].get("sha256") and files.file_hash(self.paths[s]) != self.rows[s]["sha256"]:
                 raise RuntimeError("its sha256 differs from the manifest's")
-            reader = ArrayRecordReader(self.paths[s], "readahead_buffer_size:0", file_reader_buffer_size=4096)
+            reader = self._open(s)
             try:
                 if (n := reader.num_records()) != self.rows[s]["docs"]:
                     raise DataError(f"{self.paths[s]}: holds {n} records, the manifest says {self.rows[s]['docs']}; "
@@ -102,12 +102,11 @@ class Split:
                 raise DataError(f"{path}: does not match {row['file']} ({len(tokens)} blocks / {int(tokens.sum())} "
                                 f"tokens, manifest {n_blocks} / {row['tokens']}); prepare the data again")
             return tokens
-        lengths = self._shard_lengths(s)
-        tokens = np.add.reduceat(lengths, np.arange(0, len(lengths), self.block_size)) if len(lengths) else lengths
+        tokens = layout.block_tokens(self._shard_lengths(s), self.block_size)
         if "tokens" in row and int(tokens.sum()) != row["tokens"]:
             raise DataError(f"{self._lengths_path(s)}: does not match {row['file']} ({int(tokens.sum())} tokens, "
                             f"manifest {row['tokens']}); prepare the data again")
-        return tokens.astype(np.int64)
+        return tokens
 
     def _lengths_path(self, s: int) -> str:
         return os.path.join(self.data_dir, self.rows[s]["lengths"])
@@ -153,9 +152,11 @@ class Split:
         else:
             if len(self._readers) >= MAX_OPEN:
                 self._readers.popitem(last=False)[1].close()
-            self._readers[s] = ArrayRecordReader(self.paths[s], "readahead_buffer_size:0",
-                                                 file_reader_buffer_size=32768)
+            self._readers[s] = self._open(s)
         return self._readers[s]
+
+    def _open(self, s: int) -> ArrayRecordReader:
+        return ArrayRecordReader(self.paths[s], "readahead_buffer_size:0", file_reader_buffer_size=32768)
 
     def read(self, records) -> list[bytes]:
         """The raw records, in the order asked. A damaged shard raises RuntimeError (the caller names it)."""
