@@ -11,13 +11,14 @@ start each encoded text).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from jaxtrain import files
+from jaxtrain import files, storage
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import DataError, TokenizerError
 
@@ -43,31 +44,41 @@ def block_tokens(lengths: np.ndarray, block_records: int = BLOCK_RECORDS) -> np.
 
 
 def load_manifest(data_dir: str) -> dict:
+    """The data dir's manifest (a local dir, or gs:// read in place); DataError naming what is wrong."""
     path = os.path.join(data_dir, MANIFEST)
-    if "://" in str(data_dir):  # ArrayRecord's reader opens local files only
-        raise DataError(f"{data_dir}: a prepared data dir is read from a local path; mount the bucket (gcsfuse, "
-                        f"mountpoint-s3) and give the mount's path")
-    if not os.path.isdir(data_dir):
-        raise DataError(f"{data_dir}: data dir does not exist; create it with `jaxtrain prepare --output {data_dir}`")
+    if storage.is_url(data_dir):
+        if not str(data_dir).startswith("gs://"):  # ArrayRecord's reader opens local files and gs:// objects
+            raise DataError(f"{data_dir}: prepared data is read from a local path or gs://; mount other buckets "
+                            f"(e.g. mountpoint-s3) and give the mount's path")
+        if not storage.exists(path):
+            raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir; create it with `jaxtrain "
+                            f"prepare --output {data_dir}`")
+        text = storage.read_bytes(path)
+    else:
+        if not os.path.isdir(data_dir):
+            raise DataError(f"{data_dir}: data dir does not exist; create it with `jaxtrain prepare --output "
+                            f"{data_dir}`")
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir") from None
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir") from None
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
 
 
 def prepared_from_sources(data_dir: str) -> bool:
     """Whether data_dir holds data made by `prepare --input` (rather than the default corpus)."""
-    return os.path.exists(os.path.join(data_dir, MANIFEST)) and load_manifest(data_dir).get("corpus") == "sources"
+    return storage.exists(os.path.join(data_dir, MANIFEST)) and load_manifest(data_dir).get("corpus") == "sources"
 
 
 def verified_tokenizer(data_dir: str) -> str:
     """Path of the data dir's tokenizer.json, after checking it is the one its shards were made with."""
     manifest = load_manifest(data_dir)
     path = os.path.join(data_dir, manifest["tokenizer"]["file"])
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise DataError(f"{path}: missing; the shards in {data_dir} cannot be decoded without it")
     if (actual := files.file_hash(path)) != manifest["tokenizer"]["sha256"]:
         raise DataError(f"{path}: sha256 {actual[:12]} differs from {manifest['tokenizer']['sha256'][:12]}, the "
@@ -85,12 +96,14 @@ def open_tokenizer(path: str, eos_token: str | None) -> tok_lib.Tokenizer:
 
 def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
     """The data dir's verified tokenizer, with the EOS id its documents end with."""
+    if storage.is_url(data_dir):  # the tokenizer libraries open local files: read a local copy
+        data_dir = local_tokenizer_dir(data_dir)
     manifest = load_manifest(data_dir)
     path = verified_tokenizer(data_dir)
     if manifest["tokenizer"].get("hf_dir"):  # prepared with a Hugging Face directory's tokenizer
         config = os.path.join(data_dir, tok_lib.HF_TOKENIZER_CONFIG)
         if (want := manifest["tokenizer"].get("config_sha256")) and (
-                not os.path.exists(config) or files.file_hash(config) != want):
+                not storage.exists(config) or files.file_hash(config) != want):
             raise DataError(f"{config}: missing or changed since the shards were made (manifest.json); prepare "
                             f"the data again")
         path = data_dir
@@ -98,3 +111,17 @@ def load_tokenizer(data_dir: str) -> tok_lib.Tokenizer:
     tok = open_tokenizer(path, manifest.get("eos_token"))
     tok.eos_id = manifest.get("eos_id", tok.eos_id)
     return tok
+
+
+def local_tokenizer_dir(data_dir: str) -> str:
+    """A local dir holding a bucket data dir's manifest and tokenizer files (what load_tokenizer reads), under
+    ~/.cache/jaxtrain/remote/, refreshed on every call."""
+    manifest = load_manifest(data_dir)
+    names = [MANIFEST, manifest["tokenizer"]["file"]]
+    if manifest["tokenizer"].get("hf_dir"):
+        names.append(tok_lib.HF_TOKENIZER_CONFIG)
+    local = Path.home() / ".cache" / "jaxtrain" / "remote" / hashlib.sha256(data_dir.encode()).hexdigest()[:16]
+    for name in names:
+        if storage.exists(path := os.path.join(data_dir, name)):
+            storage.local_copy(path, str(local))
+    return str(local)

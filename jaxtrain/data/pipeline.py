@@ -31,7 +31,7 @@ import grain
 import numpy as np
 from absl import flags
 
-from jaxtrain import files
+from jaxtrain import files, storage
 from jaxtrain.data import order as order_lib
 from jaxtrain.data import records
 from jaxtrain.data.layout import load_manifest
@@ -100,7 +100,7 @@ class PackedStream:
             raise DataError(f"{data_dir}: no split {split!r} (has {sorted(manifest['splits'])})")
         self.data_dir, self.shards = data_dir, manifest["splits"][split]
         for s in self.shards:
-            if not os.path.exists(p := os.path.join(data_dir, s["file"])):
+            if not storage.exists(p := os.path.join(data_dir, s["file"])):
                 raise DataError(f"{p}: missing shard of split {split!r}")
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.seed = seed

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
-from jaxtrain import files
+from jaxtrain import files, storage
 from jaxtrain.data import layout
 from jaxtrain.errors import DataError
 
@@ -63,7 +63,7 @@ class Split:
         touches its workdir. Cheap: a reader's index is an entry per chunk (layout.CHUNK_RECORDS records). A
         split under HASH_BELOW bytes is also checked against the manifest's sha256s (a flipped bit anywhere);
         in a larger one, damage inside a chunk is found when the order reaches it."""
-        sizes = [os.path.getsize(p) for p in self.paths]
+        sizes = [storage.size(p) for p in self.paths]
         hashed = sum(sizes) < HASH_BELOW
 
         def check(s: int) -> None:
@@ -95,7 +95,7 @@ class Split:
         if "blocks" in row:
             path = os.path.join(self.data_dir, row["blocks"])
             try:
-                tokens = np.load(path).astype(np.int64)
+                tokens = np.asarray(storage.load_npy(path), np.int64)
             except (OSError, ValueError) as e:
                 raise DataError(f"{path}: unreadable block index ({e}); prepare the data again") from None
             if len(tokens) != n_blocks or int(tokens.sum()) != row["tokens"]:
@@ -117,7 +117,7 @@ class Split:
         if s not in self._lengths:
             path = self._lengths_path(s)
             try:
-                lengths = np.load(path, mmap_mode="r")
+                lengths = storage.load_npy(path, mmap=True)
             except (OSError, ValueError) as e:
                 raise DataError(f"{path}: unreadable lengths index ({e}); prepare the data again") from None
             if lengths.shape != (self.rows[s]["docs"],):

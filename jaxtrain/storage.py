@@ -1,0 +1,182 @@
+"""Object storage (gs://, s3://) for prepared data dirs: reads and uploads with retries and one-line errors.
+
+A local path passes straight through to the file system. A URL goes through fsspec (gcsfs, s3fs: `pip install
+'jaxtrain[cloud]'`; credentials and endpoints are theirs: GOOGLE_APPLICATION_CREDENTIALS, AWS_* and, for an
+emulator, STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL). A transient failure (no connection, a timeout, a 5xx or 429)
+is retried with exponential backoff for up to RETRY_SECONDS; a permanent one (no such object, access denied), or
+a transient one that outlasts the retries, raises DataError naming the object. ArrayRecord shards on gs:// are
+read by ArrayRecord's own GCS client (range reads, with its own retries); everything else here.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import random
+import sys
+import time
+
+import numpy as np
+
+from jaxtrain.errors import DataError
+
+RETRY_SECONDS = 120.0  # how long a transient outage is waited out, per request
+FIRST_WAIT, MAX_WAIT = 0.5, 10.0  # seconds between tries: doubling, with jitter
+SCHEMES = ("gs://", "s3://")
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
+
+
+def check_url(path, field: str = "path") -> None:
+    """DataError unless `path` is local or a URL of a supported scheme."""
+    if is_url(path) and not str(path).startswith(SCHEMES):
+        raise DataError(f"{field}: {path}: unsupported URL scheme (jaxtrain reads {', '.join(SCHEMES)} or a local "
+                        f"path)")
+
+
+def _fs(url: str):
+    """(fsspec file system, path within it) for a URL."""
+    check_url(url)
+    try:
+        import fsspec
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        raise DataError(f"{url}: reading {url.split('://')[0]}:// needs {e.name} (pip install 'jaxtrain[cloud]')") \
+            from None
+
+
+def retried(what: str, fn, *args, seconds: float | None = None):
+    """fn(*args), retried while it fails transiently; DataError naming `what` when it fails for good."""
+    seconds = RETRY_SECONDS if seconds is None else seconds
+    deadline = time.monotonic() + seconds
+    wait = FIRST_WAIT
+    while True:
+        try:
+            return fn(*args)
+        except _PERMANENT as e:
+            raise DataError(f"{what}: {_reason(e)}") from None
+        except Exception as e:  # noqa: BLE001 - connection errors come in each client's own types
+            if time.monotonic() + wait > deadline:
+                raise DataError(f"{what}: {_reason(e)} (gave up after {seconds:g}s of retries)") from None
+            print(f"storage: {what}: {_reason(e)}; retrying in {wait:.1f}s", file=sys.stderr, flush=True)
+            time.sleep(wait * random.uniform(0.8, 1.2))
+            wait = min(2 * wait, MAX_WAIT)
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+
+def exists(path) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, p = _fs(str(path))
+    return retried(str(path), fs.exists, p)
+
+
+def size(path) -> int:
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, p = _fs(str(path))
+    return int(retried(str(path), fs.size, p))
+
+
+def read_bytes(path, start: int | None = None, end: int | None = None) -> bytes:
+    """The object's bytes [start, end) (the whole object by default)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            f.seek(start or 0)
+            return f.read() if end is None else f.read(end - (start or 0))
+    fs, p = _fs(str(path))
+    if start is None and end is None:
+        return retried(str(path), fs.cat_file, p)
+    return retried(str(path), fs.cat_file, p, start, end)
+
+
+def load_npy(path, mmap: bool = False):
+    """A .npy file: memory-mapped if local and `mmap`, else (a URL) an array-like that reads only the slices
+    asked for, one range request each."""
+    if not is_url(path):
+        return np.load(path, mmap_mode="r" if mmap else None)
+    if not mmap:
+        return np.load(io.BytesIO(read_bytes(path)))
+    return RemoteNpy(str(path))
+
+
+class RemoteNpy:
+    """A 1-D .npy object read by slices: `shape`, `dtype`, `len()` and `a[i:j]` (the only indexing the lengths
+    index needs)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        head = read_bytes(path, 0, 4096)
+        if head[:6] != b"\x93NUMPY":
+            raise ValueError("not a .npy file")
+        major = head[6]
+        n = 8 + (2 if major == 1 else 4)
+        header_len = int.from_bytes(head[8:n], "little")
+        header = ast.literal_eval(head[n:n + header_len].decode("latin1"))
+        if header["fortran_order"] or len(header["shape"]) != 1:
+            raise ValueError("expected a 1-D array")
+        self.dtype, self.shape, self._offset = np.dtype(header["descr"]), tuple(header["shape"]), n + header_len
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # the whole array, one request
+        return self[:].astype(dtype or self.dtype)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("only contiguous slices")
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        w = self.dtype.itemsize
+        data = read_bytes(self.path, self._offset + start * w, self._offset + stop * w)
+        return np.frombuffer(data, self.dtype)
+
+
+def local_copy(path, into: str) -> str:
+    """A local file with `path`'s bytes (the file itself if local), for readers that take only a file name."""
+    if not is_url(path):
+        return str(path)
+    os.makedirs(into, exist_ok=True)
+    local = os.path.join(into, os.path.basename(str(path)))
+    with open(local + ".tmp", "wb") as f:
+        f.write(read_bytes(path))
+    os.replace(local + ".tmp", local)
+    return local
+
+
+# -- writing ------------------------------------------------------------------------------------------------------
+
+
+def upload_dir(local_dir: str, url: str, last: str | None = None, print_fn=print) -> None:
+    """Copies every file under local_dir to url/ (same relative names), `last` (a relative name) after all the
+    others, so a reader never sees it before what it refers to. Each file is retried as a whole."""
+    fs, root = _fs(url)
+    names = sorted(os.path.relpath(os.path.join(d, f), local_dir)
+                   for d, _, fs_names in os.walk(local_dir) for f in fs_names)
+    if last in names:
+        names.remove(last)
+        names.append(last)
+    total = sum(os.path.getsize(os.path.join(local_dir, n)) for n in names)
+    start, done = time.perf_counter(), 0
+    for i, name in enumerate(names):
+        target = f"{root.rstrip('/')}/{name}"
+        retried(f"{url.rstrip('/')}/{name}", fs.put_file, os.path.join(local_dir, name), target)
+        done += os.path.getsize(os.path.join(local_dir, name))
+        with contextlib.suppress(ZeroDivisionError):
+            rate = done / 1e6 / (time.perf_counter() - start)
+            print_fn(f"upload: {i + 1}/{len(names)} files, {done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.1f} MB/s "
+                     f"-> {url}", flush=True)
