@@ -41,12 +41,15 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 
 _FORMAT = 1
 WRITE_ERROR_POLICIES = ("stop", "continue")
-# The config's `checkpoint` group. Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest
-# `keep` plus every `keep_period`-th step (0 = none). `local_dir` (optional) is a faster disk saved every
-# `local_every_steps`; restore takes the newest verified copy in either. `on_write_error`: "stop" (exit 4) or
-# "continue" (warn; the next save tries again). A good checkpoint is never deleted.
-CONFIG = dict(every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
+# The config's `checkpoint` group. `dir`: where the checkpoints live ("" = <workdir>/checkpoints; a local path or
+# gs://). Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest `keep` plus every
+# `keep_period`-th step (0 = none). `local_dir` (optional) is a faster disk saved every `local_every_steps`;
+# restore takes the newest verified copy in either. `on_write_error`: "stop" (exit 4) or "continue" (warn; the
+# next save tries again). A good checkpoint is never deleted.
+CONFIG = dict(dir="", every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
               local_keep=2, on_write_error="stop")
+# Orbax writes arrays through tensorstore's file and gcs drivers only (0.12: an s3:// path fails deep in a save).
+URL_SCHEMES = ("gs://",)
 
 
 def check_config(c) -> None:
@@ -58,8 +61,13 @@ def check_config(c) -> None:
     g.positive_int("keep_period", allow_zero=True)
     g.positive_int("local_every_steps", allow_zero=True)
     g.positive_int("local_keep")
-    if not isinstance(c.local_dir, str):
-        raise ConfigError("checkpoint.local_dir", f"must be a path or empty, got {c.local_dir!r}")
+    for name in ("dir", "local_dir"):
+        value = c[name]
+        if not isinstance(value, str):
+            raise ConfigError(f"checkpoint.{name}", f"must be a path or empty, got {value!r}")
+        if "://" in value and not value.startswith(URL_SCHEMES):
+            raise ConfigError(f"checkpoint.{name}", f"{value}: Orbax writes checkpoints to a local path or "
+                              f"{' '.join(URL_SCHEMES)} only")
     if bool(c.local_dir) != bool(c.local_every_steps):
         raise ConfigError("checkpoint.local_every_steps", "set both checkpoint.local_dir and "
                           "checkpoint.local_every_steps, or neither")
@@ -162,12 +170,17 @@ def _canonical_json(data) -> str:
 # ===== One checkpoint directory =====================================================================================
 
 
-def check_paths(directory, local_directory: str | None = None) -> None:
+def directory(c, workdir) -> str:
+    """The checkpoint directory of the config's `checkpoint` group `c` for `workdir`."""
+    return c.dir or os.path.join(str(workdir), "checkpoints")
+
+
+def check_paths(directory, local_directory: str | None = None, field: str = "workdir") -> None:
     """ConfigError unless both can be checkpoint directories, and different ones; a run checks this before its
     workdir exists, rather than fail its first save after training started."""
     problem = files.dir_problem(directory) if "://" not in str(directory) else None
     if problem:
-        raise ConfigError("workdir", f"checkpoints: {problem}")
+        raise ConfigError(field, f"checkpoints: {problem}" if field == "workdir" else problem)
     if local_directory:
         local = str(local_directory)
         if "://" not in local and (problem := files.dir_problem(local)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from jaxtrain import checkpoint, faults, files, hooks, optim
+from jaxtrain import checkpoint, faults, hooks, optim
 from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
@@ -64,8 +64,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
         raise ConfigError(unknown[0], "unknown key (not in jaxtrain.config.base_config)")
     if not isinstance(cfg.workdir, str) or not cfg.workdir.strip():
         raise ConfigError("workdir", "must be a non-empty path")
-    if "://" in cfg.workdir:  # its logs, locks and config are local files; checkpoint.local_dir may be gs://
-        raise ConfigError("workdir", files.dir_problem(cfg.workdir))
+    if "://" in cfg.workdir:  # its logs, locks and config are local files
+        raise ConfigError("workdir", f"{cfg.workdir}: must be a local path (put the checkpoints in a bucket with "
+                          f"checkpoint.dir=gs://...)")
 
     shape, rules, dcn = mesh.check_config(cfg.mesh, num_devices)
     dp = mesh.data_parallel_size(shape, rules)

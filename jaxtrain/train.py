@@ -11,7 +11,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import errors, faults, host_memory
+from jaxtrain import errors, faults, host_memory, storage
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.data import layout, pipeline, prepare
@@ -74,7 +73,7 @@ def run(config, print_fn=print, writers=()) -> dict:
 
     # ===== Data: prepared (or reused) before the workdir is created ====================================
     ddir = layout.default_dir(config.data)
-    if not layout.prepared_from_sources(ddir):  # a dir made by `prepare --input` is used as it is
+    if not storage.is_url(ddir) and not layout.prepared_from_sources(ddir):  # else used as it is
         prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     tok = layout.load_tokenizer(ddir)  # exit 2 if it is not the shards' tokenizer
     if tok.vocab_size > config.model.vocab_size:
@@ -85,7 +84,8 @@ def run(config, print_fn=print, writers=()) -> dict:
     pipeline.check_objective(ddir, train_cfg.objective, config.data.mixture, config.eval.sets)
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, ddir)
-    ckpt_lib.check_paths(Path(config.workdir) / "checkpoints", config.checkpoint.local_dir)
+    ckpt_lib.check_paths(ckpt_lib.directory(config.checkpoint, config.workdir), config.checkpoint.local_dir,
+                         "checkpoint.dir" if config.checkpoint.dir else "workdir")
 
     # ===== Workdir: one run at a time (jaxtrain/workdir.py); a finished run is left exactly as it is =======
     with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:

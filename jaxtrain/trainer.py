@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
+from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as ckpt_lib
@@ -178,7 +179,7 @@ def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None)
 def make_checkpointer(config, workdir: Path, print_fn=print, run_id: str | None = None) -> ckpt_lib.Checkpointer:
     c = config.checkpoint
     order = pipeline_parallel.layer_order(config.model.n_layers, config.pipeline.stages, config.pipeline.repeats)
-    return ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep, keep_period=c.keep_period,
+    return ckpt_lib.Checkpointer(ckpt_lib.directory(c, workdir), keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
                                  local_keep=c.local_keep, log=print_fn, layer_order=order, run_id=run_id,
@@ -206,7 +207,7 @@ def restore_params(workdir, step: int | None = None, devices=None):
     (default: the first device), their stacked layers in the model's order. Raises CheckpointError if there is
     none."""
     config = load_config(workdir)
-    ckpt_dir = Path(workdir) / "checkpoints"
+    ckpt_dir = epath.Path(ckpt_lib.directory(config.checkpoint, workdir))
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):  # before Orbax starts
         raise CheckpointError(f"no checkpoint in {ckpt_dir}")
     devices = devices or jax.devices()[:1]
@@ -221,7 +222,7 @@ def restore_params(workdir, step: int | None = None, devices=None):
         if step is None:
             restored = checkpointer.restore_latest(trainer.abstract_state)
             if restored is None:
-                raise CheckpointError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+                raise CheckpointError(f"no checkpoint in {ckpt_dir}")
             step, state, _ = restored
         else:
             state, _ = checkpointer.restore(step, trainer.abstract_state)

@@ -25,10 +25,12 @@ import sys
 import tempfile
 import time
 
+from pathlib import Path
+
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtrain import files
+from jaxtrain import files, storage
 from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
@@ -408,10 +410,37 @@ def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
 
 
 def _local_output(data_dir: str) -> str:
-    """The absolute path of a local output dir; ConfigError for a URL (pathlib would make it a local "gs:")."""
+    """The absolute path of a local output dir; ConfigError for a URL (pathlib would make it a local "gs:"): a
+    bucket's data is prepared in a local staging dir, then `publish`ed."""
     if problem := files.dir_problem(data_dir) if "://" in str(data_dir) else None:
         raise ConfigError("--output", problem)
     return os.path.abspath(data_dir)
+
+
+# --- Into a bucket: prepared locally, then uploaded, the manifest last ----------------------------------
+
+
+def staging_dir(url: str) -> str:
+    """Where data for the bucket dir `url` is prepared (and resumed) before `publish` uploads it."""
+    return str(Path.home() / ".cache" / "jaxtrain" / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16])
+
+
+def publish(local_dir: str, url: str, print_fn=print) -> dict:
+    """Uploads the prepared local_dir to the bucket dir `url` (gs:// or s3://), its manifest last, so a reader
+    never sees a manifest before its shards; returns the manifest. The same data already there is left as it
+    is; other data (another manifest) is refused (DataError), never overwritten."""
+    storage.check_url(url, "--output")
+    manifest = layout.load_manifest(local_dir)
+    remote = os.path.join(url, layout.MANIFEST)
+    if storage.exists(remote):
+        there = json.loads(storage.read_bytes(remote))
+        if (there.get("splits"), there.get("tokenizer")) == (manifest["splits"], manifest["tokenizer"]):
+            print_fn(f"prepare: {url} already holds this data", flush=True)
+            return manifest
+        raise DataError(f"{remote}: {url} holds other prepared data; refusing to overwrite it (give another "
+                        f"--output, or delete it first)")
+    storage.upload_dir(local_dir, url, last=layout.MANIFEST, print_fn=print_fn)
+    return manifest
 
 
 @contextlib.contextmanager

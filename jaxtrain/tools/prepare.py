@@ -6,17 +6,22 @@ Usage:
   jaxtrain prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
   jaxtrain prepare --chat --input chats.jsonl --tokenizer HF_MODEL_DIR --max_len 2048 --output DIR
   jaxtrain prepare --preference --input pairs.jsonl --tokenizer HF_MODEL_DIR --max_len 4096 --output DIR
+  jaxtrain prepare --input 'docs/*.jsonl' --output gs://BUCKET/DIR    # prepared locally, then uploaded
 """
 
 from __future__ import annotations
 
+from jaxtrain import storage
 from jaxtrain.data import prepare, sources
 from jaxtrain.tools import common
 
 
 def _prepare(argv) -> int:
     parser = common.Parser(prog="jaxtrain prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--output", required=True, help="data dir to create, finish or reuse")
+    parser.add_argument("--output", required=True, help="data dir to create, finish or reuse (a local path, gs:// "
+                        "or s3://)")
+    parser.add_argument("--staging", help="with a gs:// or s3:// --output: the local dir it is prepared (and "
+                        "resumed) in before the upload (default: under ~/.cache/jaxtrain/staging)")
     parser.add_argument("--vocab_size", type=int, default=8192, help="of the BPE trained when no --tokenizer is given")
     parser.add_argument("--heldout_docs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
@@ -56,8 +61,12 @@ def _prepare(argv) -> int:
     if not chat and (args.chat_template or args.max_len):
         parser.error("--chat_template and --max_len apply to --chat and --preference data only")
     field = args.field or (sources.RECORD if chat else "text")
+    storage.check_url(args.output, "--output")
+    output = args.staging or prepare.staging_dir(args.output) if storage.is_url(args.output) else args.output
+    if args.staging and output == args.output:
+        parser.error("--staging applies to a gs:// or s3:// --output only")
     if args.input:
-        prepare.prepare_sources(args.output, args.input, fmt=args.format, field=field,
+        prepare.prepare_sources(output, args.input, fmt=args.format, field=field,
                                 text_split=args.text_split, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                 vocab_size=args.vocab_size, heldout_docs=args.heldout_docs, seed=args.seed,
                                 num_shards=args.num_shards, workers=args.workers, split=args.split,
@@ -67,7 +76,9 @@ def _prepare(argv) -> int:
     elif chat:
         parser.error("--chat and --preference need --input")
     else:
-        prepare.prepare_default_corpus(args.output, args.vocab_size, args.heldout_docs, args.seed)
+        prepare.prepare_default_corpus(output, args.vocab_size, args.heldout_docs, args.seed)
+    if output != args.output:
+        prepare.publish(output, args.output)
     return 0
 
 

@@ -206,14 +206,14 @@ def test_bucket_urls_where_a_local_path_is_needed_are_one_line_and_nothing_is_wr
         return subprocess.run([sys.executable, "-m", "jaxtrain", *map(str, args)], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300, check=False)
 
-    assert_one_line(run("prepare", "--output", "gs://bucket/kjv"), 2, "--output", "gs://bucket/kjv", "mount")
-    assert_one_line(run("prepare", "--input", f"{REPO}/README.md", "--format", "txt", "--output", "s3://b/d"), 2,
-                    "--output", "s3://b/d")
+    assert_one_line(run("prepare", "--output", "hdfs://bucket/kjv"), 2, "--output", "hdfs://bucket/kjv", "scheme")
     tiny, data = f"{REPO}/configs/tiny.py", tiny_config().data.dir
     assert_one_line(run("train", "--config", tiny, "--config.workdir=gs://bucket/run", f"--config.data.dir={data}"),
-                    2, "workdir", "gs://bucket/run")
-    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=gs://b/d"),
-                    2, "gs://b/d", "mount")
+                    2, "workdir", "gs://bucket/run", "checkpoint.dir")
+    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=s3://b/d"),
+                    2, "s3://b/d", "mount")
+    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", f"--config.data.dir={data}",
+                        "--config.checkpoint.dir=s3://b/ckpt"), 2, "checkpoint.dir", "s3://b/ckpt")
     assert os.listdir(tmp_path) == []
 
 

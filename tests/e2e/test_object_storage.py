@@ -1,0 +1,156 @@
+"""Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
+training and exact resume from gs:// data with the checkpoints in gs://, reads that outlast an outage, and a
+missing object named in one line."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read when gcsfs is imported
+
+import emulators  # noqa: E402
+from data.test_data_pipeline import tiny_prepared_dir  # noqa: E402
+
+from jaxtrain import storage  # noqa: E402
+from jaxtrain.data import pipeline  # noqa: E402
+from jaxtrain.errors import DataError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gcs")
+    server = emulators.GCS(root)
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    import gcsfs
+    gcsfs.GCSFileSystem.clear_instance_cache()  # an instance keeps the endpoint it was made with
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = emulators.S3()
+    server.start()
+    yield server
+    server.stop()
+
+
+def jaxtrain(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, check=False, env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def bucket_files(fs, root):
+    return {p[len(root) + 1:]: fs.cat_file(p) for p in fs.find(root)}
+
+
+def local_files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in Path(root).rglob("*") if p.is_file()}
+
+
+def losses(workdir):
+    rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_prepare_into_buckets_then_train_and_resume_from_gcs_with_checkpoints_there(gcs, s3, tiny_data_dir,
+                                                                                    tmp_path):
+    import gcsfs
+    import s3fs
+
+    # prepare: the (already prepared) staging dir is uploaded as it is, manifest last; a rerun finds it there.
+    prepare = ["prepare", "--output", None, "--vocab_size", 512, "--staging", tiny_data_dir]
+    for url, env, fs in [("gs://bucket/kjv", gcs.env(), gcsfs.GCSFileSystem()),
+                         ("s3://bucket/kjv", s3.env(), s3fs.S3FileSystem(endpoint_url=s3.url, key="test",
+                                                                           secret="test"))]:
+        prepare[2] = url
+        first = jaxtrain(*prepare, env=env)
+        assert first.returncode == 0, first.stderr[-2000:]
+        assert bucket_files(fs, "bucket/kjv") == local_files(tiny_data_dir)
+        again = jaxtrain(*prepare, env=env)
+        assert again.returncode == 0 and "already holds this data" in again.stdout, again.stderr[-2000:]
+
+    # The same run, all local and from the bucket (stopped at step 3, resumed): the same losses, and the bucket
+    # run's checkpoints are in the bucket, not its workdir.
+    run = ["train", "--config", REPO / "configs/tiny.py", "--config.train.steps=6", "--config.checkpoint.every_steps=3",
+           "--config.eval.every_steps=3"]
+    local = jaxtrain(*run, f"--config.workdir={tmp_path / 'local'}", f"--config.data.dir={tiny_data_dir}")
+    assert local.returncode == 0, local.stderr[-2000:]
+    remote = [*run, f"--config.workdir={tmp_path / 'remote'}", "--config.data.dir=gs://bucket/kjv",
+              "--config.checkpoint.dir=gs://bucket/ckpt"]
+    stopped = jaxtrain(*remote, "--config.train.stop_at=3", env=gcs.env())
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    resumed = jaxtrain(*remote, env=gcs.env())
+    assert resumed.returncode == 0 and "resumed from checkpoint at step 3" in resumed.stdout, resumed.stderr[-2000:]
+    assert losses(tmp_path / "remote") == losses(tmp_path / "local") and len(losses(tmp_path / "local")) == 6
+    fs = gcsfs.GCSFileSystem()
+    assert {p.rsplit("/", 1)[-1] for p in fs.ls("bucket/ckpt")} >= {"3", "6"}
+    assert not (tmp_path / "remote" / "checkpoints").exists()
+
+
+def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 100, rng.integers(2, 9)).tolist() for _ in range(300)]
+    local = tiny_prepared_dir(tmp_path / "d", docs, block_records=4, shards=3)
+    storage.upload_dir(local, "gs://bucket/reads/d", last="manifest.json")
+    want = pipeline.PackedStream(local, "train", seed=3)
+    got = pipeline.PackedStream("gs://bucket/reads/d", "train", seed=3)
+    rows = range(0, 1500, 37)
+    for i in rows[:5]:
+        assert all((want.row(i, 16)[k] == got.row(i, 16)[k]).all() for k in ("tokens", "segment_ids"))
+    got.records.close()
+
+    gcs.stop()  # the emulator is down for ~3 s, as the next rows read new windows: they wait and go on
+    threading.Timer(3, gcs.start).start()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(gcs.url, timeout=1)
+    for i in rows[5:]:
+        assert all((want.row(i, 16)[k] == got.row(i, 16)[k]).all() for k in ("tokens", "segment_ids"))
+
+    with pytest.raises(DataError, match="gs://bucket/reads/d/nothing.npy: FileNotFoundError"):
+        storage.read_bytes("gs://bucket/reads/d/nothing.npy")
+    with pytest.raises(DataError, match=r"gs://bucket/nowhere/manifest.json: missing"):
+        pipeline.PackedStream("gs://bucket/nowhere", "train", seed=0)
+
+
+def test_retries_back_off_until_the_deadline_and_permanent_errors_fail_at_once(monkeypatch):
+    monkeypatch.setattr(storage, "FIRST_WAIT", 0.01)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset by peer")
+        return "ok"
+
+    assert storage.retried("gs://b/x", flaky) == "ok" and len(calls) == 3
+
+    def down():
+        raise TimeoutError("timed out")
+
+    with pytest.raises(DataError, match=r"^gs://b/y: TimeoutError: timed out \(gave up after"):
+        storage.retried("gs://b/y", down, seconds=0.1)
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError("no such object")
+
+    calls.clear()
+    with pytest.raises(DataError, match="^gs://b/z: FileNotFoundError: no such object$"):
+        storage.retried("gs://b/z", missing)
+    assert len(calls) == 1
