@@ -436,3 +436,11 @@ def test_real_killed_trial_resumes_from_its_checkpoint(tiny_config, tmp_path):
     assert [a["start_step"] for a in run_json["attempts"]] == [0, 2]
     assert json.loads((sweep_dir / "trial_0000" / "summary.json").read_text())["resumed"] is True
     assert results["best"]["workdir"] == str(sweep_dir / "trial_0000") and results["best"]["steps"] == 4
+
+
+def test_trials_of_a_config_with_a_checkpoint_dir_each_get_their_own(tiny_config, tmp_path):
+    base = tiny_config(**{"checkpoint.dir": "gs://bucket/ckpt/"})
+    a = sweep_spec.trial_config(base, {"optim.lr": 1e-3}, tmp_path / "trial_0000")
+    b = sweep_spec.trial_config(base, {"optim.lr": 2e-3}, tmp_path / "trial_0001")
+    assert (a.checkpoint.dir, b.checkpoint.dir) == ("gs://bucket/ckpt/trial_0000", "gs://bucket/ckpt/trial_0001")
+    assert base.checkpoint.dir == "gs://bucket/ckpt/" and tiny_config().checkpoint.dir == ""

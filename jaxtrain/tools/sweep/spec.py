@@ -277,6 +277,8 @@ def trial_config(base, params: dict, workdir):
             node = node[g]
         node[leaf] = value
     config.workdir = str(workdir)
+    if config.checkpoint.dir:  # trials share the config's checkpoint.dir: each its own dir under it
+        config.checkpoint.dir = f"{config.checkpoint.dir.rstrip('/')}/{os.path.basename(str(workdir))}"
     config.distributed.auto = False  # a trial is one process, even inside a SLURM/K8s allocation
     return config
 
