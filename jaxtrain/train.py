@@ -83,7 +83,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     pipeline.check_conversations_fit(ddir, train_cfg.seq_len)
     pipeline.check_objective(ddir, train_cfg.objective, config.data.mixture, config.eval.sets)
     if config.model.init_from:
-        hf.check_tokenizer(config.model.init_from, ddir)
+        hf.check_tokenizer(config.model.init_from, layout.local_tokenizer_dir(ddir) if storage.is_url(ddir) else ddir)
     ckpt_lib.check_paths(ckpt_lib.directory(config.checkpoint, config.workdir), config.checkpoint.local_dir,
                          "checkpoint.dir" if config.checkpoint.dir else "workdir")
 
