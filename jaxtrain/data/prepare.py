@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-
 from pathlib import Path
 
 import numpy as np
