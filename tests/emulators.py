@@ -46,14 +46,15 @@ class _Server:
 
 
 class GCS(_Server):
-    """gs://<bucket> served from `root` (a directory, kept across stop/start)."""
+    """gs://<bucket> served from `root` (a directory, kept across stop/start), or from memory if root is None."""
 
-    def __init__(self, root, bucket: str = "bucket"):
+    def __init__(self, root=None, bucket: str = "bucket"):
         self.bucket = bucket
         code = ("import sys; from gcp_storage_emulator.server import create_server; "
-                "s = create_server('127.0.0.1', int(sys.argv[1]), in_memory=False, default_bucket=sys.argv[2], "
-                "data_dir=sys.argv[3]); s.start(); import time\nwhile True: time.sleep(3600)")
-        super().__init__(lambda port: [sys.executable, "-c", code, str(port), bucket, str(root)],
+                "s = create_server('127.0.0.1', int(sys.argv[1]), in_memory=sys.argv[3] == '', "
+                "default_bucket=sys.argv[2], data_dir=sys.argv[3] or None); s.start(); import time\n"
+                "while True: time.sleep(3600)")
+        super().__init__(lambda port: [sys.executable, "-c", code, str(port), bucket, str(root or "")],
                          f"/storage/v1/b/{bucket}")
 
     def env(self) -> dict:
