@@ -1,7 +1,7 @@
 """Input pipeline against the train step, and `prepare` throughput on the larger offline corpus.
 
     python scripts/bench_data.py [--config configs/bench_cpu.py] [--batches 200] [--steps 5] [--run_steps 12]
-                                 [--parts pipeline,prepare,bucket] [--workers 1,2]
+                                 [--parts pipeline,prepare,bucket] [--workers 1,2] [--beam '--direct_num_workers=2']
 
 Measures, in one run on this machine:
   1. the pipeline alone: tokens/s of `train_iterator` (packing, reading, prefetch thread), after warm-up;
@@ -36,6 +36,8 @@ _RUN_STEPS = flags.DEFINE_integer("run_steps", 12, "Steps of the real run measur
 _PARTS = flags.DEFINE_list("parts", ["pipeline", "prepare"], "What to measure: pipeline, prepare, bucket.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "2"], "Worker process counts for the prepare measurement.")
 _SHARDS = flags.DEFINE_integer("shards", 8, "Train shards of the prepare measurement.")
+_BEAM = flags.DEFINE_string("beam", "", "Also prepare on Beam's DirectRunner with these pipeline options, e.g. "
+                            "'--direct_num_workers=2 --direct_running_mode=multi_processing' ('' = skip).")
 
 
 def write_benchmark_corpus(directory: Path) -> list[str]:
@@ -75,6 +77,12 @@ def measure_prepare(vocab_size: int) -> dict:
             t = time.perf_counter()
             prepare.prepare_sources(str(tmp / f"w{w}"), inputs, tokenizer=tok_file, workers=w, **kw)
             out[f"prepare_mb_per_s_{w}_workers"] = mb / (time.perf_counter() - t)
+        if _BEAM.value:  # the same shard jobs on Apache Beam's DirectRunner (.[beam]), same bytes
+            t = time.perf_counter()
+            prepare.prepare_sources(str(tmp / "beam"), inputs, tokenizer=tok_file, runner="DirectRunner",
+                                    beam_options=_BEAM.value, **kw)
+            out["prepare_mb_per_s_beam_direct"] = mb / (time.perf_counter() - t)
+            out["beam_options"] = _BEAM.value
         t = time.perf_counter()
         prepare.prepare_sources(str(tmp / "trained"), inputs, vocab_size=vocab_size, workers=max(map(int, _WORKERS.value)), **kw)
         out["prepare_with_bpe_training_mb_per_s"] = mb / (time.perf_counter() - t)
@@ -102,6 +110,8 @@ def main(argv):
         ref = result["tokenizer_only_mb_per_s"]
         rates = " | ".join(f"{w} worker(s) {result[f'prepare_mb_per_s_{w}_workers']:.2f} MB/s "
                            f"({result[f'prepare_mb_per_s_{w}_workers'] / ref:.2f}x)" for w in _WORKERS.value)
+        if "prepare_mb_per_s_beam_direct" in result:
+            rates += f" | Beam DirectRunner ({_BEAM.value}) {result['prepare_mb_per_s_beam_direct']:.2f} MB/s"
         print(f"prepare {result['corpus_mb']:.1f} MB ({result['corpus_docs']:,} docs), given tokenizer: {rates} "
               f"| with BPE training {result['prepare_with_bpe_training_mb_per_s']:.2f} MB/s | reference: bare "
               f"tokenizer {ref:.2f} MB/s", file=sys.stderr)

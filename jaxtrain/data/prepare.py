@@ -30,6 +30,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtrain import files, storage
+from jaxtrain.data import beam_runner
 from jaxtrain.data import chat as chat_lib
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
@@ -517,6 +518,8 @@ def prepare_sources(
     truncate: str = "left",
     preference: bool = False,
     max_bad_fraction: float = MAX_BAD_FRACTION,
+    runner: str | None = None,
+    beam_options: str = "",
     print_fn=print,
 ) -> dict:
     """Prepares (or reuses, or finishes) data_dir from files and datasets (see sources.py); returns the
@@ -527,9 +530,12 @@ def prepare_sources(
     pairs {"prompt", "chosen", "rejected"} for DPO, as chat data (implies `chat`), stored chosen then rejected.
     `max_bad_fraction`: JSONL lines that are not JSON objects are skipped and counted up to this fraction of all
     records read; past it DataError (the finished shards are kept, so a rerun with a higher limit resumes). 0
-    raises on the first one."""
+    raises on the first one. `runner`: build the shards on this Apache Beam runner instead of `workers`
+    processes (beam_runner.py; the same bytes), with `beam_options` ("--flag=value ...")."""
     if tokenizer and not os.path.exists(tokenizer):
         raise DataError(f"{tokenizer}: tokenizer not found")
+    if runner:
+        beam_runner.pipeline(runner, beam_options)  # a bad runner or option fails now, not after the tokenizer
     chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate, preference) if chat or preference \
         else None
     if heldout_docs < 1:
@@ -574,7 +580,7 @@ def prepare_sources(
         try:
             manifest = _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token,
                                              text_split, num_shards, heldout_docs, seed, vocab_size, workers,
-                                             print_fn, chat_settings, max_bad_fraction)
+                                             print_fn, chat_settings, max_bad_fraction, runner, beam_options)
         except TooManyMalformed:
             raise  # the shards are good: a rerun with a higher limit finishes from them
         except (DataError, SourceError, TokenizerError):
@@ -606,7 +612,7 @@ def prepare_sources(
 
 def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token, text_split,
                           num_shards, heldout_docs, seed, vocab_size, workers, print_fn, chat=None,
-                          max_bad_fraction=MAX_BAD_FRACTION) -> dict:
+                          max_bad_fraction=MAX_BAD_FRACTION, runner=None, beam_options="") -> dict:
     """Tokenizes `srcs` into the work dir, then renames it to data_dir; returns the manifest."""
     plans = plan_shards(srcs, text_split, num_shards, heldout_docs)
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
@@ -615,7 +621,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         with open(os.path.join(work, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
             f.write(chat["template"])
     records = _build_shards(work, srcs, plans, text_split, seed, tok_file, tok.hf_dir is not None, eos_token, dtype,
-                            workers, print_fn, chat)
+                            workers, print_fn, chat, runner, beam_options)
 
     # Shards counted on private copies of the sources (see _shard_documents): their sums go on srcs.
     for r in records:
@@ -759,8 +765,9 @@ def _tokenizer_into(work, tok, given, srcs, plans, text_split, seed, vocab_size)
 
 
 def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_token, dtype, workers,
-                  print_fn, chat=None) -> list[dict]:
-    """Builds every shard not already finished in `work`, in parallel worker processes, with a progress line."""
+                  print_fn, chat=None, runner=None, beam_options="") -> list[dict]:
+    """Builds every shard not already finished in `work`, in parallel worker processes (or on Beam's `runner`),
+    with a progress line."""
     tok_sha = files.file_hash(os.path.join(work, tok_file))
     jobs, records = [], {}
     for plan in plans:
@@ -790,7 +797,14 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_to
                      f"| {rate / 1e6:.1f} MB/s | ETA {int(eta) // 60}m{int(eta) % 60:02d}s", file=sys.stderr)
 
     workers = min(workers or len(os.sched_getaffinity(0)), len(jobs))  # the CPUs this process may use
-    if workers <= 1:
+    if runner and jobs:
+        print_fn(f"prepare: {len(jobs)} shards on Apache Beam's {runner}", file=sys.stderr)
+        beam_runner.run(jobs, _build_shard, runner, beam_options)
+        for job in jobs:  # each worker left its shard's record in the work dir
+            if (record := _finished_shard(work, job["plan"], job["key"])) is None:
+                raise DataError(f"{work}: the Beam pipeline finished without shard {job['plan'].index}")
+            progress(record)
+    elif workers <= 1:
         for job in jobs:
             progress(_build_shard(job))
     else:

@@ -7,6 +7,7 @@ Usage:
   jaxtrain prepare --chat --input chats.jsonl --tokenizer HF_MODEL_DIR --max_len 2048 --output DIR
   jaxtrain prepare --preference --input pairs.jsonl --tokenizer HF_MODEL_DIR --max_len 4096 --output DIR
   jaxtrain prepare --input 'docs/*.jsonl' --output gs://BUCKET/DIR    # prepared locally, then uploaded
+  jaxtrain prepare --input 'docs/*.jsonl' --output DIR --runner DirectRunner   # the shards on Apache Beam
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _prepare(argv) -> int:
     parser.add_argument("--max_bad_fraction", type=float, default=prepare.MAX_BAD_FRACTION,
                         help="JSONL lines that are not JSON objects are skipped and counted, the first few named on "
                         "stderr; past this fraction of all records prepare exits 2 (0: at the first one)")
+    parser.add_argument("--runner", help="build the shards on this Apache Beam runner (DirectRunner, FlinkRunner, "
+                        "SparkRunner, ...) instead of --workers processes: the same bytes; the inputs and the work "
+                        "dir must be paths every Beam worker sees (pip install 'jaxtrain[beam]')")
+    parser.add_argument("--beam_options", default="", help="with --runner: more Beam pipeline options, e.g. "
+                        "'--flink_master=host:8081 --parallelism=64'")
     parser.add_argument("--truncate", choices=prepare.TRUNCATE, default="left",
                         help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
@@ -72,9 +78,12 @@ def _prepare(argv) -> int:
                                 num_shards=args.num_shards, workers=args.workers, split=args.split,
                                 tfds_data_dir=args.tfds_data_dir, chat=args.chat,
                                 chat_template=args.chat_template, max_len=args.max_len, truncate=args.truncate,
-                                preference=args.preference, max_bad_fraction=args.max_bad_fraction)
+                                preference=args.preference, max_bad_fraction=args.max_bad_fraction,
+                                runner=args.runner, beam_options=args.beam_options)
     elif chat:
         parser.error("--chat and --preference need --input")
+    elif args.runner:
+        parser.error("--runner applies to --input data")
     else:
         prepare.prepare_default_corpus(output, args.vocab_size, args.heldout_docs, args.seed)
     if output != args.output:

@@ -87,8 +87,10 @@ def test_parallel_equals_serial(tmp_path, corpus, monkeypatch):
     inputs, expected = corpus
     assert run(tmp_path / "serial", "--input", *inputs, "--num_shards", "4", "--workers", "1", heldout=7) == 0
     assert run(tmp_path / "parallel", "--input", *inputs, "--num_shards", "4", "--workers", "2", heldout=7) == 0
+    # The same shard jobs as an Apache Beam pipeline (DirectRunner, in this process).
+    assert run(tmp_path / "beam", "--input", *inputs, "--num_shards", "4", "--runner", "DirectRunner", heldout=7) == 0
     serial, parallel = digests(tmp_path / "serial"), digests(tmp_path / "parallel")
-    assert serial == parallel  # shards, lengths files, tokenizer.json and the manifest itself
+    assert serial == parallel == digests(tmp_path / "beam")  # shards, indexes, tokenizer.json and the manifest
     # Tokenizing in small batches (bounded memory) changes nothing either.
     monkeypatch.setattr(prepare, "TOKENIZE_BATCH_BYTES", 500)
     assert run(tmp_path / "batched", "--input", *inputs, "--num_shards", "4", "--workers", "1", heldout=7) == 0
