@@ -500,3 +500,11 @@ def test_concurrent_cli_preparers(tmp_path):
     assert decoded(out) == collections.Counter(make_docs(200, seed=9))
     assert run(tmp_path / "ref", "--input", str(f), "--num_shards", "3", "--workers", "1") == 0
     assert digests(out) == digests(tmp_path / "ref")
+
+
+def test_an_unknown_beam_runner_exits_2_before_any_work(tmp_path, capsys):
+    inputs = [str(write_jsonl(tmp_path / "a.jsonl", make_docs(20)))]
+    assert run(tmp_path / "out", "--input", *inputs, "--runner", "NoSuchRunner") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--runner NoSuchRunner" in err[0] and "Unexpected pipeline runner" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
