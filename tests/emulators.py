@@ -50,11 +50,8 @@ class GCS(_Server):
 
     def __init__(self, root=None, bucket: str = "bucket"):
         self.bucket = bucket
-        code = ("import sys; from gcp_storage_emulator.server import create_server; "
-                "s = create_server('127.0.0.1', int(sys.argv[1]), in_memory=sys.argv[3] == '', "
-                "default_bucket=sys.argv[2], data_dir=sys.argv[3] or None); s.start(); import time\n"
-                "while True: time.sleep(3600)")
-        super().__init__(lambda port: [sys.executable, "-c", code, str(port), bucket, str(root or "")],
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator_server.py")
+        super().__init__(lambda port: [sys.executable, script, str(port), bucket, *([str(root)] if root else [])],
                          f"/storage/v1/b/{bucket}")
 
     def env(self) -> dict:
