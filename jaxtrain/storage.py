@@ -3,15 +3,18 @@
 A local path passes straight through to the file system. A URL goes through fsspec (gcsfs, s3fs: `pip install
 'jaxtrain[cloud]'`; credentials and endpoints are theirs: GOOGLE_APPLICATION_CREDENTIALS, AWS_* and, for an
 emulator, STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL). A transient failure (no connection, a timeout, a 5xx or 429)
-is retried with exponential backoff for up to RETRY_SECONDS; a permanent one (no such object, access denied), or
-a transient one that outlasts the retries, raises DataError naming the object. ArrayRecord shards on gs:// are
-read by ArrayRecord's own GCS client (range reads, with its own retries); everything else here.
+is retried with exponential backoff for up to RETRY_SECONDS; a permanent one (no such object, access denied, no
+credentials), or a transient one that outlasts the retries, raises DataError naming the object. ArrayRecord
+shards on gs:// are read by ArrayRecord's own GCS client (range reads, with its own retries); everything else,
+s3:// shards included (records.py), here.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
+import hashlib
 import io
 import os
 import random
@@ -61,6 +64,8 @@ def retried(what: str, fn, *args, seconds: float | None = None):
         except _PERMANENT as e:
             raise DataError(f"{what}: {_reason(e)}") from None
         except Exception as e:  # noqa: BLE001 - connection errors come in each client's own types
+            if "Credentials" in type(e).__name__ or type(e).__name__.endswith("ValidationError"):  # no retry helps
+                raise DataError(f"{what}: {_reason(e)}") from None
             if time.monotonic() + wait > deadline:
                 raise DataError(f"{what}: {_reason(e)} (gave up after {seconds:g}s of retries)") from None
             print(f"storage: {what}: {_reason(e)}; retrying in {wait:.1f}s", file=sys.stderr, flush=True)
@@ -99,7 +104,12 @@ def read_bytes(path, start: int | None = None, end: int | None = None) -> bytes:
     fs, p = _fs(str(path))
     if start is None and end is None:
         return retried(str(path), fs.cat_file, p)
-    return retried(str(path), fs.cat_file, p, start, end)
+    return retried(str(path), functools.partial(fs.cat_file, p, start=start, end=end))  # s3fs: 2nd arg is a version
+
+
+def sha256(path) -> str:
+    """The object's sha256 hex (read whole: for small files)."""
+    return hashlib.sha256(read_bytes(path)).hexdigest()
 
 
 def load_npy(path, mmap: bool = False):

@@ -27,6 +27,7 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_SPM = "tokenizer.model"
 LENGTHS_SUFFIX = ".lengths.npy"
 BLOCKS_SUFFIX = ".blocks.npy"
+OFFSETS_SUFFIX = ".offsets.npy"  # byte offset of each block in the shard (chunks.py): range reads from s3://
 BLOCK_RECORDS = 1024  # records per block of the block index and of the shuffle (even: pairs never straddle)
 CHUNK_RECORDS = 16  # records per ArrayRecord chunk (group_size); divides BLOCK_RECORDS
 
@@ -47,9 +48,7 @@ def load_manifest(data_dir: str) -> dict:
     """The data dir's manifest (a local dir, or gs:// read in place); DataError naming what is wrong."""
     path = os.path.join(data_dir, MANIFEST)
     if storage.is_url(data_dir):
-        if not str(data_dir).startswith("gs://"):  # ArrayRecord's reader opens local files and gs:// objects
-            raise DataError(f"{data_dir}: prepared data is read from a local path or gs://; mount other buckets "
-                            f"(e.g. mountpoint-s3) and give the mount's path")
+        storage.check_url(data_dir, "data dir")
         if not storage.exists(path):
             raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir; create it with `jaxtrain "
                             f"prepare --output {data_dir}`")
@@ -120,8 +119,13 @@ def local_tokenizer_dir(data_dir: str) -> str:
     names = [MANIFEST, manifest["tokenizer"]["file"]]
     if manifest["tokenizer"].get("hf_dir"):
         names.append(tok_lib.HF_TOKENIZER_CONFIG)
-    local = Path.home() / ".cache" / "jaxtrain" / "remote" / hashlib.sha256(data_dir.encode()).hexdigest()[:16]
+    local = Path(remote_cache(data_dir))
     for name in names:
         if storage.exists(path := os.path.join(data_dir, name)):
             storage.local_copy(path, str(local))
     return str(local)
+
+
+def remote_cache(data_dir: str) -> str:
+    """The local dir for copies of a bucket data dir's files (tokenizer, sparse shards)."""
+    return str(Path.home() / ".cache" / "jaxtrain" / "remote" / hashlib.sha256(data_dir.encode()).hexdigest()[:16])

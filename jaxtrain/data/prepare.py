@@ -32,6 +32,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jaxtrain import files, storage
 from jaxtrain.data import beam_runner
 from jaxtrain.data import chat as chat_lib
+from jaxtrain.data import chunks
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
@@ -250,10 +251,13 @@ def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndar
         np.save(f, lengths)
     with open(path + layout.BLOCKS_SUFFIX, "wb") as f:
         np.save(f, layout.block_tokens(lengths))
+    with open(path + layout.OFFSETS_SUFFIX, "wb") as f:
+        np.save(f, chunks.block_offsets(path, len(token_lists), layout.BLOCK_RECORDS, layout.CHUNK_RECORDS))
     name = os.path.basename(path)
     return {"file": name, "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
             "sha256": files.file_hash(path), "lengths": name + layout.LENGTHS_SUFFIX,
-            "blocks": name + layout.BLOCKS_SUFFIX, "block_records": layout.BLOCK_RECORDS}
+            "blocks": name + layout.BLOCKS_SUFFIX, "offsets": name + layout.OFFSETS_SUFFIX,
+            "block_records": layout.BLOCK_RECORDS}
 
 
 TOKENIZE_BATCH_BYTES = 4 << 20  # text per encode_batch call
@@ -385,7 +389,8 @@ def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
         return None
     for row in filter(None, (record["train"], record["heldout"])):
         path = os.path.join(work, row["file"])
-        if not all(os.path.exists(os.path.join(work, row.get(k, "-"))) for k in ("file", "lengths", "blocks")) or \
+        indexes = ("file", "lengths", "blocks", "offsets")
+        if not all(os.path.exists(os.path.join(work, row.get(k, "-"))) for k in indexes) or \
                 files.file_hash(path) != row["sha256"]:
             return None
     return record

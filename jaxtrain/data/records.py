@@ -5,20 +5,22 @@ footer (`verify`). A shard's ArrayRecord reader opens on first use, and at most 
 least recently used closes), so a host holds the record index of only the shards its rows come from.
 Lengths are memory-mapped from each shard's `.lengths.npy` and checked block by block against the block
 index as they are read. Dirs prepared before the block index existed get it summed from the lengths at
-open; dirs older than the lengths index are measured by reading every record (0.3 s for the KJV).
+open; dirs older than the lengths index are measured by reading every record (0.3 s for the KJV). Shards in
+gs:// are read by ArrayRecord itself; in s3:// through a sparse local copy, a block at a time (_SparseShard).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import os
 import threading
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
-from jaxtrain import files, storage
+from jaxtrain import storage
 from jaxtrain.data import layout
 from jaxtrain.errors import DataError
 
@@ -33,6 +35,12 @@ class Split:
     def __init__(self, data_dir: str, rows: list[dict], dtype: np.dtype, weighted: bool):
         self.data_dir = data_dir
         self.paths = [os.path.join(data_dir, r["file"]) for r in rows]
+        # ArrayRecord reads local files and gs:// itself; any other bucket through a sparse local copy.
+        self.sparse = storage.is_url(data_dir) and not str(data_dir).startswith("gs://")
+        if self.sparse and not all("offsets" in r for r in rows):
+            raise DataError(f"{data_dir}: prepared before shards recorded their block offsets, which reading "
+                            f"from {str(data_dir).split('://')[0]}:// needs; prepare it again, or mount the bucket")
+        self._cache = os.path.join(layout.remote_cache(data_dir), "shards") if self.sparse else None
         self._readers: collections.OrderedDict[int, ArrayRecordReader] = collections.OrderedDict()
         self._lock = threading.Lock()
         # The oldest manifests count no documents: the shard's own footer does.
@@ -67,7 +75,7 @@ class Split:
         hashed = sum(sizes) < HASH_BELOW
 
         def check(s: int) -> None:
-            if hashed and self.rows[s].get("sha256") and files.file_hash(self.paths[s]) != self.rows[s]["sha256"]:
+            if hashed and self.rows[s].get("sha256") and storage.sha256(self.paths[s]) != self.rows[s]["sha256"]:
                 raise RuntimeError("its sha256 differs from the manifest's")
             reader = self._open(s)
             try:
@@ -155,8 +163,12 @@ class Split:
             self._readers[s] = self._open(s)
         return self._readers[s]
 
-    def _open(self, s: int) -> ArrayRecordReader:
-        return ArrayRecordReader(self.paths[s], "readahead_buffer_size:0", file_reader_buffer_size=32768)
+    def _open(self, s: int):
+        if self.sparse:
+            offsets = os.path.join(self.data_dir, self.rows[s]["offsets"])
+            local = os.path.join(self._cache, f"{self.rows[s]['file']}.{os.getpid()}")  # Grain workers: one each
+            return _SparseShard(self.paths[s], offsets, local, self.block_size)
+        return _local_reader(self.paths[s])
 
     def read(self, records) -> list[bytes]:
         """The raw records, in the order asked. A damaged shard raises RuntimeError (the caller names it)."""
@@ -175,3 +187,53 @@ class Split:
         with self._lock:
             while self._readers:
                 self._readers.popitem()[1].close()
+
+
+def _local_reader(path: str) -> ArrayRecordReader:
+    return ArrayRecordReader(path, "readahead_buffer_size:0", file_reader_buffer_size=32768)
+
+
+class _SparseShard:
+    """A shard in a bucket ArrayRecord cannot read (s3://), read through a local sparse file of its size:
+    its head and footer at open, then each block (chunks.py) the first time one of its records is read, one
+    range request each. Disk holds only the blocks read; close() deletes the file."""
+
+    def __init__(self, url: str, offsets_url: str, local: str, block_records: int):
+        self.url, self.local, self.block_records = url, local, block_records
+        try:
+            self.offsets = np.asarray(storage.load_npy(offsets_url), np.int64)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{offsets_url}: unreadable block offsets ({e}); prepare the data again") from None
+        size = storage.size(url)
+        if len(self.offsets) < 1 or not 0 < self.offsets[0] <= self.offsets[-1] <= size:
+            raise DataError(f"{offsets_url}: does not match {url}; prepare the data again")
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with open(local, "wb") as f:
+            f.truncate(size)
+            f.write(storage.read_bytes(url, 0, int(self.offsets[0])))
+            f.seek(int(self.offsets[-1]))
+            f.write(storage.read_bytes(url, int(self.offsets[-1]), size))
+        self.have = np.zeros(len(self.offsets) - 1, bool)
+        self._reader = _local_reader(local)
+
+    def num_records(self) -> int:
+        return self._reader.num_records()
+
+    def read(self, ids: list[int]) -> list[bytes]:
+        need = np.unique(np.asarray(ids, np.int64) // self.block_records)
+        need = need[~self.have[need]]
+        if len(need):
+            with open(self.local, "r+b") as f:
+                for b in need.tolist():
+                    start, end = int(self.offsets[b]), int(self.offsets[b + 1])
+                    f.seek(start)
+                    f.write(storage.read_bytes(self.url, start, end))
+            self.have[need] = True
+            self._reader.close()  # its buffer may hold the zeros that were there before
+            self._reader = _local_reader(self.local)
+        return self._reader.read(ids)
+
+    def close(self) -> None:
+        self._reader.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.local)

@@ -1,6 +1,6 @@
 """Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
-training and exact resume from gs:// data with the checkpoints in gs://, reads that outlast an outage, and a
-missing object named in one line."""
+training and exact resume from gs:// data with the checkpoints in gs:// and from s3:// data (sparse shard
+copies), reads that outlast an outage, and a missing object named in one line."""
 
 import json
 import os
@@ -113,6 +113,15 @@ def test_prepare_into_buckets_then_train_and_resume_from_gcs_with_checkpoints_th
     assert {p.rsplit("/", 1)[-1] for p in fs.ls("bucket/ckpt")} >= {"3", "6"}
     assert not (tmp_path / "remote" / "checkpoints").exists()
 
+    # From s3://, whose shards are read through sparse local copies (a range request per block): the same.
+    from_s3 = [*run, f"--config.workdir={tmp_path / 's3'}", "--config.data.dir=s3://bucket/kjv"]
+    env = {**s3.env(), "HOME": str(tmp_path / "home")}  # the copies go under ~/.cache/jaxtrain/remote
+    stopped = jaxtrain(*from_s3, "--config.train.stop_at=3", env=env)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    resumed = jaxtrain(*from_s3, env=env)
+    assert resumed.returncode == 0 and "resumed from checkpoint at step 3" in resumed.stdout, resumed.stderr[-2000:]
+    assert losses(tmp_path / "s3") == losses(tmp_path / "local")
+
 
 def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, tmp_path):
     rng = np.random.default_rng(0)
@@ -165,3 +174,32 @@ def test_retries_back_off_until_the_deadline_and_permanent_errors_fail_at_once(m
     with pytest.raises(DataError, match="^gs://b/z: FileNotFoundError: no such object$"):
         storage.retried("gs://b/z", missing)
     assert len(calls) == 1
+
+
+def test_s3_shards_read_through_sparse_copies_match_local_and_old_dirs_are_refused(s3, tmp_path, monkeypatch):
+    from jaxtrain.data import prepare
+
+    for k, v in {**s3.env(), "HOME": str(tmp_path / "home")}.items():
+        monkeypatch.setenv(k, v)
+    rng = np.random.default_rng(1)
+    words = ["in", "the", "beginning", "was", "word", "and", "light", "water", "earth", "day"]
+    (tmp_path / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 12)))}) + "\n" for _ in range(5000)))
+    local = str(tmp_path / "d")
+    prepare.prepare_sources(local, [str(tmp_path / "docs.jsonl")], vocab_size=300, heldout_docs=5, num_shards=2,
+                            workers=1, print_fn=lambda *a, **k: None)
+    storage.upload_dir(local, "s3://bucket/sparse/d", last="manifest.json", print_fn=lambda *a, **k: None)
+    want = pipeline.PackedStream(local, "train", seed=1)
+    got = pipeline.PackedStream("s3://bucket/sparse/d", "train", seed=1)
+    assert got.records.n_records == want.records.n_records > 2 * 1024  # several blocks per shard
+    for i in range(0, 20 * want.epoch_tokens // 7, want.epoch_tokens // 7):  # rows of every window, 3 epochs
+        assert all((want.row(i, 64)[k] == got.row(i, 64)[k]).all() for k in ("tokens", "segment_ids"))
+    assert len(list((tmp_path / "home").rglob("*.array_record.*"))) == 2  # a local copy per open shard
+    got.records.close()
+    assert not list((tmp_path / "home").rglob("*.array_record.*"))
+
+    old = tiny_prepared_dir(tmp_path / "old", [[1, 2, 3]] * 10, block_records=4)  # no block offsets
+    storage.upload_dir(old, "s3://bucket/sparse/old", last="manifest.json", print_fn=lambda *a, **k: None)
+    with pytest.raises(DataError, match="s3://bucket/sparse/old: prepared before shards recorded their block "
+                                        "offsets"):
+        pipeline.PackedStream("s3://bucket/sparse/old", "train", seed=0)
