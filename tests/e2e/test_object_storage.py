@@ -123,24 +123,51 @@ def test_prepare_into_buckets_then_train_and_resume_from_gcs_with_checkpoints_th
     assert losses(tmp_path / "s3") == losses(tmp_path / "local")
 
 
-def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, tmp_path):
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A data dir made by prepare (so with block offsets): 5,000 short documents in 2 shards, 5 blocks."""
+    from jaxtrain.data import prepare
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    rng = np.random.default_rng(1)
+    words = ["in", "the", "beginning", "was", "word", "and", "light", "water", "earth", "day"]
+    (tmp / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 12)))}) + "\n" for _ in range(5000)))
+    prepare.prepare_sources(str(tmp / "d"), [str(tmp / "docs.jsonl")], vocab_size=300, heldout_docs=5,
+                            num_shards=2, workers=1, print_fn=lambda *a, **k: None)
+    return str(tmp / "d")
+
+
+def same_rows(want, got, starts, seq_len=64):
+    for i in starts:
+        a, b = want.row(i, seq_len), got.row(i, seq_len)
+        assert all((a[k] == b[k]).all() for k in ("tokens", "segment_ids")), i
+
+
+def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, prepared, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # A dir from before the block offsets: ArrayRecord's own gs:// reads.
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 100, rng.integers(2, 9)).tolist() for _ in range(300)]
-    local = tiny_prepared_dir(tmp_path / "d", docs, block_records=4, shards=3)
-    storage.upload_dir(local, "gs://bucket/reads/d", last="manifest.json")
-    want = pipeline.PackedStream(local, "train", seed=3)
-    got = pipeline.PackedStream("gs://bucket/reads/d", "train", seed=3)
-    rows = range(0, 1500, 37)
-    for i in rows[:5]:
-        assert all((want.row(i, 16)[k] == got.row(i, 16)[k]).all() for k in ("tokens", "segment_ids"))
-    got.records.close()
+    old = tiny_prepared_dir(tmp_path / "old", docs, block_records=4, shards=3)
+    storage.upload_dir(old, "gs://bucket/reads/old", last="manifest.json", print_fn=lambda *a, **k: None)
+    same_rows(pipeline.PackedStream(old, "train", seed=3), pipeline.PackedStream("gs://bucket/reads/old", "train",
+                                                                                   seed=3), range(0, 1500, 37))
 
-    gcs.stop()  # the emulator is down for ~3 s, as the next rows read new windows: they wait and go on
+    # A prepared dir: sparse copies, a block per request; the emulator goes down for ~3 s as the next rows need
+    # new blocks, and the reads wait it out.
+    storage.upload_dir(prepared, "gs://bucket/reads/d", last="manifest.json", print_fn=lambda *a, **k: None)
+    want = pipeline.PackedStream(prepared, "train", seed=3)
+    got = pipeline.PackedStream("gs://bucket/reads/d", "train", seed=3)
+    assert got.records.sparse and not pipeline.PackedStream("gs://bucket/reads/old", "train", seed=0).records.sparse
+    step = want.epoch_tokens // 7
+    same_rows(want, got, range(0, 3 * step, step))
+    got.records.close()
+    gcs.stop()
     threading.Timer(3, gcs.start).start()
     with pytest.raises(OSError):
         urllib.request.urlopen(gcs.url, timeout=1)
-    for i in rows[5:]:
-        assert all((want.row(i, 16)[k] == got.row(i, 16)[k]).all() for k in ("tokens", "segment_ids"))
+    same_rows(want, got, range(3 * step, 20 * step, step))  # gcsfs's own retries, then ours (storage.retried)
 
     with pytest.raises(DataError, match="gs://bucket/reads/d/nothing.npy: FileNotFoundError"):
         storage.read_bytes("gs://bucket/reads/d/nothing.npy")
@@ -176,24 +203,15 @@ def test_retries_back_off_until_the_deadline_and_permanent_errors_fail_at_once(m
     assert len(calls) == 1
 
 
-def test_s3_shards_read_through_sparse_copies_match_local_and_old_dirs_are_refused(s3, tmp_path, monkeypatch):
-    from jaxtrain.data import prepare
-
+def test_s3_shards_read_through_sparse_copies_match_local_and_old_dirs_are_refused(s3, prepared, tmp_path,
+                                                                                   monkeypatch):
     for k, v in {**s3.env(), "HOME": str(tmp_path / "home")}.items():
         monkeypatch.setenv(k, v)
-    rng = np.random.default_rng(1)
-    words = ["in", "the", "beginning", "was", "word", "and", "light", "water", "earth", "day"]
-    (tmp_path / "docs.jsonl").write_text("".join(
-        json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 12)))}) + "\n" for _ in range(5000)))
-    local = str(tmp_path / "d")
-    prepare.prepare_sources(local, [str(tmp_path / "docs.jsonl")], vocab_size=300, heldout_docs=5, num_shards=2,
-                            workers=1, print_fn=lambda *a, **k: None)
-    storage.upload_dir(local, "s3://bucket/sparse/d", last="manifest.json", print_fn=lambda *a, **k: None)
-    want = pipeline.PackedStream(local, "train", seed=1)
+    storage.upload_dir(prepared, "s3://bucket/sparse/d", last="manifest.json", print_fn=lambda *a, **k: None)
+    want = pipeline.PackedStream(prepared, "train", seed=1)
     got = pipeline.PackedStream("s3://bucket/sparse/d", "train", seed=1)
     assert got.records.n_records == want.records.n_records > 2 * 1024  # several blocks per shard
-    for i in range(0, 20 * want.epoch_tokens // 7, want.epoch_tokens // 7):  # rows of every window, 3 epochs
-        assert all((want.row(i, 64)[k] == got.row(i, 64)[k]).all() for k in ("tokens", "segment_ids"))
+    same_rows(want, got, range(0, 20 * want.epoch_tokens // 7, want.epoch_tokens // 7))  # every window, 3 epochs
     assert len(list((tmp_path / "home").rglob("*.array_record.*"))) == 2  # a local copy per open shard
     got.records.close()
     assert not list((tmp_path / "home").rglob("*.array_record.*"))
