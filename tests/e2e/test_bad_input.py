@@ -210,8 +210,8 @@ def test_bucket_urls_where_a_local_path_is_needed_are_one_line_and_nothing_is_wr
     tiny, data = f"{REPO}/configs/tiny.py", tiny_config().data.dir
     assert_one_line(run("train", "--config", tiny, "--config.workdir=gs://bucket/run", f"--config.data.dir={data}"),
                     2, "workdir", "gs://bucket/run", "checkpoint.dir")
-    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=s3://b/d"),
-                    2, "s3://b/d", "mount")
+    assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=hdfs://b/d"),
+                    2, "hdfs://b/d", "scheme")
     assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", f"--config.data.dir={data}",
                         "--config.checkpoint.dir=s3://b/ckpt"), 2, "checkpoint.dir", "s3://b/ckpt")
     assert os.listdir(tmp_path) == []
