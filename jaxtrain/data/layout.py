@@ -27,7 +27,7 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_SPM = "tokenizer.model"
 LENGTHS_SUFFIX = ".lengths.npy"
 BLOCKS_SUFFIX = ".blocks.npy"
-OFFSETS_SUFFIX = ".offsets.npy"  # byte offset of each block in the shard (chunks.py): range reads from s3://
+OFFSETS_SUFFIX = ".offsets.npy"  # byte offset of each block in the shard (chunks.py): range reads from buckets
 BLOCK_RECORDS = 1024  # records per block of the block index and of the shuffle (even: pairs never straddle)
 CHUNK_RECORDS = 16  # records per ArrayRecord chunk (group_size); divides BLOCK_RECORDS
 
@@ -45,7 +45,7 @@ def block_tokens(lengths: np.ndarray, block_records: int = BLOCK_RECORDS) -> np.
 
 
 def load_manifest(data_dir: str) -> dict:
-    """The data dir's manifest (a local dir, or gs:// read in place); DataError naming what is wrong."""
+    """The data dir's manifest (a local dir or a bucket's); DataError naming what is wrong."""
     path = os.path.join(data_dir, MANIFEST)
     if storage.is_url(data_dir):
         storage.check_url(data_dir, "data dir")
