@@ -1,6 +1,6 @@
 """Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
 training and exact resume from gs:// data with the checkpoints in gs:// and from s3:// data (sparse shard
-copies), reads that outlast an outage, and a missing object named in one line."""
+copies), reads and uploads that outlast an outage, and a missing object named in one line."""
 
 import json
 import os
@@ -168,6 +168,13 @@ def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, 
     with pytest.raises(OSError):
         urllib.request.urlopen(gcs.url, timeout=1)
     same_rows(want, got, range(3 * step, 20 * step, step))  # gcsfs's own retries, then ours (storage.retried)
+
+    # An upload that starts while the emulator is down finishes once it is back, every file whole.
+    gcs.stop()
+    threading.Timer(3, gcs.start).start()
+    storage.upload_dir(prepared, "gs://bucket/reads/again", last="manifest.json", print_fn=lambda *a, **k: None)
+    assert all(storage.read_bytes(f"gs://bucket/reads/again/{name}") == data
+               for name, data in local_files(prepared).items())
 
     with pytest.raises(DataError, match="gs://bucket/reads/d/nothing.npy: FileNotFoundError"):
         storage.read_bytes("gs://bucket/reads/d/nothing.npy")
