@@ -95,6 +95,19 @@ def size(path) -> int:
     return int(retried(str(path), fs.size, p))
 
 
+def sizes(directory, names: list[str]) -> list[int | None]:
+    """The size of each file `directory/name` (None if missing); for a bucket, from one listing rather than a
+    request per file (a corpus has thousands of shards)."""
+    if not is_url(directory):
+        paths = [os.path.join(directory, n) for n in names]
+        return [os.path.getsize(p) if os.path.isfile(p) else None for p in paths]
+    fs, root = _fs(str(directory))
+    listed = retried(str(directory), functools.partial(fs.ls, root, detail=True))
+    by_name = {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listed
+               if e.get("type") == "file"}
+    return [by_name.get(n) for n in names]
+
+
 def read_bytes(path, start: int | None = None, end: int | None = None) -> bytes:
     """The object's bytes [start, end) (the whole object by default)."""
     if not is_url(path):

@@ -99,16 +99,17 @@ class PackedStream:
         if split not in manifest["splits"]:
             raise DataError(f"{data_dir}: no split {split!r} (has {sorted(manifest['splits'])})")
         self.data_dir, self.shards = data_dir, manifest["splits"][split]
-        for s in self.shards:
-            if not storage.exists(p := os.path.join(data_dir, s["file"])):
-                raise DataError(f"{p}: missing shard of split {split!r}")
+        sizes = storage.sizes(data_dir, [s["file"] for s in self.shards])
+        for s, size in zip(self.shards, sizes):
+            if size is None:
+                raise DataError(f"{os.path.join(data_dir, s['file'])}: missing shard of split {split!r}")
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.seed = seed
         self.identity = f"{manifest['tokenizer']['sha256'][:16]}/{split}"  # what a saved position refers to
         self.weighted = bool(manifest.get("loss_weights"))  # chat data: a uint8 weight per token after the tokens
         self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
         try:
-            self.records = records.Split(data_dir, self.shards, self.dtype, self.weighted)
+            self.records = records.Split(data_dir, self.shards, self.dtype, self.weighted, sizes)
             self.records.verify()
         except RuntimeError as e:  # Riegeli found a damaged file
             raise self._damaged(e) from None

@@ -33,9 +33,11 @@ HASH_BELOW = 64 << 20  # a split of shards under this many bytes is hashed whole
 class Split:
     """Records [0, n_records) of one split, numbered across its shards in manifest order."""
 
-    def __init__(self, data_dir: str, rows: list[dict], dtype: np.dtype, weighted: bool):
+    def __init__(self, data_dir: str, rows: list[dict], dtype: np.dtype, weighted: bool,
+                 sizes: list[int] | None = None):
         self.data_dir = data_dir
         self.paths = [os.path.join(data_dir, r["file"]) for r in rows]
+        self.sizes = sizes if sizes is not None else [storage.size(p) for p in self.paths]
         # A bucket's shards are read through sparse local copies, a block per request (_SparseShard): 8x
         # faster than ArrayRecord's own gs:// reads, a request per chunk of 16 records, which remain for gs://
         # dirs prepared before the block offsets; other buckets need them.
@@ -74,8 +76,7 @@ class Split:
         touches its workdir. Cheap: a reader's index is an entry per chunk (layout.CHUNK_RECORDS records). A
         split under HASH_BELOW bytes is also checked against the manifest's sha256s (a flipped bit anywhere);
         in a larger one, damage inside a chunk is found when the order reaches it."""
-        sizes = [storage.size(p) for p in self.paths]
-        hashed = sum(sizes) < HASH_BELOW
+        hashed = sum(self.sizes) < HASH_BELOW
 
         def check(s: int) -> None:
             if hashed and self.rows[s].get("sha256") and storage.sha256(self.paths[s]) != self.rows[s]["sha256"]:
@@ -171,7 +172,7 @@ class Split:
         if self.sparse:
             offsets = os.path.join(self.data_dir, self.rows[s]["offsets"])
             local = os.path.join(self._cache, f"{self.rows[s]['file']}.{os.getpid()}")  # Grain workers: one each
-            return _SparseShard(self.paths[s], offsets, local, self.block_size)
+            return _SparseShard(self.paths[s], self.sizes[s], offsets, local, self.block_size)
         return _local_reader(self.paths[s])
 
     def read(self, records) -> list[bytes]:
@@ -202,13 +203,12 @@ class _SparseShard:
     each block (chunks.py) the first time one of its records is read, one range request each. Disk holds only
     the blocks read; close() deletes the file."""
 
-    def __init__(self, url: str, offsets_url: str, local: str, block_records: int):
+    def __init__(self, url: str, size: int, offsets_url: str, local: str, block_records: int):
         self.url, self.local, self.block_records = url, local, block_records
         try:
             self.offsets = np.asarray(storage.load_npy(offsets_url), np.int64)
         except (OSError, ValueError) as e:
             raise DataError(f"{offsets_url}: unreadable block offsets ({e}); prepare the data again") from None
-        size = storage.size(url)
         if len(self.offsets) < 1 or not 0 < self.offsets[0] <= self.offsets[-1] <= size:
             raise DataError(f"{offsets_url}: does not match {url}; prepare the data again")
         os.makedirs(os.path.dirname(local), exist_ok=True)
