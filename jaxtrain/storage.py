@@ -4,15 +4,13 @@ A local path passes straight through to the file system. A URL goes through fssp
 'jaxtrain[cloud]'`; credentials and endpoints are theirs: GOOGLE_APPLICATION_CREDENTIALS, AWS_* and, for an
 emulator, STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL). A transient failure (no connection, a timeout, a 5xx or 429)
 is retried with exponential backoff for up to RETRY_SECONDS; a permanent one (no such object, access denied, no
-credentials), or a transient one that outlasts the retries, raises DataError naming the object. ArrayRecord
-shards on gs:// are read by ArrayRecord's own GCS client (range reads, with its own retries); everything else,
-s3:// shards included (records.py), here.
+credentials), or a transient one that outlasts the retries, raises DataError naming the object. Shards are read
+through here too, a block per range request (records._SparseShard); only gs:// dirs prepared before the block
+offsets are read by ArrayRecord's own GCS client (with its own retries).
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import functools
 import hashlib
 import io
@@ -141,16 +139,14 @@ class RemoteNpy:
 
     def __init__(self, path: str):
         self.path = path
-        head = read_bytes(path, 0, 4096)
-        if head[:6] != b"\x93NUMPY":
-            raise ValueError("not a .npy file")
-        major = head[6]
-        n = 8 + (2 if major == 1 else 4)
-        header_len = int.from_bytes(head[8:n], "little")
-        header = ast.literal_eval(head[n:n + header_len].decode("latin1"))
-        if header["fortran_order"] or len(header["shape"]) != 1:
+        head = io.BytesIO(read_bytes(path, 0, 4096))  # numpy's own header reader; ValueError if not a .npy
+        version = np.lib.format.read_magic(head)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, fortran_order, self.dtype = read_header(head)
+        if fortran_order or len(shape) != 1:
             raise ValueError("expected a 1-D array")
-        self.dtype, self.shape, self._offset = np.dtype(header["descr"]), tuple(header["shape"]), n + header_len
+        self.shape, self._offset = tuple(shape), head.tell()
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -199,7 +195,6 @@ def upload_dir(local_dir: str, url: str, last: str | None = None, print_fn=print
         target = f"{root.rstrip('/')}/{name}"
         retried(f"{url.rstrip('/')}/{name}", fs.put_file, os.path.join(local_dir, name), target)
         done += os.path.getsize(os.path.join(local_dir, name))
-        with contextlib.suppress(ZeroDivisionError):
-            rate = done / 1e6 / (time.perf_counter() - start)
-            print_fn(f"upload: {i + 1}/{len(names)} files, {done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.1f} MB/s "
-                     f"-> {url}", flush=True)
+        rate = done / 1e6 / max(time.perf_counter() - start, 1e-9)
+        print_fn(f"upload: {i + 1}/{len(names)} files, {done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.1f} MB/s "
+                 f"-> {url}", flush=True)
