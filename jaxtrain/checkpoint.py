@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -33,7 +34,7 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jaxtrain import files
+from jaxtrain import files, orbax_s3, storage
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
@@ -41,15 +42,14 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 
 _FORMAT = 1
 WRITE_ERROR_POLICIES = ("stop", "continue")
-# The config's `checkpoint` group. `dir`: where the checkpoints live ("" = <workdir>/checkpoints; a local path or
-# gs://). Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest `keep` plus every
+# The config's `checkpoint` group. `dir`: where the checkpoints live ("" = <workdir>/checkpoints; a local path,
+# gs:// or s3://). Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest `keep` plus every
 # `keep_period`-th step (0 = none). `local_dir` (optional) is a faster disk saved every `local_every_steps`;
 # restore takes the newest verified copy in either. `on_write_error`: "stop" (exit 4) or "continue" (warn; the
 # next save tries again). A good checkpoint is never deleted.
 CONFIG = dict(dir="", every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
               local_keep=2, on_write_error="stop")
-# Orbax writes arrays through tensorstore's file and gcs drivers only (0.12: an s3:// path fails deep in a save).
-URL_SCHEMES = ("gs://",)
+URL_SCHEMES = ("gs://", orbax_s3.PREFIX)  # tensorstore's gcs driver through Orbax; its s3 one through orbax_s3
 
 
 def check_config(c) -> None:
@@ -68,6 +68,11 @@ def check_config(c) -> None:
         if "://" in value and not value.startswith(URL_SCHEMES):
             raise ConfigError(f"checkpoint.{name}", f"{value}: Orbax writes checkpoints to a local path or "
                               f"{' '.join(URL_SCHEMES)} only")
+        if value.startswith(orbax_s3.PREFIX) and (why := orbax_s3.problem()):
+            raise ConfigError(f"checkpoint.{name}", f"{value}: {why}")
+        client = {"gs://": "gcsfs", "s3://": "s3fs"}.get(value[:5])  # epath's way to the metadata files
+        if client and importlib.util.find_spec(client) is None:
+            raise ConfigError(f"checkpoint.{name}", f"{value}: needs {client} (pip install 'jaxtrain[cloud]')")
     if bool(c.local_dir) != bool(c.local_every_steps):
         raise ConfigError("checkpoint.local_every_steps", "set both checkpoint.local_dir and "
                           "checkpoint.local_every_steps, or neither")
@@ -196,6 +201,8 @@ class _Dir:
 
     def __init__(self, path: str, keep: int, keep_period: int, async_save: bool):
         self.path = path if "://" in path else os.path.abspath(path)  # tensorstore needs absolute local paths
+        if self.path.startswith(orbax_s3.PREFIX):
+            orbax_s3.install()
         policy = ocp.checkpoint_managers.LatestN(keep)
         if keep_period:
             policy = ocp.checkpoint_managers.AnyPreservationPolicy(
@@ -204,7 +211,9 @@ class _Dir:
         # leaving the save's other writers blocked on a "directory created" signal until Orbax's timeout.
         self.options = ocp.CheckpointManagerOptions(
             preservation_policy=policy, enable_async_checkpointing=async_save, create=True,
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False), cleanup_tmp_directories=True)
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False), cleanup_tmp_directories=True,
+            temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if self.path.startswith(
+                orbax_s3.PREFIX) else None)  # S3 has no rename: the commit marker, written last, commits a step
         self.saving: int | None = None  # step of the save in flight
         self.abandoned: set[int] = set()  # steps whose failed save left a tmp dir behind
         self.manager = self._open(self.options)
@@ -304,7 +313,10 @@ class _Dir:
         if jax.process_count() > 1:  # everyone has picked the name before it exists
             multihost_utils.sync_global_devices(f"jaxtrain_checkpoint_move_aside_{step}_{stamp}_pick")
         if jax.process_index() == 0:
-            src.rename(dst)
+            if storage.is_url(src):
+                storage.move_dir(str(src), str(dst))
+            else:
+                src.rename(dst)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxtrain_checkpoint_move_aside_{step}_{stamp}_done")
         self.manager.reload()

@@ -66,7 +66,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
         raise ConfigError("workdir", "must be a non-empty path")
     if "://" in cfg.workdir:  # its logs, locks and config are local files
         raise ConfigError("workdir", f"{cfg.workdir}: must be a local path (put the checkpoints in a bucket with "
-                          f"checkpoint.dir=gs://...)")
+                          f"checkpoint.dir=gs://... or s3://...)")
 
     shape, rules, dcn = mesh.check_config(cfg.mesh, num_devices)
     dp = mesh.data_parallel_size(shape, rules)

@@ -198,3 +198,17 @@ def upload_dir(local_dir: str, url: str, last: str | None = None, print_fn=print
         rate = done / 1e6 / max(time.perf_counter() - start, 1e-9)
         print_fn(f"upload: {i + 1}/{len(names)} files, {done / 1e6:.1f}/{total / 1e6:.1f} MB, {rate:.1f} MB/s "
                  f"-> {url}", flush=True)
+
+
+def move_dir(src: str, dst: str) -> None:
+    """Moves every object under the URL `src` to the same names under `dst`: copies, then deletes the originals
+    (a bucket has no rename; fsspec's recursive one also copies the directory's own name, which S3 has no object
+    for). Until it finishes, both names hold the files."""
+    fs, src_root = _fs(src)
+    dst_root = _fs(dst)[1].rstrip("/")
+    src_root = src_root.rstrip("/")
+    names = retried(src, fs.find, src_root)
+    for name in names:
+        retried(f"{src}/{name[len(src_root) + 1:]}", fs.copy, name, f"{dst_root}/{name[len(src_root) + 1:]}")
+    for name in names:
+        retried(f"{src}/{name[len(src_root) + 1:]}", fs.rm_file, name)

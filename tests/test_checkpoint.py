@@ -245,3 +245,28 @@ def test_restore_moves_the_stacked_layers_into_the_restoring_runs_order(tmp_path
         assert_bitwise_equal(restored, want)
         assert_bitwise_equal(again, want)
         assert restored["params"]["blocks"]["w"].sharding == want["params"]["blocks"]["w"].sharding
+
+
+def test_bucket_checkpoint_dirs_name_what_they_lack_before_anything_starts(monkeypatch):
+    import importlib.util
+
+    from ml_collections import ConfigDict
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from jaxtrain.errors import ConfigError
+
+    c = ConfigDict(dict(checkpoint.CONFIG, dir="s3://b/ckpt"))
+    checkpoint.check_config(c)
+    with monkeypatch.context() as m:  # an Orbax whose spec helpers moved
+        m.delattr(tensorstore_utils, "_use_gcs_driver")
+        with pytest.raises(ConfigError, match=r"checkpoint.dir: s3://b/ckpt: this orbax-checkpoint lacks "
+                                              r"orbax\.checkpoint\._src\.serialization\.tensorstore_utils\."
+                                              r"_use_gcs_driver, which s3:// checkpoints build on"):
+            checkpoint.check_config(c)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in ("s3fs", "gcsfs") else
+                        find_spec(name))
+    for url, client in [("s3://b/ckpt", "s3fs"), ("gs://b/ckpt", "gcsfs")]:
+        with pytest.raises(ConfigError, match=rf"checkpoint.dir: {url}: needs {client} \(pip install "
+                                              r"'jaxtrain\[cloud\]'\)"):
+            checkpoint.check_config(ConfigDict(dict(checkpoint.CONFIG, dir=url)))

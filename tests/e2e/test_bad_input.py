@@ -213,7 +213,7 @@ def test_bucket_urls_where_a_local_path_is_needed_are_one_line_and_nothing_is_wr
     assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", "--config.data.dir=hdfs://b/d"),
                     2, "hdfs://b/d", "scheme")
     assert_one_line(run("train", "--config", tiny, f"--config.workdir={tmp_path}/run", f"--config.data.dir={data}",
-                        "--config.checkpoint.dir=s3://b/ckpt"), 2, "checkpoint.dir", "s3://b/ckpt")
+                        "--config.checkpoint.dir=az://b/ckpt"), 2, "checkpoint.dir", "az://b/ckpt")
     assert os.listdir(tmp_path) == []
 
 

@@ -1,6 +1,7 @@
 """Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
-training and exact resume from gs:// data with the checkpoints in gs:// and from s3:// data (sparse shard
-copies), reads and uploads that outlast an outage, and a missing object named in one line."""
+training and exact resume from gs:// and s3:// data (sparse shard copies) with the checkpoints in the same bucket,
+a damaged s3:// checkpoint moved aside, reads and uploads that outlast an outage, and a missing object named in
+one line."""
 
 import json
 import os
@@ -113,14 +114,19 @@ def test_prepare_into_buckets_then_train_and_resume_from_gcs_with_checkpoints_th
     assert {p.rsplit("/", 1)[-1] for p in fs.ls("bucket/ckpt")} >= {"3", "6"}
     assert not (tmp_path / "remote" / "checkpoints").exists()
 
-    # From s3://, whose shards are read through sparse local copies (a range request per block): the same.
-    from_s3 = [*run, f"--config.workdir={tmp_path / 's3'}", "--config.data.dir=s3://bucket/kjv"]
+    # From s3://, whose shards are read through sparse local copies (a range request per block), with the
+    # checkpoints there too (tensorstore's s3 driver, through orbax_s3): the same.
+    from_s3 = [*run, f"--config.workdir={tmp_path / 's3'}", "--config.data.dir=s3://bucket/kjv",
+               "--config.checkpoint.dir=s3://bucket/ckpt"]
     env = {**s3.env(), "HOME": str(tmp_path / "home")}  # the copies go under ~/.cache/jaxtrain/remote
     stopped = jaxtrain(*from_s3, "--config.train.stop_at=3", env=env)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     resumed = jaxtrain(*from_s3, env=env)
     assert resumed.returncode == 0 and "resumed from checkpoint at step 3" in resumed.stdout, resumed.stderr[-2000:]
     assert losses(tmp_path / "s3") == losses(tmp_path / "local")
+    fs = s3fs.S3FileSystem(endpoint_url=s3.url, key="test", secret="test", skip_instance_cache=True)
+    assert {p.rsplit("/", 1)[-1] for p in fs.ls("bucket/ckpt")} >= {"3", "6"}
+    assert fs.exists("bucket/ckpt/6/commit_success.txt") and not (tmp_path / "s3" / "checkpoints").exists()
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +234,55 @@ def test_s3_shards_read_through_sparse_copies_match_local_and_old_dirs_are_refus
     with pytest.raises(DataError, match="s3://bucket/sparse/old: prepared before shards recorded their block "
                                         "offsets"):
         pipeline.PackedStream("s3://bucket/sparse/old", "train", seed=0)
+
+
+def test_s3_checkpoints_commit_by_marker_and_a_damaged_step_is_moved_aside_not_lost(s3, monkeypatch):
+    import s3fs
+    from test_checkpoint_faults import abstract, make_state
+
+    from jaxtrain import checkpoint
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()  # epath's instance must see this endpoint
+    fs = s3fs.S3FileSystem(endpoint_url=s3.url, key="test", secret="test", skip_instance_cache=True)
+    steps = lambda: (fs.invalidate_cache(), sorted({p.split("/")[2] for p in fs.find("bucket/faults")}))[1]
+    ckpt = checkpoint.Checkpointer("s3://bucket/faults", keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, make_state(step), {"pos": step})
+    ckpt.close()
+    assert steps() == ["2", "3"] and fs.exists("bucket/faults/3/commit_success.txt")
+    # Every other path still gets Orbax's own spec.
+    assert tensorstore_utils.build_kvstore_tspec("gs://b/x", use_ocdbt=False) == {"driver": "gcs", "bucket": "b",
+                                                                                  "path": "x"}
+    assert tensorstore_utils.build_kvstore_tspec("/x/y", use_ocdbt=False) == {"driver": "file", "path": "/x/y"}
+
+    # A step whose save died before its commit marker is not a checkpoint.
+    for p in fs.find("bucket/faults/3"):
+        if not p.endswith("/commit_success.txt"):
+            fs.copy(p, p.replace("faults/3/", "faults/4/", 1))
+    assert checkpoint.Checkpointer("s3://bucket/faults", keep=2).latest_step() == 3
+
+    # One flipped bit in step 3's array data: reported, moved aside whole, and step 2 restored.
+    needle = np.asarray(make_state(3)["params"]["w"])[0, :8].tobytes()
+    damaged = [p for p in fs.find("bucket/faults/3/state") if needle in fs.cat_file(p)]
+    assert len(damaged) == 1
+    blob = bytearray(fs.cat_file(damaged[0]))
+    blob[blob.find(needle) + 13] ^= 0x10
+    fs.pipe_file(damaged[0], bytes(blob))
+    before = sorted(p[len("bucket/faults/3/"):] for p in fs.find("bucket/faults/3"))
+    logs = []
+    ckpt = checkpoint.Checkpointer("s3://bucket/faults", keep=2, log=logs.append)
+    step, state, data = ckpt.restore_latest(abstract(make_state(3)))
+    assert (step, data, int(state["step"])) == (2, {"pos": 2}, 2)
+    moved = [s for s in steps() if s.startswith("3.corrupt-")]
+    assert len(logs) == 1 and "s3://bucket/faults is unusable: checksum mismatch in params/w" in logs[0]
+    assert len(moved) == 1 and moved[0] in logs[0] and "3" not in steps()
+    assert sorted(p[len(f"bucket/faults/{moved[0]}/"):] for p in fs.find(f"bucket/faults/{moved[0]}")) == before
+
+    # Saving goes on; garbage collection keeps the latest 2 and never touches the moved-aside copy.
+    ckpt.save(3, make_state(3), {"pos": 3})
+    ckpt.save(5, make_state(5), {"pos": 5})
+    ckpt.close()
+    assert steps() == ["3", moved[0], "5"]
