@@ -1,6 +1,6 @@
 """Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
 training and exact resume from gs:// and s3:// data (sparse shard copies) with the checkpoints in the same bucket,
-a damaged s3:// checkpoint moved aside, reads and uploads that outlast an outage, and a missing object named in
+a damaged s3:// checkpoint moved aside, reads, uploads and a checkpoint save that outlast an outage, and a missing object named in
 one line."""
 
 import json
@@ -11,6 +11,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -150,7 +151,7 @@ def same_rows(want, got, starts, seq_len=64):
         assert all((a[k] == b[k]).all() for k in ("tokens", "segment_ids")), i
 
 
-def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, prepared, tmp_path, monkeypatch):
+def test_gcs_reads_uploads_and_saves_outlast_an_outage_and_a_missing_object_is_named(gcs, prepared, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     # A dir from before the block offsets: ArrayRecord's own gs:// reads.
     rng = np.random.default_rng(0)
@@ -181,6 +182,25 @@ def test_gcs_reads_match_local_outlast_an_outage_and_name_a_missing_object(gcs, 
     storage.upload_dir(prepared, "gs://bucket/reads/again", last="manifest.json", print_fn=lambda *a, **k: None)
     assert all(storage.read_bytes(f"gs://bucket/reads/again/{name}") == data
                for name, data in local_files(prepared).items())
+
+    # So does a checkpoint save (gcsfs for the metadata, tensorstore for the arrays: each retries), and the
+    # step restores whole.
+    from test_checkpoint_faults import abstract, make_state
+
+    from jaxtrain import checkpoint
+
+    ckpt = checkpoint.Checkpointer("gs://bucket/ckpt-outage", keep=2)
+    ckpt.save(1, make_state(1), {"pos": 1})
+    ckpt.wait()
+    gcs.stop()
+    threading.Timer(3, gcs.start).start()
+    ckpt.save(2, make_state(2), {"pos": 2})
+    ckpt.close()
+    step, state, data = checkpoint.Checkpointer("gs://bucket/ckpt-outage", keep=2).restore_latest(
+        abstract(make_state(2)))
+    assert (step, data) == (2, {"pos": 2})
+    assert [np.asarray(a).tobytes() for a in jax.tree.leaves(state)] == [  # bitwise: w is random bits, NaNs too
+        np.asarray(b).tobytes() for b in jax.tree.leaves(make_state(2))]
 
     with pytest.raises(DataError, match="gs://bucket/reads/d/nothing.npy: FileNotFoundError"):
         storage.read_bytes("gs://bucket/reads/d/nothing.npy")
