@@ -1,14 +1,17 @@
 """Train-step throughput of a mixture of experts: capacity routing against dropless routing, in one process.
 
     python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
-                                [--capacity_factor 1.25] [--steps 3]
+                                [--capacity_factor 1.25] [--steps 3] [--gathered]
 
 The model is the config's with its MLPs made `--experts` experts of width `--expert_d_ff`, each token routed to
 its top `--top_k` (bench_cpu's defaults here: 8 experts of 512, top 2, so a token's active MLP width is the dense
 model's 1024). It is built twice, `model.moe_routing` "capacity" (`--capacity_factor`) and "dropless", and each
 jitted train step is timed on the same synthetic batch as scripts/bench_step.py: compile and one warm step each,
-then `--steps` steps of the two in turn (a change in the machine's load hits both), medians. Ends with one JSON
-line, e.g.
+then `--steps` steps of the two in turn (a change in the machine's load hits both), medians. `--gathered` adds
+a third, "dropless_gathered": dropless with each shard's sort turned off (`moe.per_shard` made the identity
+while it compiles), so XLA gathers every token onto every device as before; run it on a mesh, e.g.
+XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.data=8 --config.train.batch_size=8.
+Ends with one JSON line, e.g.
 {"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
 """
 
@@ -36,12 +39,20 @@ def main(argv):
     import jax
     import numpy as np
 
+    from jaxtrain.models import moe
+
     base = _CONFIG.value
     runs = {}
-    for routing in ("capacity", "dropless"):
-        trainer, state, batch, _, startup_s = warm_trainer(moe_config(base, routing))
-        runs[routing] = {"trainer": trainer, "state": state, "batch": batch, "times": [],
-                         "startup_to_warm_s": startup_s}
+    for name in ("capacity", "dropless", *(["dropless_gathered"] if _GATHERED.value else [])):
+        per_shard = moe.per_shard
+        if name == "dropless_gathered":  # the step compiles (and is warmed) inside warm_trainer
+            moe.per_shard = lambda fn, *args, **kwargs: fn
+        try:
+            trainer, state, batch, _, startup_s = warm_trainer(moe_config(base, name.split("_")[0]))
+        finally:
+            moe.per_shard = per_shard
+        runs[name] = {"trainer": trainer, "state": state, "batch": batch, "times": [],
+                      "startup_to_warm_s": startup_s}
     # The two steps alternate, so that a change in the machine's load (other processes) hits both alike.
     for _ in range(_STEPS.value):
         for run in runs.values():
@@ -64,6 +75,11 @@ def main(argv):
     dtype = runs["dropless"]["trainer"].model_cfg.dtype
     print(f"dropless / capacity tokens/s: {ratio:.2f} ({jax.device_count()} {jax.devices()[0].device_kind} "
           f"device(s), {dtype})", file=sys.stderr)
+    if "dropless_gathered" in result:
+        result["dropless_over_gathered"] = (result["dropless"]["tokens_per_sec"] /
+                                            result["dropless_gathered"]["tokens_per_sec"])
+        print(f"dropless / dropless gathered onto every device: {result['dropless_over_gathered']:.2f}",
+              file=sys.stderr)
     print(json.dumps({**result, "dropless_over_capacity": ratio, "config": base.workdir, "experts": _EXPERTS.value,
                       "top_k": _TOP_K.value, "expert_d_ff": _EXPERT_D_FF.value,
                       "capacity_factor": _CAPACITY_FACTOR.value, "devices": jax.device_count(),
@@ -78,4 +94,5 @@ if __name__ == "__main__":
     _EXPERT_D_FF = flags.DEFINE_integer("expert_d_ff", 512, "Each expert's hidden width (model.d_ff).")
     _CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.25, "Capacity routing's model.moe_capacity_factor.")
     _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per routing (after 2 warm-up steps each).")
+    _GATHERED = flags.DEFINE_bool("gathered", False, "Also time dropless without the per-shard sort.")
     app.run(main)

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.models import lora
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.models.layers import activation, param, split_last, weight
-from jaxtrain.parallel.mesh import constrain, split_ways
+from jaxtrain.parallel.mesh import constrain, per_shard, split_ways
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -298,12 +298,18 @@ class MoE(nnx.Module):
         logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         experts, gates, stats = dropless_route(logits, cfg.moe_top_k, cfg.moe_renormalize)  # stats per row
-        # Under a mesh XLA gathers the call's expert choices and token rows onto every device, which sorts them
-        # all (replicas along data/fsdp repeat that work). The expert weights are not gathered along `expert`:
-        # each device multiplies by its own experts (on CPU ragged_dot is a dense dot masked per expert) and the
-        # partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
-        y = dropless_experts(x.reshape(batch * tokens, d), experts.reshape(batch * tokens, -1),
-                             gates.reshape(batch * tokens, -1), self.gate_up_weights(dt), weight(self.w_down, dt),
-                             activation(cfg.mlp_activation),
-                             (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
-        return constrain(y.reshape(batch, tokens, d), ("batch", "seq", "act_embed")), stats
+        weights = (self.gate_up_weights(dt), weight(self.w_down, dt), activation(cfg.mlp_activation),
+                   (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
+
+        def run(x, experts, gates):  # one shard's tokens [b, t, ...]
+            b, t, _ = x.shape
+            return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
+                                    *weights).reshape(b, t, d)
+
+        # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
+        # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the
+        # tokens are still gathered: each device multiplies them by its own experts (on CPU ragged_dot is a dense
+        # dot masked per expert) and the partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
+        y = per_shard(per_shard(run, "seq", dim=1, keep=("expert",)), "batch", dim=0, keep=("expert",))(
+            x, experts, gates)
+        return constrain(y, ("batch", "seq", "act_embed")), stats

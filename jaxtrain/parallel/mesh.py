@@ -301,6 +301,34 @@ def over_replicas(fn, axes: tuple[str, ...]):
     return run
 
 
+def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
+    """fn run on each shard of dim `dim` of its array arguments on its own, the shards being those the rules cut
+    the logical axis `name` into (mesh axes in `keep` not counted: fn sees them as before). A vmap over the
+    shards holds their mesh axes, so work that would gather the whole dim (a sort, say) stays on each shard's
+    devices. fn's outputs keep the dim. Outside `activation_sharding` (read when called, so these nest), or if
+    the shards do not divide the dim evenly, this is fn itself."""
+    def run(*args):
+        active = _ACTIVE.get()
+        if active is None:
+            return fn(*args)
+        mesh, rules = active
+        axes = tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1 and a not in keep)
+        n = math.prod(mesh.shape[a] for a in axes)
+        if n == 1 or any(x.shape[dim] % n for x in args):
+            return fn(*args)
+        inner_rules = {key: tuple(a for a in mapped if a not in axes) for key, mapped in rules.items()}
+
+        def inner(*parts):
+            with activation_sharding(mesh, inner_rules):
+                return fn(*parts)
+
+        split = [x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:]) for x in args]
+        out = jax.vmap(inner, in_axes=dim, out_axes=dim, spmd_axis_name=axes)(*split)
+        return jax.tree.map(lambda y: y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2:]), out)
+
+    return run
+
+
 def split_microbatches(x, n: int):
     """[B, ...] -> [n, B/n, ...] taking every n-th row, so each microbatch spans every data shard."""
     return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)

@@ -4,6 +4,7 @@ against the dense reference, alone, under vmap and on 8 devices."""
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -373,9 +374,11 @@ def test_dropless_bfloat16_compute():
     assert float(jnp.abs(y16.astype(jnp.float32) - y32).max()) < 3e-2 * float(jnp.abs(y32).max())
 
 
-def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device():
-    """fsdp 2 x expert 4 (the `fsdp` preset): outputs, routing scalars and gradients as on one device, the
-    experts' weights and gradients split over `expert`."""
+@pytest.mark.parametrize("axes,preset", [({"fsdp": 2, "expert": 4}, "fsdp"),
+                                         ({"data": 2, "fsdp": 2, "expert": 2}, "dp_fsdp_tp")])
+def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, preset):
+    """Outputs, routing scalars and gradients as on one device, the experts' weights and gradients split over
+    `expert`, and each data/fsdp shard sorting only its own tokens' choices (gathered along `expert` only)."""
     cfg, graphdef, params = build(n_experts=8, moe_routing="dropless")
     x = np.random.default_rng(12).normal(size=(8, 8, cfg.d_model)).astype(np.float32)
     probe = np.random.default_rng(13).normal(size=x.shape).astype(np.float32)
@@ -387,8 +390,8 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device():
     step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     (_, (want_y, want_aux)), want_grads = jax.jit(step)(params, x)
 
-    mesh = mesh_lib.make_mesh({"fsdp": 2, "expert": 4})
-    rules = mesh_lib.resolve_rules("fsdp")
+    mesh = mesh_lib.make_mesh(axes)
+    rules = mesh_lib.resolve_rules(preset)
     layer = nnx.eval_shape(lambda: moe.MoE(cfg, nnx.Rngs(params=0)))
     names = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer)))
     param_shardings = mesh_lib.tree_shardings(params, names, mesh, rules)
@@ -402,6 +405,10 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device():
     # No device holds all 8 experts' weights (w_gate and w_up joined [E, d, 1, 2f], w_down [E, f, d]).
     hlo = compiled.as_text()
     assert not any(s in hlo for s in ("f32[8,8,1,24]", "f32[8,8,24]", "f32[8,8,12]", "f32[8,12,8]"))
+    sorted_sizes = {math.prod(int(n) for n in dims.split(",") if n)
+                    for line in hlo.splitlines() if " sort(" in line
+                    for dims in re.findall(r"\w+\[([\d,]*)\]", line.split(" sort(")[0].split("= ", 1)[-1])}
+    assert sorted_sizes == {x.shape[0] * x.shape[1] * cfg.moe_top_k * axes["expert"] // 8}, sorted_sizes
     assert tuple(grads[0]["w_gate"].sharding.spec)[:1] == ("expert",)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
     for key in want_aux:
