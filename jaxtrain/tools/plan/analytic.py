@@ -152,7 +152,16 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
                  "offload_dots": 0.5}.get(model_cfg.remat, 0.0)
         add("all-gather", seq_axes, microbatches * layer_runs * (1 + again) * kv_whole)
         add("reduce-scatter", seq_axes, microbatches * layer_runs * kv_whole)
-    if model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
+    if model_cfg.n_experts and expert_axes and model_cfg.moe_routing == "dropless":
+        # Each shard's assignments (tokens x top_k rows) are gathered along `expert`, every device runs its own
+        # experts on them and the partial outputs are summed; the backward does the same with the gradients.
+        ways = math.prod(mesh_shape[x] for x in expert_axes if x in batch_axes)
+        rows_bytes = tokens_dev * ways * model_cfg.moe_top_k * model_cfg.d_model * a
+        passes = 3 if model_cfg.remat == "full" else 2  # remat=full runs the forward's again
+        if ways > 1:
+            add("all-gather", expert_axes, microbatches * layer_runs * passes * rows_bytes)
+        add("all-reduce", expert_axes, microbatches * layer_runs * passes * rows_bytes)
+    elif model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
         from jaxtrain.models import moe  # noqa: PLC0415 (imports jax)
         group = model_cfg.moe_group_tokens or seq_len
         local_groups = seq_len // group // seq_ways if group < seq_len else 1  # groups sit on one sequence shard
