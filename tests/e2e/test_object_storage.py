@@ -1,7 +1,7 @@
 """Data and checkpoints in buckets, against local emulators (tests/emulators.py): `prepare` into gs:// and s3://,
 training and exact resume from gs:// and s3:// data (sparse shard copies) with the checkpoints in the same bucket,
-a damaged s3:// checkpoint moved aside, reads, uploads and a checkpoint save that outlast an outage, and a missing object named in
-one line."""
+a damaged s3:// checkpoint moved aside, reads, uploads and a checkpoint save that outlast an outage, and a
+missing object named in one line."""
 
 import json
 import os
@@ -151,7 +151,8 @@ def same_rows(want, got, starts, seq_len=64):
         assert all((a[k] == b[k]).all() for k in ("tokens", "segment_ids")), i
 
 
-def test_gcs_reads_uploads_and_saves_outlast_an_outage_and_a_missing_object_is_named(gcs, prepared, tmp_path, monkeypatch):
+def test_gcs_reads_uploads_and_saves_outlast_an_outage_and_a_missing_object_is_named(gcs, prepared, tmp_path,
+                                                                                     monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     # A dir from before the block offsets: ArrayRecord's own gs:// reads.
     rng = np.random.default_rng(0)
