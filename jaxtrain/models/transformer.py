@@ -11,7 +11,8 @@ restart at every document, so RoPE sees each document as if it were alone.
 Decoding (`Transformer.decode`) runs the same blocks on a few new tokens against a per-layer K/V cache
 (`init_cache`) used as a ring buffer: position p lives in slot p % cache_len, and a query sees the
 newest cache_len positions up to itself. A cache shorter than the sequence is therefore a sliding window;
-RoPE only sees relative distances, so absolute positions past the trained length stay in range.
+RoPE only sees relative distances, so absolute positions past the trained length stay in range. Sliding-window
+layers keep a ring of their own window only.
 """
 
 from __future__ import annotations
@@ -97,16 +98,23 @@ class Attention(nnx.Module):
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.cfg.grad_reduce_dtype), contract=2, keys=keys)
 
-    def decode(self, x, tables, mask, cache_k, cache_v, slots):
+    def decode(self, x, tables, mask, cache_k, cache_v, slots, ring_from=None):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
-        new K/V go to `slots` [T]. Returns (output [B, T, d], cache_k, cache_v)."""
+        new K/V go to `slots` [T]. Returns (output [B, T, d], cache_k, cache_v). `ring_from`: the cache is a
+        sliding window's ring, maybe shorter than T, so the queries attend to what it held before this call
+        followed by the new keys (mask [.., T, L + T]); then the len(slots) new K/V from `ring_from` on are kept."""
         dt = x.dtype
         q, k, v = self.qkv(x)
         q, k = rope(q, tables), rope(k, tables)
+        if ring_from is not None:
+            keys, values = (jnp.concatenate([c.astype(dt), new], axis=1) for c, new in ((cache_k, k), (cache_v, v)))
+            k, v = (jax.lax.dynamic_slice_in_dim(new, ring_from, len(slots), axis=1) for new in (k, v))
         cache_k = cache_k.at[:, slots].set(k.astype(cache_k.dtype))
         cache_v = cache_v.at[:, slots].set(v.astype(cache_v.dtype))
-        mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], cache_k.shape[1]))
-        out = self.attend(q, cache_k.astype(dt), cache_v.astype(dt), mask, decoding=True)
+        if ring_from is None:
+            keys, values = cache_k.astype(dt), cache_v.astype(dt)
+        mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], keys.shape[1]))
+        out = self.attend(q, keys, values, mask, decoding=True)
         out = adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant), contract=2)
         return out, cache_k, cache_v
 
@@ -171,8 +179,8 @@ class Block(nnx.Module):
         out, stats = self.feed_forward(x, keys)
         return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
-    def decode(self, x, tables, mask, cache_k, cache_v, slots):
-        out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), tables, mask, cache_k, cache_v, slots)
+    def decode(self, x, tables, mask, cache_k, cache_v, slots, ring_from=None):
+        out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), tables, mask, cache_k, cache_v, slots, ring_from)
         x = x + (self.attn_post_norm(out) if self.post_norms else out)
         return x + self.feed_forward(x)[0], cache_k, cache_v
 
@@ -296,7 +304,8 @@ class Transformer(nnx.Module):
         """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
         T <= cache length. Returns (logits [B, vocab] of the token at `last_index` (default T-1), new cache).
 
-        The cache is a ring buffer: each query attends to the newest cache-length positions up to its own."""
+        The cache is a ring buffer: each query attends to the newest cache-length positions up to its own. With
+        "k_local" (`init_cache`) the sliding-window layers have their own ring of `sliding_window` slots."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         batch, t = tokens.shape
@@ -309,6 +318,8 @@ class Transformer(nnx.Module):
         query, key = positions[:, None], slot_positions[None, :]
         # key >= 0: slots not written yet (or written with a padded prefill's future) stay invisible.
         mask = (key >= 0) & (key <= query) & (query - key < cache_len)
+        if "k_local" in cache:
+            return self._decode_with_rings(tokens, cache, positions, slots, mask, last_index)
 
         x = self.embed_tokens(tokens).astype(dt)
         batch_positions = jnp.broadcast_to(positions, (batch, t))
@@ -331,9 +342,58 @@ class Transformer(nnx.Module):
             return x, (cache_k, cache_v)
 
         x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides), cache["k"], cache["v"]))
-        x = x[:, t - 1 if last_index is None else last_index]
-        x = self.final_norm(x)
-        return self.cap(project(x, self.head().astype(dt))), {"k": new_k, "v": new_v}
+        return self._logits(x, last_index), {"k": new_k, "v": new_v}
+
+    def _decode_with_rings(self, tokens, cache, positions, slots, mask, last_index):
+        """`decode` when the sliding-window layers keep only their window: global layers read and write
+        cache["k"/"v"] as above; a local layer attends to its ring (the `sliding_window` positions before this
+        call) and the new keys, then keeps the newest of them. A lax.cond per layer picks the kind."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        batch, t = tokens.shape
+        window = cache["k_local"].shape[2]
+        before = positions[0] - 1  # the ring holds, in slot s, the newest p <= before with p % window == s
+        ring_positions = before - (before - jnp.arange(window, dtype=jnp.int32)) % window
+        query, key = positions[:, None], jnp.concatenate([ring_positions, positions])[None, :]
+        ring_mask = (key >= 0) & (key <= query) & (query - key < cfg.sliding_window)
+        # The ring keeps the newest `keep` new tokens up to the last real one (a padded prefill's padding would
+        # push the prompt out); padding it keeps sits in slots that read as unwritten until decoding fills them.
+        keep = min(t, window)
+        last = t - 1 if last_index is None else last_index
+        ring_from = jnp.clip(last + 1 - keep, 0, t - keep).astype(jnp.int32)
+        ring_slots = (positions[0] + ring_from + jnp.arange(keep, dtype=jnp.int32)) % window
+        local = local_layers(cfg)
+        index = np.where(local, np.cumsum(local) - 1, np.cumsum(~local) - 1).astype(np.int32)  # within its kind
+        stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
+        batch_positions = jnp.broadcast_to(positions, (batch, t))
+        tables = rotary(batch_positions, rope_frequencies(cfg)), rotary(batch_positions, rope_frequencies(cfg, True))
+        block_def, block_state = nnx.split(self.blocks)
+
+        def layer(carry, layer_in):
+            x, caches = carry
+            at, slide, i = layer_in
+            block = nnx.merge(block_def, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False),
+                                                      block_state))
+
+            def run(kind, table, mask, slots, ring_from):
+                def branch(x, caches):
+                    names = f"k{kind}", f"v{kind}"
+                    k, v = (jax.lax.dynamic_index_in_dim(caches[n], i, keepdims=False) for n in names)
+                    x, k, v = block.decode(x, table, mask[None, None], k, v, slots, ring_from)
+                    return x, {**caches, **{n: jax.lax.dynamic_update_index_in_dim(caches[n], new, i, 0)
+                                            for n, new in zip(names, (k, v))}}
+                return branch
+
+            return jax.lax.cond(slide, run("_local", tables[1], ring_mask, ring_slots, ring_from),
+                                run("", tables[0], mask, slots, None), x, caches), None
+
+        x = self.embed_tokens(tokens).astype(dt)
+        (x, cache), _ = jax.lax.scan(layer, (x, dict(cache)), (stored_at, jnp.asarray(local), index))
+        return self._logits(x, last_index), cache
+
+    def _logits(self, x, last_index):
+        x = self.final_norm(x[:, x.shape[1] - 1 if last_index is None else last_index])
+        return self.cap(project(x, self.head().astype(jnp.dtype(self.cfg.dtype))))
 
 
 def local_layers(cfg: ModelConfig) -> np.ndarray | None:
@@ -359,9 +419,19 @@ def layer_order(cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
-    """Empty K/V cache for `Transformer.decode`: {"k", "v"}: [layers, batch, length, kv_heads, head_dim]."""
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+    """Empty K/V cache for `Transformer.decode`: {"k", "v"}: [layers, batch, length, kv_heads, head_dim]. When
+    the sliding window is shorter than `length`, those layers get their own ring instead, {"k_local",
+    "v_local"}: [local layers, batch, sliding_window, ...], and "k", "v" hold the global layers (a 1-slot
+    placeholder when there are none)."""
+    local = local_layers(cfg)
+    tail = (cfg.n_kv_heads, cfg.head_dim)
+    if local is None or cfg.sliding_window >= length:
+        shape = (cfg.n_layers, batch, length, *tail)
+        return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+    n_global = cfg.n_layers - int(local.sum())
+    shapes = {"": (max(n_global, 1), batch, length if n_global else 1, *tail),
+              "_local": (int(local.sum()), batch, cfg.sliding_window, *tail)}
+    return {f"{kv}{kind}": jnp.zeros(shape, cfg.dtype) for kind, shape in shapes.items() for kv in "kv"}
 
 
 def build(cfg: ModelConfig, seed: int) -> Transformer:

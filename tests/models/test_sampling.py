@@ -337,3 +337,29 @@ def test_cli_workdir_without_checkpoint_or_step(trained_workdir, tmp_path, capsy
     assert_one_error_line(capsys.readouterr().err, "checkpoint", str(no_ckpt))
     assert generate_cli.main(["--workdir", trained_workdir, "--prompt", "In", "--step", "999"]) == 2
     assert_one_error_line(capsys.readouterr().err, "999")
+
+
+@pytest.mark.parametrize("global_every", [2, 0], ids=["gemma_like", "every_layer_slides"])
+def test_sliding_window_layers_keep_only_their_window_and_decode_as_with_a_full_cache(global_every):
+    """With a window shorter than the cache, the sliding layers get a ring of `sliding_window` slots: a padded
+    prefill longer or shorter than the window, then 20 tokens past the full cache's own length, give the
+    logits of the same model decoding with every layer's keys kept (the masked full-length cache)."""
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                      sliding_window=4, global_every=global_every)
+    model, length = transformer.build(cfg, 0), 16
+    rings = transformer.init_cache(cfg, 2, length)
+    n_local = 2 if global_every else 4
+    assert rings["k_local"].shape == (n_local, 2, 4, 1, 8)
+    assert rings["k"].shape == ((2, 2, length, 1, 8) if global_every else (1, 2, 1, 1, 8))  # 1: a placeholder
+    full = {name: jnp.zeros((4, 2, length, 1, 8)) for name in ("k", "v")}
+    decode = jax.jit(lambda tokens, cache, start, last: model.decode(tokens, cache, start, last))
+    rng = np.random.default_rng(global_every)
+    for prompt_len in (3, 9):
+        tokens = rng.integers(1, 64, (2, length)).astype(np.int32)
+        tokens[:, prompt_len:] = 0  # padded to the cache length, as sampling.prefill does
+        (want, want_cache), (got, got_cache) = (decode(tokens, cache, 0, prompt_len - 1) for cache in (full, rings))
+        for i in range(20):
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+            token = rng.integers(1, 64, (2, 1)).astype(np.int32)
+            want, want_cache = decode(token, want_cache, prompt_len + i, None)
+            got, got_cache = decode(token, got_cache, prompt_len + i, None)
