@@ -6,8 +6,8 @@ only gap is that spec: `install()` wraps Orbax's three spec helpers so an s3:// 
 other path exactly what Orbax gives it. Every process writes its own shards straight to the bucket, as on gs://.
 The endpoint and region come from the variables boto3 reads (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION
 or AWS_DEFAULT_REGION); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY when set, else tensorstore's
-AWS chain (profile, instance metadata). S3 has
-no atomic rename, so a step commits by writing Orbax's commit_success.txt last (TEMPORARY_PATH), as on GCS.
+AWS chain (profile, instance metadata). S3 has no atomic rename, so a step commits by writing Orbax's
+commit_success.txt last (checkpoint.py sets CommitFileTemporaryPath), as on GCS.
 `problem()` says why the helpers cannot be wrapped, should a later Orbax rename them.
 """
 

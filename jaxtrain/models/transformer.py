@@ -318,8 +318,6 @@ class Transformer(nnx.Module):
         query, key = positions[:, None], slot_positions[None, :]
         # key >= 0: slots not written yet (or written with a padded prefill's future) stay invisible.
         mask = (key >= 0) & (key <= query) & (query - key < cache_len)
-        if "k_local" in cache:
-            return self._decode_with_rings(tokens, cache, positions, slots, mask, last_index)
 
         x = self.embed_tokens(tokens).astype(dt)
         batch_positions = jnp.broadcast_to(positions, (batch, t))
@@ -327,31 +325,34 @@ class Transformer(nnx.Module):
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
         # each read from where it is stored, and the cache holds them in the model's order.
         stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
+        block = lambda at: nnx.merge(block_def, jax.tree.map(
+            lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state))
         local = local_layers(cfg)
-        slides = np.zeros(cfg.n_layers, bool) if local is None else local
         # Positions past the trained length have no lookup table: computed here.
         tables = rotary(batch_positions, rope_frequencies(cfg)), rotary(batch_positions, rope_frequencies(cfg, True))
+        if "k_local" in cache:
+            x, cache = self._layers_with_rings(x, cache, block, stored_at, tables, mask, slots, positions, last_index)
+            return self._logits(x, last_index), cache
+
+        slides = np.zeros(cfg.n_layers, bool) if local is None else local
         masks = mask, (mask & (query - key < cfg.sliding_window)) if local is not None else mask
 
         def layer(x, layer_in):
             at, slide, cache_k, cache_v = layer_in
             pick = lambda a, b: jnp.where(slide, b, a)
-            state = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state)
-            x, cache_k, cache_v = nnx.merge(block_def, state).decode(
-                x, jax.tree.map(pick, *tables), pick(*masks)[None, None], cache_k, cache_v, slots)
+            x, cache_k, cache_v = block(at).decode(x, jax.tree.map(pick, *tables), pick(*masks)[None, None], cache_k,
+                                                   cache_v, slots)
             return x, (cache_k, cache_v)
 
         x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides), cache["k"], cache["v"]))
         return self._logits(x, last_index), {"k": new_k, "v": new_v}
 
-    def _decode_with_rings(self, tokens, cache, positions, slots, mask, last_index):
-        """`decode` when the sliding-window layers keep only their window: global layers read and write
-        cache["k"/"v"] as above; a local layer attends to its ring (the `sliding_window` positions before this
-        call) and the new keys, then keeps the newest of them. A lax.cond per layer picks the kind."""
+    def _layers_with_rings(self, x, cache, block, stored_at, tables, mask, slots, positions, last_index):
+        """`decode`'s layers when the sliding-window layers keep only their window: a global layer reads and
+        writes cache["k"/"v"] as there; a local layer attends to its ring (the `sliding_window` positions before
+        this call) and the new keys, then keeps the newest real ones. A lax.cond per layer picks the kind."""
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        batch, t = tokens.shape
-        window = cache["k_local"].shape[2]
+        t, window = x.shape[1], cache["k_local"].shape[2]
         before = positions[0] - 1  # the ring holds, in slot s, the newest p <= before with p % window == s
         ring_positions = before - (before - jnp.arange(window, dtype=jnp.int32)) % window
         query, key = positions[:, None], jnp.concatenate([ring_positions, positions])[None, :]
@@ -364,22 +365,16 @@ class Transformer(nnx.Module):
         ring_slots = (positions[0] + ring_from + jnp.arange(keep, dtype=jnp.int32)) % window
         local = local_layers(cfg)
         index = np.where(local, np.cumsum(local) - 1, np.cumsum(~local) - 1).astype(np.int32)  # within its kind
-        stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
-        batch_positions = jnp.broadcast_to(positions, (batch, t))
-        tables = rotary(batch_positions, rope_frequencies(cfg)), rotary(batch_positions, rope_frequencies(cfg, True))
-        block_def, block_state = nnx.split(self.blocks)
 
         def layer(carry, layer_in):
             x, caches = carry
             at, slide, i = layer_in
-            block = nnx.merge(block_def, jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False),
-                                                      block_state))
 
             def run(kind, table, mask, slots, ring_from):
                 def branch(x, caches):
                     names = f"k{kind}", f"v{kind}"
                     k, v = (jax.lax.dynamic_index_in_dim(caches[n], i, keepdims=False) for n in names)
-                    x, k, v = block.decode(x, table, mask[None, None], k, v, slots, ring_from)
+                    x, k, v = block(at).decode(x, table, mask[None, None], k, v, slots, ring_from)
                     return x, {**caches, **{n: jax.lax.dynamic_update_index_in_dim(caches[n], new, i, 0)
                                             for n, new in zip(names, (k, v))}}
                 return branch
@@ -387,9 +382,8 @@ class Transformer(nnx.Module):
             return jax.lax.cond(slide, run("_local", tables[1], ring_mask, ring_slots, ring_from),
                                 run("", tables[0], mask, slots, None), x, caches), None
 
-        x = self.embed_tokens(tokens).astype(dt)
         (x, cache), _ = jax.lax.scan(layer, (x, dict(cache)), (stored_at, jnp.asarray(local), index))
-        return self._logits(x, last_index), cache
+        return x, cache
 
     def _logits(self, x, last_index):
         x = self.final_norm(x[:, x.shape[1] - 1 if last_index is None else last_index])

@@ -283,12 +283,17 @@ def per_replica(x: jax.Array, axes: tuple[str, ...], dim: int = 0, leading=None)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def _without(rules, axes: tuple[str, ...]) -> dict:
+    """The rules with `axes` dropped from every mapping: inside a vmap that holds them (spmd_axis_name)."""
+    return {name: tuple(a for a in mapped if a not in axes) for name, mapped in rules.items()}
+
+
 def over_replicas(fn, axes: tuple[str, ...]):
     """fn(copies, rows) vmapped over the replica dim (0) of both; inside, the rules no longer map the replica
     axes (the vmap holds them), so activation constraints name the rest. `rows` leaves are [batch, ...]."""
     mesh, rules = _ACTIVE.get()
     n = math.prod(mesh.shape[a] for a in axes)
-    inner_rules = {name: tuple(a for a in mapped if a not in axes) for name, mapped in rules.items()}
+    inner_rules = _without(rules, axes)
 
     def inner(copy, part):
         with activation_sharding(mesh, inner_rules):
@@ -316,7 +321,7 @@ def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
         n = math.prod(mesh.shape[a] for a in axes)
         if n == 1 or any(x.shape[dim] % n for x in args):
             return fn(*args)
-        inner_rules = {key: tuple(a for a in mapped if a not in axes) for key, mapped in rules.items()}
+        inner_rules = _without(rules, axes)
 
         def inner(*parts):
             with activation_sharding(mesh, inner_rules):
