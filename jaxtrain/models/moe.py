@@ -298,18 +298,19 @@ class MoE(nnx.Module):
         logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         experts, gates, stats = dropless_route(logits, cfg.moe_top_k, cfg.moe_renormalize)  # stats per row
-        weights = (self.gate_up_weights(dt), weight(self.w_down, dt), activation(cfg.mlp_activation),
+        weights = (self.gate_up_weights(dt), weight(self.w_down, dt),
                    (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
 
-        def run(x, experts, gates):  # one shard's tokens [b, t, ...]
+        def run(weights, x, experts, gates):  # one shard's tokens [b, t, ...] and its copy of the weights
             b, t, _ = x.shape
+            gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
-                                    *weights).reshape(b, t, d)
+                                    gate_up, down, activation(cfg.mlp_activation), adapters).reshape(b, t, d)
 
         # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
         # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the
         # tokens are still gathered: each device multiplies them by its own experts (on CPU ragged_dot is a dense
         # dot masked per expert) and the partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
         y = per_shard(per_shard(run, "seq", dim=1, keep=("expert",)), "batch", dim=0, keep=("expert",))(
-            x, experts, gates)
+            weights, x, experts, gates)
         return constrain(y, ("batch", "seq", "act_embed")), stats
