@@ -205,10 +205,9 @@ def move_dir(src: str, dst: str) -> None:
     (a bucket has no rename; fsspec's recursive one also copies the directory's own name, which S3 has no object
     for). Until it finishes, both names hold the files."""
     fs, src_root = _fs(src)
-    dst_root = _fs(dst)[1].rstrip("/")
-    src_root = src_root.rstrip("/")
-    names = retried(src, fs.find, src_root)
+    src_root, dst_root = src_root.rstrip("/"), _fs(dst)[1].rstrip("/")
+    names = [name[len(src_root) + 1:] for name in retried(src, fs.find, src_root)]
     for name in names:
-        retried(f"{src}/{name[len(src_root) + 1:]}", fs.copy, name, f"{dst_root}/{name[len(src_root) + 1:]}")
+        retried(f"{src}/{name}", fs.copy, f"{src_root}/{name}", f"{dst_root}/{name}")
     for name in names:
-        retried(f"{src}/{name[len(src_root) + 1:]}", fs.rm_file, name)
+        retried(f"{src}/{name}", fs.rm_file, f"{src_root}/{name}")
