@@ -283,6 +283,26 @@ def per_replica(x: jax.Array, axes: tuple[str, ...], dim: int = 0, leading=None)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+# Mesh axes an enclosing vmap holds (spmd_axis_name): `per_shard`'s shard_map must make them manual too, or
+# jax 0.10 fails to batch it (sdy.manual_computation's shapes disagree).
+_HELD: contextvars.ContextVar = contextvars.ContextVar("jaxtrain_held_axes", default=frozenset())
+
+
+def spmd_vmap(fn, axes, **kwargs):
+    """jax.vmap(fn, spmd_axis_name=axes, **kwargs), `axes` (None, a name or names) recorded as held while fn
+    traces."""
+    held = frozenset((axes,) if isinstance(axes, str) else axes or ())
+
+    def inner(*args):
+        token = _HELD.set(_HELD.get() | held)
+        try:
+            return fn(*args)
+        finally:
+            _HELD.reset(token)
+
+    return jax.vmap(inner, spmd_axis_name=axes, **kwargs)
+
+
 def _without(rules, axes: tuple[str, ...]) -> dict:
     """The rules with `axes` dropped from every mapping: inside a vmap that holds them (spmd_axis_name)."""
     return {name: tuple(a for a in mapped if a not in axes) for name, mapped in rules.items()}
@@ -301,19 +321,20 @@ def over_replicas(fn, axes: tuple[str, ...]):
 
     def run(copies, rows):
         split = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), rows)
-        return jax.vmap(inner, spmd_axis_name=axes)(copies, split)
+        return spmd_vmap(inner, axes)(copies, split)
 
     return run
 
 
 def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
     """fn(shared, *args) run on each shard of dim `dim` of `args` (arrays) on its own, the shards being those the
-    rules cut the logical axis `name` into (mesh axes in `keep` not counted: fn sees them as before). A vmap
-    over the shards holds their mesh axes, so work that would gather the whole dim (a sort, say) stays on each
-    shard's devices. `shared` (a pytree of arrays every shard needs whole, e.g. weights) reaches each shard as
-    its own copy (`per_replica`: no data moves); closed over instead, XLA re-lays the one copy out for the
-    shards (a 2-4x slower MoE layer under fsdp). fn's outputs keep the dim. Outside `activation_sharding` (read
-    when called, so these nest), or if the shards do not divide the dim evenly, this is fn itself."""
+    rules cut the logical axis `name` into (mesh axes in `keep` not counted: fn sees them as before). A
+    shard_map makes those mesh axes manual, so work that would gather the whole dim (a sort, say) stays on each
+    shard's devices, and a kernel XLA cannot partition (a Pallas custom call) sees one shard's rows. `shared` (a
+    pytree of arrays, e.g. weights) reaches every shard whole: XLA gathers what those axes split (fsdp's
+    all-gather) and sums its gradients over them. fn's outputs keep the dim; fn must not communicate. Outside
+    `activation_sharding` (read when called, so these nest), or if the shards do not divide the dim evenly,
+    this is fn itself."""
     def run(shared, *args):
         active = _ACTIVE.get()
         if active is None:
@@ -329,10 +350,9 @@ def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
             with activation_sharding(mesh, inner_rules):
                 return fn(*parts)
 
-        copies = jax.tree.map(lambda w: per_replica(w, axes), shared)
-        split = [x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1:]) for x in args]
-        out = jax.vmap(inner, in_axes=(0, *[dim] * len(split)), out_axes=dim, spmd_axis_name=axes)(copies, *split)
-        return jax.tree.map(lambda y: y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2:]), out)
+        spec = P(*[None] * dim, axes)
+        return jax.shard_map(inner, mesh=mesh, in_specs=(P(), *[spec] * len(args)), out_specs=spec,
+                             axis_names=set(axes) | _HELD.get(), check_vma=False)(shared, *args)
 
     return run
 

@@ -202,7 +202,7 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
             chunk = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, keepdims=False), params)
         return run_chunk(chunk, c)
 
-    run_stages = jax.vmap(stage_fn, spmd_axis_name=_stage_axis(S))
+    run_stages = mesh_lib.spmd_vmap(stage_fn, _stage_axis(S))
 
     def stage_major(x):  # [S, microbatch, ...]
         return mesh_lib.constrain(x, ("stages", "batch"))

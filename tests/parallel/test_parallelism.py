@@ -120,14 +120,16 @@ PIPELINES = {  # id: (mesh, pipeline settings); the model gets 4 layers
     "gpipe4": ({"pipeline": 4, "data": 2}, dict(stages=4, microbatches=4, schedule="gpipe")),
     "gpipe2_tensor": ({"pipeline": 2, "data": 2, "tensor": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
     "circular2x2": ({"pipeline": 2, "fsdp": 4}, dict(stages=2, microbatches=2, schedule="circular", repeats=2)),
-    # A mixture of experts: experts split over `expert` inside each stage; the balancing loss is the whole batch's.
-    "gpipe2_expert2": ({"pipeline": 2, "expert": 2, "data": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
+    # A dropless mixture of experts: experts split over `expert` inside each stage, each fsdp shard's tokens
+    # sorted on their own (a shard_map inside the stages' vmap); the balancing loss is the whole batch's.
+    "gpipe2_expert2": ({"pipeline": 2, "expert": 2, "fsdp": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
 }
 
 
 def pipelined_config(tiny_config, name):
     mesh, settings = PIPELINES[name]
-    return configure(tiny_config, mesh, **{"model.n_layers": 4}, **(MOE if "expert" in mesh else {}),
+    moe = {**MOE, "model.moe_routing": "dropless"} if "expert" in mesh else {}
+    return configure(tiny_config, mesh, **{"model.n_layers": 4}, **moe,
                      **{f"pipeline.{k}": v for k, v in settings.items()})
 
 

@@ -375,18 +375,20 @@ def test_analytic_collectives_match_the_compiled_ones(tiny_config, case):
 def test_dropless_experts_plan_gathered_rows_and_summed_partials_not_all_to_alls(tiny_config, mesh):
     """Dropless routing has no token buffer to send: each data/fsdp shard's assignment rows are gathered along
     `expert`, every device runs its own experts, and the partial outputs are all-reduced, forward and backward.
-    XLA moves more than that along `expert` (docs/planning.md: it also sums the hidden activations and re-lays
-    out w_down), so the compiled bytes there are at least the analytic ones. Every other collective stays
-    exact: the gradients' reduces, and under fsdp the weight gathers (each shard has its own weight copy)."""
+    XLA moves more than that along `expert` (docs/planning.md: it gathers the rows as an all-reduce and sums
+    the hidden activations too), so the compiled bytes there are at least the analytic ones; no all-to-all is
+    planned or compiled. Every other collective stays exact: the gradients' reduces, and under fsdp the weight
+    gathers."""
     config = tiny_config(**{"model.tie_embeddings": False, "model.n_experts": 4, "model.moe_routing": "dropless",
                             **mesh})
     rows = {(r["kind"], tuple(r["axes"])): r for r in plan(config, 8, "cpu", peak_flops=1e12)["collectives"]}
     shard_rows = 8 * 32 // 4 * 2  # a shard's tokens (4 shards besides `expert`) x top_k
     want = 2 * 2 * shard_rows * 32 * 4  # 2 layers, forward and backward, d_model 32, f32
-    for key in [("all-gather", ("expert",)), ("all-reduce", ("expert",))]:
-        assert want <= rows[key]["analytic_bytes"] <= rows[key]["bytes"], key
     assert rows[("all-gather", ("expert",))]["analytic_bytes"] == want
-    assert not rows[("all-to-all", ("expert",))]["analytic_bytes"]
+    assert rows[("all-reduce", ("expert",))]["analytic_bytes"] >= want
+    along_expert = [row for key, row in rows.items() if key[1] == ("expert",)]
+    assert sum(r["analytic_bytes"] or 0 for r in along_expert) <= sum(r["bytes"] for r in along_expert)
+    assert ("all-to-all", ("expert",)) not in rows
     exact = [key for key, row in rows.items() if key[1] != ("expert",) and row["bytes"] > 1024]
     assert exact and all(rows[key]["ratio"] == pytest.approx(1.0, abs=0.02) for key in exact), [
         (key, rows[key]["ratio"]) for key in exact]
