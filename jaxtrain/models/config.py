@@ -8,6 +8,8 @@ and say how the layer stack runs, not what it is.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+
 import jax
 
 from jaxtrain.errors import ConfigError
@@ -49,6 +51,8 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ROUTINGS = ("capacity", "dropless")
+# The grouped matmul of dropless routing (jaxtrain.models.moe._kernel_ops): jax.lax.ragged_dot, or tokamax's.
+MOE_KERNELS = ("xla", "tokamax")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
@@ -146,6 +150,10 @@ class ModelConfig:
     moe_routing: str = "capacity"
     # The top-k gates renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), or the raw probabilities.
     moe_renormalize: bool = True
+    # Dropless's grouped matmul: "xla" (jax.lax.ragged_dot; on GPUs XLA runs it as one dense matmul over every
+    # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
+    # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
+    moe_kernel: str = "xla"
     # Pipeline parallelism (jaxtrain.parallel.pipeline): how the layer stack runs, not what the model is. 1 stage = a
     # plain scan over the layers.
     pipeline_stages: int = 1
@@ -272,6 +280,20 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
             raise ConfigError("model.lora_dropout", "the experts' adapters take no dropout (nor do PEFT's); set it "
                               "to 0 or leave 'experts' out of model.lora_targets")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
+    g.choice("moe_kernel", MOE_KERNELS, what="grouped-matmul kernel")
+    if m.moe_kernel != "xla":
+        if not (m.n_experts and m.moe_routing == "dropless"):
+            raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is dropless routing's grouped matmul; this model "
+                              f"has {'capacity routing' if m.n_experts else 'no experts'} (use 'xla')")
+        if importlib.util.find_spec(m.moe_kernel) is None:
+            raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is not installed "
+                              f"(pip install 'jaxtrain[kernels]')")
+        # A Pallas kernel is a custom call XLA cannot partition: it would see the experts gathered whole along
+        # `expert` (and repeat every expert's work there) or the MLP width gathered along `tensor`.
+        if split := [a for a in ("expert", "tensor") if mesh_shape[a] > 1]:
+            raise ConfigError("model.moe_kernel", f"{m.moe_kernel}'s kernel runs each device's tokens through "
+                              f"whole expert weights; with mesh.{split[0]}={mesh_shape[split[0]]} XLA would gather "
+                              f"them there (use 'xla', or data/fsdp/sequence axes)")
     g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:
         g.positive_int("moe_top_k")

@@ -8,13 +8,14 @@ probabilities (renormalised to sum to 1 with `moe_renormalize`). "capacity": wit
 (a row, or `moe_group_tokens` of it) an expert takes at most C = ceil(capacity_factor * G * k / E) tokens, first
 choices before second ones; the rest are dropped (the residual carries them); dispatch and combine are one-hot
 einsums with static shapes, so with experts on the `expert` mesh axis XLA inserts the all-to-alls. "dropless":
-the call's assignments sorted by expert run through jax.lax.ragged_dot (`dropless_experts`). load_balance_loss =
-E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts, padding included
-(docs/parallelism.md).
+the call's assignments sorted by expert run through a ragged_dot, jax's or tokamax's (`model.moe_kernel`).
+load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts,
+padding included (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -139,38 +140,58 @@ def _flat_batch(op):
     return folded
 
 
-_ragged_dot = _flat_batch(jax.lax.ragged_dot)  # x [m, k], w [E, k, n] -> [m, n]
-# x [m, k], g [m, n] -> [E, k, n]: each group's x rows^T @ its g rows (ragged_dot's weight gradient).
-_ragged_weight_grad = _flat_batch(lambda x, g, sizes: jax.lax.ragged_dot_general(
-    x, g, sizes, jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])))
+# x [m, k] @ w [E, k, n] -> [m, n], row groups by `sizes`, and (ragged contracting) x [m, k], g [m, n] ->
+# [E, k, n]: each group's x rows^T @ its g rows (the weight gradient). Those are the two forms tokamax's Mosaic
+# GPU kernels take (the second as RAGGED_CONTRACTING_DOT_DIM_NUMS).
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
 
-@jax.custom_vjp
-def _grouped_matmul(x, w, sizes):
-    """jax.lax.ragged_dot(x [m, k], w [E, k, n], sizes [E]) -> [m, n], its backward written out so that its
-    ragged_dots, too, go through `_flat_batch`."""
-    return _ragged_dot(x, w, sizes)
+def _kernel_ops(name: str):
+    """(ragged_dot, ragged_dot_general) of the library `model.moe_kernel` names (tokamax imported only then)."""
+    if name == "tokamax":
+        import tokamax  # optional: jaxtrain[kernels]
+        from absl import flags
+
+        # tokamax reads its options from absl flags, parsing sys.argv first if no one has: a notebook's or
+        # pytest's arguments then fail as unknown flags. Its defaults are what we want.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        return tokamax.ragged_dot, tokamax.ragged_dot_general
+    return jax.lax.ragged_dot, jax.lax.ragged_dot_general
 
 
-def _grouped_matmul_fwd(x, w, sizes):
-    return _ragged_dot(x, w, sizes), (x, w, sizes)
+@functools.cache
+def grouped_matmul(kernel: str = "xla"):
+    """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot, with its backward written out
+    so that every ragged_dot, the gradients' too, goes through `_flat_batch` (and the kernel)."""
+    dot, dot_general = _kernel_ops(kernel)
+    forward = _flat_batch(dot)
+    weight_grad = _flat_batch(lambda x, g, sizes: dot_general(x, g, sizes, _RAGGED_CONTRACTING))
+
+    @jax.custom_vjp
+    def matmul(x, w, sizes):
+        return forward(x, w, sizes)
+
+    def fwd(x, w, sizes):
+        return forward(x, w, sizes), (x, w, sizes)
+
+    def bwd(res, g):
+        x, w, sizes = res
+        return forward(g, jnp.swapaxes(w, -1, -2), sizes), weight_grad(x, g, sizes).astype(w.dtype), None
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
 
 
-def _grouped_matmul_bwd(res, g):
-    x, w, sizes = res
-    return _ragged_dot(g, jnp.swapaxes(w, -1, -2), sizes), _ragged_weight_grad(x, g, sizes).astype(w.dtype), None
-
-
-_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
-
-
-def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None)):
+def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
     (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run as one
     ragged_dot per projection, the group sizes the assignments per expert: no capacity, nothing dropped.
-    `adapters`: the LoRA factors (lora.factors) of gate-and-up (A [E, d, r], B [E, r, 2, f]) and of down, or None."""
+    `adapters`: the LoRA factors (lora.factors) of gate-and-up (A [E, d, r], B [E, r, 2, f]) and of down, or None.
+    `kernel`: whose ragged_dot (`model.moe_kernel`)."""
     n, k = experts.shape
+    matmul = grouped_matmul(kernel)
     flat = experts.reshape(n * k)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32), unique_indices=True)
@@ -178,14 +199,14 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
     # Each token's row repeated k times (the backward sums the copies), then sorted by expert.
     rows = _permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
     e, d, ways, width = w_gate_up.shape
-    joined = _grouped_matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(n * k, ways, width)
+    joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(n * k, ways, width)
     gate, up = (h.reshape(n * k, -1) for h in split_last(joined, (width // 2,)))
-    low_rank = lambda h, a, b: _grouped_matmul(_grouped_matmul(h, a, sizes), b.reshape(e, a.shape[-1], -1), sizes)
+    low_rank = lambda h, a, b: matmul(matmul(h, a, sizes), b.reshape(e, a.shape[-1], -1), sizes)
     if adapters[0] is not None:
         gate_up = low_rank(rows, *adapters[0]).reshape(n * k, 2, -1)
         gate, up = gate + gate_up[:, 0], up + gate_up[:, 1]
     hidden = act(gate) * up
-    out = _grouped_matmul(hidden, w_down, sizes)
+    out = matmul(hidden, w_down, sizes)
     if adapters[1] is not None:
         out = out + low_rank(hidden, *adapters[1])
     out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
@@ -305,7 +326,8 @@ class MoE(nnx.Module):
             b, t, _ = x.shape
             gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
-                                    gate_up, down, activation(cfg.mlp_activation), adapters).reshape(b, t, d)
+                                    gate_up, down, activation(cfg.mlp_activation), adapters,
+                                    cfg.moe_kernel).reshape(b, t, d)
 
         # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
         # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the

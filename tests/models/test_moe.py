@@ -456,6 +456,43 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
     assert max(errors.values()) < 1e-5, errors
 
 
+def test_tokamax_kernel_equals_xla_ragged_dot_alone_on_a_mesh_and_under_nested_vmap():
+    """model.moe_kernel=tokamax runs tokamax.ragged_dot (its XLA fallback on CPU) for every grouped matmul,
+    gradients included: outputs and gradients equal jax.lax.ragged_dot's on one device, on data 2 x fsdp 4
+    (each shard's rows through the kernel inside the shard_map) and under a pipeline's two vmaps."""
+    import tokamax
+
+    calls = []
+    original = tokamax.ragged_dot, tokamax.ragged_dot_general
+    x = np.random.default_rng(12).normal(size=(2, 2, 8, 8, SMALL["d_model"])).astype(np.float32)
+    probe = np.random.default_rng(13).normal(size=x.shape[2:]).astype(np.float32)
+    results = {}
+    for kernel in ("xla", "tokamax"):
+        moe.grouped_matmul.cache_clear()
+        cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", moe_kernel=kernel)
+        stacked = jax.tree.map(lambda p: np.stack([p * (1 + 0.1 * i) for i in range(4)]).reshape(2, 2, *p.shape),
+                               params)
+
+        def loss(params, x):
+            y, aux = apply(graphdef, params, x)
+            return jnp.sum(y * probe) + aux["load_balance_loss"], (y, aux)
+
+        step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4})
+        with mesh_lib.activation_sharding(mesh, mesh_lib.resolve_rules("fsdp")):
+            sharded = jax.jit(step)(params, x[0, 0])
+        results[kernel] = (jax.jit(step)(params, x[0, 0]), sharded, jax.jit(jax.vmap(jax.vmap(step)))(stacked, x))
+    with pytest.MonkeyPatch.context() as patch:  # the tokamax path does call tokamax, forward and backward
+        patch.setattr(tokamax, "ragged_dot", lambda *a, **k: calls.append("dot") or original[0](*a, **k))
+        patch.setattr(tokamax, "ragged_dot_general", lambda *a, **k: calls.append("general") or original[1](*a, **k))
+        moe.grouped_matmul.cache_clear()
+        jax.jit(lambda p, x: step(p, x)).lower(params, x[0, 0])  # a new function: traced afresh
+        moe.grouped_matmul.cache_clear()
+    assert set(calls) == {"dot", "general"}, calls
+    for got, want in zip(jax.tree.leaves(results["tokamax"]), jax.tree.leaves(results["xla"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 # --- Config guards -----------------------------------------------------------------------------------
 
 
@@ -464,3 +501,34 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
 def test_bad_config_raises(overrides, field):
     with pytest.raises(ValueError, match=field):
         moe.MoE(ModelConfig(**{**SMALL, **overrides}), nnx.Rngs(params=0))
+
+
+@pytest.mark.parametrize("setting, reason", [
+    ({"moe_kernel": "megablocks"}, "unknown grouped-matmul kernel 'megablocks'"),
+    ({"moe_kernel": "tokamax"}, "tokamax is dropless routing's grouped matmul; this model has capacity routing"),
+    ({"moe_kernel": "tokamax", "n_experts": 0}, "this model has no experts"),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "missing": True},
+     r"tokamax is not installed \(pip install 'jaxtrain\[kernels\]'\)"),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"expert": 2}}, "with mesh.expert=2 XLA would"),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"tensor": 2}}, "with mesh.tensor=2 XLA would"),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"fsdp": 2, "sequence": 2}}, None),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless"}, None),
+])
+def test_moe_kernel_is_checked_at_config_time(setting, reason, monkeypatch):
+    import importlib.util
+
+    from jaxtrain import config as config_lib
+
+    if setting.pop("missing", False):
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokamax" else
+                            find_spec(name, *a))
+    cfg = config_lib.base_config()
+    mesh = setting.pop("mesh", {})
+    cfg.mesh.update(data=-1, **mesh)
+    cfg.model.update(**{"n_experts": 4, **setting})
+    if reason is None:
+        config_lib.validate(cfg, 8)
+    else:
+        with pytest.raises(config_lib.ConfigError, match=f"^model.moe_kernel: .*{reason}"):
+            config_lib.validate(cfg, 8)
