@@ -1,7 +1,7 @@
 """Train-step throughput of a mixture of experts: capacity routing against dropless routing, in one process.
 
     python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
-                                [--capacity_factor 1.25] [--steps 3] [--gathered]
+                                [--capacity_factor 1.25] [--steps 3] [--gathered] [--tokamax]
 
 The model is the config's with its MLPs made `--experts` experts of width `--expert_d_ff`, each token routed to
 its top `--top_k` (bench_cpu's defaults here: 8 experts of 512, top 2, so a token's active MLP width is the dense
@@ -11,6 +11,8 @@ then `--steps` steps of the two in turn (a change in the machine's load hits bot
 a third, "dropless_gathered": dropless with each shard's sort turned off (`moe.per_shard` made the identity
 while it compiles), so XLA gathers every token onto every device as before; run it on a mesh, e.g.
 XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.data=8 --config.train.batch_size=8.
+`--tokamax` adds "dropless_tokamax": dropless with `model.moe_kernel=tokamax` (its grouped-matmul kernel on a
+GPU or TPU; on CPU its XLA fallback, so there it measures only the wrapper's cost).
 Ends with one JSON line, e.g.
 {"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
 """
@@ -27,10 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step import warm_trainer  # the same batch and warm-up as the dense benchmark
 
 
-def moe_config(base, routing: str):
+def moe_config(base, name: str):
+    """The config of a run: "capacity", "dropless", "dropless_gathered" or "dropless_tokamax"."""
     cfg = base.copy_and_resolve_references()
     cfg.model.update(n_experts=_EXPERTS.value, moe_top_k=_TOP_K.value, d_ff=_EXPERT_D_FF.value,
-                     moe_capacity_factor=_CAPACITY_FACTOR.value, moe_routing=routing)
+                     moe_capacity_factor=_CAPACITY_FACTOR.value, moe_routing=name.split("_")[0],
+                     moe_kernel="tokamax" if name == "dropless_tokamax" else "xla")
     return cfg
 
 
@@ -43,12 +47,14 @@ def main(argv):
 
     base = _CONFIG.value
     runs = {}
-    for name in ("capacity", "dropless", *(["dropless_gathered"] if _GATHERED.value else [])):
+    names = ("capacity", "dropless", *(["dropless_gathered"] if _GATHERED.value else []),
+             *(["dropless_tokamax"] if _TOKAMAX.value else []))
+    for name in names:
         per_shard = moe.per_shard
         if name == "dropless_gathered":  # the step compiles (and is warmed) inside warm_trainer
             moe.per_shard = lambda fn, *args, **kwargs: fn
         try:
-            trainer, state, batch, _, startup_s = warm_trainer(moe_config(base, name.split("_")[0]))
+            trainer, state, batch, _, startup_s = warm_trainer(moe_config(base, name))
         finally:
             moe.per_shard = per_shard
         runs[name] = {"trainer": trainer, "state": state, "batch": batch, "times": [],
@@ -68,7 +74,8 @@ def main(argv):
         result[routing] = r = {"step_ms": 1e3 * step_s, "tokens_per_sec": tokens / step_s,
                                "startup_to_warm_s": run["startup_to_warm_s"], "loss": float(run["metrics"]["loss"]),
                                "dropped_fraction": float(run["metrics"]["moe/dropped_fraction"])}
-        print(f"{routing:>8}: step {r['step_ms']:.1f} ms (median of {_STEPS.value}) | {r['tokens_per_sec']:,.0f} tok/s "
+        print(f"{routing:>17}: step {r['step_ms']:.1f} ms (median of {_STEPS.value}) | "
+              f"{r['tokens_per_sec']:,.0f} tok/s "
               f"| dropped {100 * r['dropped_fraction']:.1f}% | warm after {r['startup_to_warm_s']:.0f} s",
               file=sys.stderr)
     ratio = result["dropless"]["tokens_per_sec"] / result["capacity"]["tokens_per_sec"]
@@ -80,6 +87,10 @@ def main(argv):
                                             result["dropless_gathered"]["tokens_per_sec"])
         print(f"dropless / dropless gathered onto every device: {result['dropless_over_gathered']:.2f}",
               file=sys.stderr)
+    if "dropless_tokamax" in result:
+        result["tokamax_over_xla"] = (result["dropless_tokamax"]["tokens_per_sec"] /
+                                      result["dropless"]["tokens_per_sec"])
+        print(f"dropless with tokamax's ragged_dot / with XLA's: {result['tokamax_over_xla']:.2f}", file=sys.stderr)
     print(json.dumps({**result, "dropless_over_capacity": ratio, "config": base.workdir, "experts": _EXPERTS.value,
                       "top_k": _TOP_K.value, "expert_d_ff": _EXPERT_D_FF.value,
                       "capacity_factor": _CAPACITY_FACTOR.value, "devices": jax.device_count(),
@@ -95,4 +106,5 @@ if __name__ == "__main__":
     _CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.25, "Capacity routing's model.moe_capacity_factor.")
     _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per routing (after 2 warm-up steps each).")
     _GATHERED = flags.DEFINE_bool("gathered", False, "Also time dropless without the per-shard sort.")
+    _TOKAMAX = flags.DEFINE_bool("tokamax", False, "Also time dropless with model.moe_kernel=tokamax.")
     app.run(main)

@@ -10,6 +10,8 @@
 #   bash scripts/gpu_bench.sh cudnn cudnn+fp8 cudnn+int8 cudnn+muon cudnn+moments16   # quantization, optimizers
 #   bash scripts/gpu_bench.sh cudnn cudnn+offload cudnn+offload_dots                   # host offload
 #   bash scripts/gpu_bench.sh cudnn cudnn+lora16                                        # LoRA against full
+#   bash scripts/gpu_bench.sh moe     # dropless MoE: ragged_dot (XLA's, tokamax's), then bench_moe.py --tokamax
+#                                     # (RAGGED_ARGS, MOE_ARGS: more arguments for each script)
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu near
 # 25% MFU by `jaxtrain plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
@@ -19,6 +21,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0 qwix==0.1.8"
+# tokamax (model.moe_kernel=tokamax) and what it imports; each name here is also its import name.
+WHEELS="$WHEELS tokamax==0.0.12 einshape==1.0 immutabledict==4.3.1 jaxtyping==0.3.11 wadler_lindig==0.1.8
+typeguard==2.13.3 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 tqdm==4.70.1"
 if [[ "${1:-}" == "--download" ]]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -62,6 +67,8 @@ variant_args() {  # variant, or variants joined by + (e.g. cudnn+batch16): their
   echo "$flags|$args"
 }
 
+MOE=0
+if [[ "${1:-}" == "moe" ]]; then MOE=1; shift; fi
 for v in "${@:-base}"; do
   bad=$(variant_args "$v") || { echo "gpu_bench: unknown variant '$bad'" >&2; exit 2; }
 done
@@ -90,6 +97,19 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__,
 jax.devices())"; } | tee "$OUT/env.txt"
+
+if (( MOE )); then
+  # Mixtral's expert shape (8 groups of 4096 -> 14336), then bench_gpu with 8 experts of half its d_ff, top 2
+  # (the dense model's active width), 6 layers so that its three models fit together.
+  # shellcheck disable=SC2086
+  "$PY" scripts/bench_ragged_dot.py ${RAGGED_ARGS:-} >"$OUT/ragged_dot.log" 2>&1
+  tail -n 4 "$OUT/ragged_dot.log"; tail -n 1 "$OUT/ragged_dot.log" >> "$OUT/gpu_moe.jsonl"
+  # shellcheck disable=SC2086
+  "$PY" scripts/bench_moe.py --config "$CONFIG" --tokamax --expert_d_ff 2816 --config.model.n_layers=6 \
+    --steps "$STEPS" ${MOE_ARGS:-} >"$OUT/bench_moe.log" 2>&1
+  tail -n 6 "$OUT/bench_moe.log"; tail -n 1 "$OUT/bench_moe.log" >> "$OUT/gpu_moe.jsonl"
+  exit
+fi
 
 start=$SECONDS
 for v in "${@:-base}"; do

@@ -74,3 +74,20 @@ def test_gpu_bench_rejects_an_unknown_part_of_a_joined_variant(tmp_path):
     proc = gpu_bench(tmp_path, "cudnn+batch61")
     assert proc.returncode == 2 and "gpu_bench: unknown variant 'batch61'" in proc.stderr
     assert not (tmp_path / "gpu_bench.jsonl").exists()
+
+
+def test_gpu_bench_moe_times_both_ragged_dots_and_trains_tokamax_like_xla(tmp_path):
+    """`gpu_bench.sh moe` (the grouped-matmul check for a GPU session), shrunk for the CPU: both ragged_dots are
+    timed, and dropless MoE trained with tokamax's kernel (its XLA fallback here) reaches XLA's loss exactly."""
+    env = {"RAGGED_ARGS": "--rows 64 --k 16 --n 32 --steps 1",
+           "MOE_ARGS": "--expert_d_ff 32 --config.model.n_layers=1 --config.train.batch_size=2"}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        proc = gpu_bench(tmp_path, "moe", budget_s=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ragged, moe_run = (json.loads(line) for line in (tmp_path / "gpu_moe.jsonl").read_text().splitlines())
+    assert ragged["rows"] == 64 and ragged["xla"]["fwd_ms"] > 0 and ragged["tokamax"]["fwd_bwd_ms"] > 0
+    assert set(moe_run) >= {"capacity", "dropless", "dropless_tokamax", "tokamax_over_xla"}
+    assert moe_run["dropless_tokamax"]["loss"] == moe_run["dropless"]["loss"]
+    assert moe_run["dropless"]["dropped_fraction"] == 0 < moe_run["capacity"]["dropped_fraction"]
