@@ -304,7 +304,7 @@ def spmd_vmap(fn, axes, **kwargs):
 
 
 def _without(rules, axes: tuple[str, ...]) -> dict:
-    """The rules with `axes` dropped from every mapping: inside a vmap that holds them (spmd_axis_name)."""
+    """The rules with `axes` dropped from every mapping: inside a vmap or shard_map that holds them."""
     return {name: tuple(a for a in mapped if a not in axes) for name, mapped in rules.items()}
 
 
