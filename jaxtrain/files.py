@@ -27,6 +27,17 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)  # a reader never sees half a file
 
 
+def user_cache(*parts: str) -> str:
+    """~/.cache/jaxtrain/<parts>: what jaxtrain can rebuild (the default corpus, copies of bucket files, staged
+    uploads, the CPU's measured peak)."""
+    return str(Path.home().joinpath(".cache", "jaxtrain", *parts))
+
+
+def url_cache(kind: str, url: str) -> str:
+    """A `user_cache` dir of its own for `url` under `kind` (named by the URL's hash)."""
+    return user_cache(kind, hashlib.sha256(url.encode()).hexdigest()[:16])
+
+
 def file_hash(path: str | os.PathLike) -> str:
     """sha256 hex of a file (tokenizer.json, shards, prepare's inputs: so any etils.epath path, gs:// too)."""
     h = hashlib.sha256()

@@ -11,7 +11,6 @@ start each encoded text).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,8 +33,8 @@ CHUNK_RECORDS = 16  # records per ArrayRecord chunk (group_size); divides BLOCK_
 
 def default_dir(data_cfg) -> str:
     """Where the default corpus is prepared when `data.dir` is empty."""
-    return data_cfg.dir or str(Path.home() / ".cache" / "jaxtrain" / "data" /
-                               f"{data_cfg.corpus}_v{data_cfg.vocab_size}_h{data_cfg.heldout_docs}")
+    name = f"{data_cfg.corpus}_v{data_cfg.vocab_size}_h{data_cfg.heldout_docs}"
+    return data_cfg.dir or files.user_cache("data", name)
 
 
 def block_tokens(lengths: np.ndarray, block_records: int = BLOCK_RECORDS) -> np.ndarray:
@@ -128,4 +127,4 @@ def local_tokenizer_dir(data_dir: str) -> str:
 
 def remote_cache(data_dir: str) -> str:
     """The local dir for copies of a bucket data dir's files (tokenizer, sparse shards)."""
-    return str(Path.home() / ".cache" / "jaxtrain" / "remote" / hashlib.sha256(data_dir.encode()).hexdigest()[:16])
+    return files.url_cache("remote", data_dir)

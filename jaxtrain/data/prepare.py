@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
@@ -427,7 +426,7 @@ def _local_output(data_dir: str) -> str:
 
 def staging_dir(url: str) -> str:
     """Where data for the bucket dir `url` is prepared (and resumed) before `publish` uploads it."""
-    return str(Path.home() / ".cache" / "jaxtrain" / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16])
+    return files.url_cache("staging", url)
 
 
 def publish(local_dir: str, url: str, print_fn=print) -> dict:

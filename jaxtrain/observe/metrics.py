@@ -367,7 +367,7 @@ def peak_flops(cache_dir: str | os.PathLike | None = None, dtype="float32") -> t
             if name in kind:
                 return flops * len(devices), f"table:{name}"
         return float("nan"), f"unknown device kind {kind!r}"
-    cache = Path(cache_dir or Path.home() / ".cache" / "jaxtrain") / "cpu_peak.json"
+    cache = Path(cache_dir or files.user_cache()) / "cpu_peak.json"
     dtype = jnp.dtype(dtype).name
     key = f"{_cpu_cache_key()}|{dtype}"
     cached = {}
