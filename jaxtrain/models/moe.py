@@ -322,7 +322,7 @@ class MoE(nnx.Module):
         weights = (self.gate_up_weights(dt), weight(self.w_down, dt),
                    (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
 
-        def run(weights, x, experts, gates):  # one shard's tokens [b, t, ...] and its copy of the weights
+        def run(weights, x, experts, gates):  # one shard's tokens [b, t, ...], the weights whole
             b, t, _ = x.shape
             gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
