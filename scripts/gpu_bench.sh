@@ -68,7 +68,11 @@ variant_args() {  # variant, or variants joined by + (e.g. cudnn+batch16): their
 }
 
 MOE=0
-if [[ "${1:-}" == "moe" ]]; then MOE=1; shift; fi
+if [[ "${1:-}" == "moe" ]]; then
+  MOE=1; shift
+  # Its two scripts take their own arguments (RAGGED_ARGS, MOE_ARGS), not bench_step's variants.
+  if (( $# )); then echo "gpu_bench: moe takes no variants (got '$*'); use RAGGED_ARGS and MOE_ARGS" >&2; exit 2; fi
+fi
 for v in "${@:-base}"; do
   bad=$(variant_args "$v") || { echo "gpu_bench: unknown variant '$bad'" >&2; exit 2; }
 done

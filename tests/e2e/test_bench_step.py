@@ -56,6 +56,9 @@ def test_gpu_bench_rejects_an_unknown_variant_before_running_any(tmp_path):
     proc = gpu_bench(tmp_path, "base", "remat_nonee")
     assert proc.returncode == 2 and "gpu_bench: unknown variant 'remat_nonee'" in proc.stderr
     assert not (tmp_path / "gpu_bench.jsonl").exists()
+    proc = gpu_bench(tmp_path, "moe", "cudnn")  # moe mode's scripts take no variants: refused, not ignored
+    assert proc.returncode == 2 and "gpu_bench: moe takes no variants (got 'cudnn')" in proc.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_gpu_bench_runs_variants_joined_by_plus_as_one(tmp_path):
