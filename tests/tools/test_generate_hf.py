@@ -7,6 +7,7 @@ Models are tiny, seeded and random, saved to tmp_path: nothing downloads. FAMILI
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,16 +136,34 @@ def _unsupported(tmp_path, llama_dir):
     return d, ["--prompt_ids", "1"], [d / "config.json", "model_type"]
 
 
+def _unsupported_rope(tmp_path, llama_dir):
+    d = shutil.copytree(llama_dir, tmp_path / "rope")
+    edit_json(d / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5000.0})
+    return d, ["--prompt_ids", "1"], [d / "config.json", "rope_type", "'dynamic'"]
+
+
+def _missing_tensor(tmp_path, llama_dir):
+    from safetensors.numpy import load_file, save_file
+
+    d = shutil.copytree(llama_dir, tmp_path / "missing")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d, ["--prompt_ids", "1"], ["model.layers.1.mlp.down_proj.weight"]
+
+
 @pytest.mark.parametrize("case", [
     _not_hf,
     _unsupported,
+    _unsupported_rope,
+    _missing_tensor,
     lambda tmp_path, d: (d, ["--prompt_ids", "1,x"], ["--prompt_ids", "1,x"]),
     lambda tmp_path, d: (d, ["--prompt_ids", "-1"], ["--prompt_ids"]),
     lambda tmp_path, d: (d, ["--prompt_ids", ""], ["--prompt_ids"]),
     lambda tmp_path, d: (d, ["--prompt_ids", "1,96"], ["--prompt_ids", "96", "vocab_size 96"]),
     lambda tmp_path, d: (d, ["--prompt", "hello"], [d / "tokenizer.json", "--prompt_ids"]),
     lambda tmp_path, d: (d, ["--prompt_ids", "1", "--step", "3"], ["--step"]),
-], ids=["not_hf", "unsupported_model_type", "ids_not_ints", "negative_id", "no_ids", "id_outside_vocab",
+], ids=["not_hf", "unsupported_model_type", "unsupported_rope_type", "missing_tensor", "ids_not_ints", "negative_id", "no_ids", "id_outside_vocab",
         "prompt_without_tokenizer", "step"])
 def test_bad_input_exits_2_in_one_line(case, llama_dir, tmp_path, capsys):
     hf_dir, args, names = case(tmp_path, llama_dir)
