@@ -16,6 +16,7 @@ BAD = {
     # default mesh data=-1 -> 8 devices; 12 rows do not split 8 ways
     "batch_not_divisible": (["--config.train.batch_size=12"], "train.batch_size"),
     "negative_lr": (["--config.optim.lr=-1"], "optim.lr"),
+    "unimplemented_rope_scaling": (["--config.model.rope_scaling=dynamic"], "model.rope_scaling"),
     "bad_mixture": (["--config.data.mixture=somedir"], "data.mixture"),
     "bad_nan_policy": (["--config.faults.nan_policy=ignore"], "faults.nan_policy"),
     "partial_distributed": (["--config.distributed.num_processes=2"], "distributed.coordinator"),
