@@ -1,6 +1,7 @@
 """Every model family against `transformers` (tiny seeded random models, nothing downloaded): logits on a
-batch longer than the sliding window, greedy decoding through `jaxtrain generate --hf`, export loaded back by
-`transformers`, export then import bit-exact; and 3 training steps on 8 fake devices against one device."""
+batch longer than the sliding window and on two documents packed in a row, greedy decoding through `jaxtrain
+generate --hf`, export loaded back by `transformers`, export then import bit-exact; and 3 training steps on 8
+fake devices against one device."""
 
 import dataclasses
 
@@ -75,12 +76,15 @@ def hf_logits(path, tokens):
         return hf_model(path)(torch.tensor(tokens)).logits.numpy()
 
 
-def our_logits(fields, params, tokens):
+def our_logits(fields, params, tokens, positions=None, segment_ids=None):
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32", "loss_chunk_tokens": 0})
     graphdef, state = transformer.from_params(cfg, jax.tree.map(jnp.asarray, params))
     b, t = tokens.shape
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    return np.asarray(nnx.merge(graphdef, state)(tokens, positions, np.ones((b, t), np.int32)))
+    if positions is None:
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    if segment_ids is None:
+        segment_ids = np.ones((b, t), np.int32)
+    return np.asarray(nnx.merge(graphdef, state)(tokens, positions, segment_ids))
 
 
 def greedy(path, prompt, n):
@@ -105,6 +109,15 @@ def test_family_matches_transformers_both_ways(name, tmp_path, capsys):
     assert fields["family"] == name
     want = hf_logits(src, tokens)
     np.testing.assert_allclose(our_logits(fields, params, tokens), want, atol=1e-4, rtol=1e-4)
+
+    # Two documents packed in a row (positions restart at the second, 7 tokens: beyond the window) each equal
+    # the document alone.
+    cut = 5
+    positions = np.concatenate([np.arange(cut), np.arange(T_LEN - cut)])[None].astype(np.int32)
+    segments = np.array([[1] * cut + [2] * (T_LEN - cut)], np.int32)
+    packed = our_logits(fields, params, tokens[:1], positions, segments)
+    np.testing.assert_allclose(packed[:, :cut], hf_logits(src, tokens[:1, :cut]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(packed[:, cut:], hf_logits(src, tokens[:1, cut:]), atol=1e-4, rtol=1e-4)
 
     # Export: transformers loads it as it is and computes the same logits; importing it gives the same params.
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32"})
