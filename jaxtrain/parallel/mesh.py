@@ -345,16 +345,26 @@ def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
         if n == 1 or any(x.shape[dim] % n for x in args):
             return fn(shared, *args)
         inner_rules = _without(rules, axes)
+        dtypes = jax.tree.map(lambda a: a.dtype, shared)
+        if mesh.devices.flat[0].platform == "cpu":
+            # XLA:CPU sums a bf16 all-reduce in f32, and crashes widening the one that sums `shared`'s gradients
+            # in a partial-manual shard_map ("Invalid binary instruction opcode copy", jax 0.10.2): widen first.
+            shared = jax.tree.map(_widened, shared)
 
-        def inner(*parts):
+        def inner(shared, *parts):
             with activation_sharding(mesh, inner_rules):
-                return fn(*parts)
+                return fn(jax.tree.map(lambda a, dtype: a.astype(dtype), shared, dtypes), *parts)
 
         spec = P(*[None] * dim, axes)
         return jax.shard_map(inner, mesh=mesh, in_specs=(P(), *[spec] * len(args)), out_specs=spec,
                              axis_names=set(axes) | _HELD.get(), check_vma=False)(shared, *args)
 
     return run
+
+
+def _widened(a):
+    """a in f32 if it is a narrower float."""
+    return a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 else a
 
 
 def split_microbatches(x, n: int):

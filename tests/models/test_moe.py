@@ -374,6 +374,23 @@ def test_dropless_bfloat16_compute():
     assert float(jnp.abs(y16.astype(jnp.float32) - y32).max()) < 3e-2 * float(jnp.abs(y32).max())
 
 
+def test_dropless_bfloat16_gradients_on_a_partly_manual_mesh_equal_one_device():
+    """bf16 compute on fsdp 4 x tensor 2: the per-shard shard_map is manual over fsdp only, and XLA:CPU, widening
+    the bf16 sum of the weights' gradients it lowers to, aborted the process (jax 0.10.2)."""
+    cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", dtype="bfloat16")
+    x = jnp.asarray(np.random.default_rng(15).normal(size=(8, 8, cfg.d_model)), jnp.bfloat16)
+    probe = np.random.default_rng(16).normal(size=x.shape).astype(np.float32)
+    step = jax.grad(lambda p, x: jnp.sum(apply(graphdef, p, x)[0].astype(jnp.float32) * probe))
+    want = jax.jit(step)(params, x)
+
+    mesh, rules = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2}), mesh_lib.resolve_rules("dp_fsdp_tp")
+    with mesh_lib.activation_sharding(mesh, rules):
+        got = jax.jit(step)(params, jax.device_put(x, mesh_lib.batch_sharding(mesh, rules)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-2 * float(np.abs(w).max()))
+
+
 @pytest.mark.parametrize("axes,preset", [({"fsdp": 2, "expert": 4}, "fsdp"),
                                          ({"data": 2, "fsdp": 2, "expert": 2}, "dp_fsdp_tp")])
 def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, preset):
