@@ -346,7 +346,7 @@ def per_shard(fn, name: str, dim: int = 0, keep: tuple[str, ...] = ()):
             return fn(shared, *args)
         inner_rules = _without(rules, axes)
         dtypes = jax.tree.map(lambda a: a.dtype, shared)
-        if mesh.devices.flat[0].platform == "cpu":
+        if compile_platform() == "cpu":
             # XLA:CPU sums a bf16 all-reduce in f32, and crashes widening the one that sums `shared`'s gradients
             # in a partial-manual shard_map ("Invalid binary instruction opcode copy", jax 0.10.2): widen first.
             shared = jax.tree.map(_widened, shared)

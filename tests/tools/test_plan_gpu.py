@@ -178,3 +178,47 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
     assert "grad_residual" not in runs["bfloat16"]
     assert residual["compiled"] == residual["analytic"] == gradients["compiled"]  # f32 params, as the residual
     assert runs["feedback"]["arguments"]["compiled"] == runs["bfloat16"]["arguments"]["compiled"] + residual["compiled"]
+
+
+# One recipe per family, as docs/models.md's tables name the run: (recipe, devices, arguments). The MoE recipes fit
+# only with capacity routing and more H100s (docs/models.md says why).
+_CAPACITY = "--config.model.moe_routing=capacity"
+RECIPE_RUNS = {
+    "llama3_1b": ("llama3_1b", 8, []),
+    "qwen3_0_6b": ("qwen3_0_6b", 8, []),
+    "mistral_7b": ("mistral_7b", 8, []),
+    "gemma3_1b": ("gemma3_1b", 8, []),
+    "qwen3_moe_30b_a3b, 16 H100": ("qwen3_moe_30b_a3b", 16, [_CAPACITY, "--config.train.microbatches=16"]),
+    "mixtral_8x7b, 32 H100, expert 8 x fsdp 4": ("mixtral_8x7b", 32, [_CAPACITY, "--config.mesh.expert=8",
+                                                                     "--config.train.microbatches=8"]),
+}
+
+
+def _docs_row(run: str) -> list[str]:
+    """The cells of docs/models.md's table row for `run` (its first cell)."""
+    for line in (ROOT / "docs" / "models.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == run:
+            return cells
+    raise AssertionError(f"docs/models.md has no row for {run!r}")
+
+
+@pytest.mark.slow  # 10-15 s each
+@pytest.mark.parametrize("run", list(RECIPE_RUNS))
+def test_one_recipe_per_family_fits_the_h100s_the_docs_claim(run, tmp_path):
+    """XLA:GPU's compile for described H100s fits each family's recipe in an H100's memory, and docs/models.md
+    says so with the same peak (its third cell, its fourth "yes")."""
+    recipe, devices, args = RECIPE_RUNS[run]
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", "--config", f"configs/models/{recipe}.py",
+                           "--devices", str(devices), "--backend", "gpu", "--device_kind", "H100", "--compiler", "gpu",
+                           *args, "--json", str(out)], cwd=ROOT, env=_plugin_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["target"]["compiler"] == "gpu" and r["target"]["num_devices"] == devices
+    peak = r["memory"]["compiled"]["peak"]
+    assert peak <= r["target"]["memory_bytes"]
+    cells = _docs_row(run)
+    assert cells[3] == "yes"
+    assert float(cells[2].split()[0].replace(",", "")) == pytest.approx(peak / 2**30, rel=0.02), cells[2]
