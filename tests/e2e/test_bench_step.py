@@ -1,6 +1,7 @@
 """scripts/bench_step.py end to end on the tiny config, run through scripts/gpu_bench.sh (the GPU session's
 driver): its JSON line is self-consistent (tokens/s from the step time, model FLOP/s from the model's FLOPs per
-token, MFU against the peak it names) and, on CPU, quotes the float32 matmul peak it measured in the same run."""
+token, MFU against the peak it names) and, on CPU, quotes the float32 matmul peak it measured in the same run.
+Also scripts/bench_revs.sh, which runs it at another commit and here in turn."""
 
 import importlib.util
 import json
@@ -94,3 +95,25 @@ def test_gpu_bench_moe_times_both_ragged_dots_and_trains_tokamax_like_xla(tmp_pa
     assert set(moe_run) >= {"capacity", "dropless", "dropless_tokamax", "tokamax_over_xla"}
     assert moe_run["dropless_tokamax"]["loss"] == moe_run["dropless"]["loss"]
     assert moe_run["dropless"]["dropped_fraction"] == 0 < moe_run["capacity"]["dropped_fraction"]
+
+
+def test_bench_revs_times_another_commit_and_this_checkout_in_turn(tmp_path):
+    """scripts/bench_revs.sh against HEAD, one round: one JSON line per tree, the same synthetic batch, and the
+    other commit's worktree removed afterwards; a revision git does not know exits 2 before anything runs."""
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, check=False).returncode:
+        pytest.skip(f"{REPO} has no commits yet")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ROUNDS="1", OUT=str(tmp_path / "revs.jsonl"), PY=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    bad = subprocess.run(["bash", "scripts/bench_revs.sh", "no-such-rev"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "bench_revs: no commit 'no-such-rev'"
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    proc = subprocess.run(["bash", "scripts/bench_revs.sh", "HEAD", "--config", "configs/tiny.py", "--steps", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "revs.jsonl").read_text().splitlines()]
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert [r["tree"] for r in rows] == [head.stdout.strip(), "this checkout"]
+    assert all(r["step_ms"] > 0 and r["config"] == "runs/tiny" for r in rows)
+    assert f"this checkout / {head.stdout.strip()}: " in proc.stdout.splitlines()[-1]
+    assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
