@@ -180,7 +180,7 @@ def test_family_trains_on_8_devices_like_one(name, tiny_config, tmp_path):
     assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_overrides_give_the_directory_s_model(name, tmp_path):
     """`jaxtrain hf overrides DIR` parsed over the base config: every field the directory determines matches, so
     the config check against `model.init_from` passes."""
