@@ -325,5 +325,12 @@ def check_backend(model, backend: str) -> None:
         if dtype not in ("bfloat16", "float16"):
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
+    if model.moe_kernel == "tokamax" and backend == "gpu":
+        # Its Mosaic GPU kernel tiles rows of 128 bytes (64 bf16) and fails to lower narrower ones ("WGMMA rhs
+        # swizzle must match lhs swizzle", seen compiling for described H100s).
+        for field in ("d_model", "d_ff"):
+            if model[field] % 64:
+                raise ConfigError(f"model.{field}", f"{model[field]} is not a multiple of 64, which tokamax's GPU "
+                                  f"kernel (model.moe_kernel) needs")
 
 

@@ -549,3 +549,19 @@ def test_moe_kernel_is_checked_at_config_time(setting, reason, monkeypatch):
     else:
         with pytest.raises(config_lib.ConfigError, match=f"^model.moe_kernel: .*{reason}"):
             config_lib.validate(cfg, 8)
+
+
+def test_tokamax_on_gpus_needs_widths_its_kernel_tiles():
+    """Its Mosaic GPU kernel fails to lower rows narrower than 64 bf16 (the base config's d_model 256 and d_ff 768
+    are multiples); the CPU runs XLA's ragged_dot behind it, which takes any width."""
+    from jaxtrain import config as config_lib
+
+    cfg = config_lib.base_config()
+    cfg.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax")
+    config_lib.check_backend(cfg, "gpu")
+    for field, value in (("d_model", 96), ("d_ff", 32)):
+        bad = config_lib.base_config()
+        bad.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax", **{field: value})
+        config_lib.check_backend(bad, "cpu")
+        with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: {value} is not a multiple of 64"):
+            config_lib.check_backend(bad, "gpu")

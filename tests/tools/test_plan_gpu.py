@@ -107,6 +107,25 @@ def test_fsdp_on_8_gpus_gathers_the_head_once_per_microbatch_and_offloads_to_hos
     assert "reduce-scatter-start" in hlo
 
 
+def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(tmp_path):
+    """model.moe_kernel=tokamax on 8 H100s (fsdp): tokamax picks its kernel by the default device, which the
+    planner sets to the target, so the program holds its Mosaic GPU kernels (not XLA's fallback). Inside the
+    per-shard shard_map each takes one device's rows: 16 x 64 tokens / 8 devices x top-2 = 256; the weight
+    gradients come out whole ([experts, ...]), summed over fsdp afterwards."""
+    r, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
+                      "gpu", "--config.model.n_experts=4", "--config.model.moe_top_k=2",
+                      "--config.model.moe_routing=dropless", "--config.model.moe_kernel=tokamax",
+                      "--config.model.d_model=128", "--config.model.d_ff=256", "--config.train.batch_size=16",
+                      "--config.train.seq_len=64")
+    outputs = sorted(re.findall(r"= (bf16\[[\d,]+\])\{[\d,]*\} custom-call\([^\n]*custom_call_target=\"mosaic_gpu_v2\"",
+                                hlo))
+    # One scan body's: gate-and-up [256 rows, 2 x 256] and down [256, 128] forward; their input gradients
+    # [256, 128] and [256, 256]; their weight gradients [4 experts, 128, 512] and [4, 256, 128].
+    assert outputs == sorted(["bf16[256,512]", "bf16[256,128]", "bf16[256,128]", "bf16[256,256]",
+                              "bf16[4,128,512]", "bf16[4,256,128]"]), outputs
+    assert r["memory"]["compiled"]["peak"] > 0
+
+
 def test_gpu_compiler_errors_name_the_field(tmp_path):
     """--compiler gpu needs a gpu target and a described GPU kind; each is a one-line error, exit 2, with none of
     the CUDA plugin's own "could not find cuda drivers" lines around it."""
@@ -180,17 +199,17 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
     assert runs["feedback"]["arguments"]["compiled"] == runs["bfloat16"]["arguments"]["compiled"] + residual["compiled"]
 
 
-# One recipe per family, as docs/models.md's tables name the run: (recipe, devices, arguments). The MoE recipes fit
-# only with capacity routing and more H100s (docs/models.md says why).
-_CAPACITY = "--config.model.moe_routing=capacity"
+# One recipe per family, as docs/models.md's tables name the run: (recipe, devices, arguments). The MoE recipes
+# (dropless) fit with tokamax's grouped kernel and more H100s (docs/models.md says why).
+_TOKAMAX = "--config.model.moe_kernel=tokamax"
 RECIPE_RUNS = {
     "llama3_1b": ("llama3_1b", 8, []),
     "qwen3_0_6b": ("qwen3_0_6b", 8, []),
     "mistral_7b": ("mistral_7b", 8, []),
     "gemma3_1b": ("gemma3_1b", 8, []),
-    "qwen3_moe_30b_a3b, 16 H100": ("qwen3_moe_30b_a3b", 16, [_CAPACITY, "--config.train.microbatches=16"]),
-    "mixtral_8x7b, 32 H100, expert 8 x fsdp 4": ("mixtral_8x7b", 32, [_CAPACITY, "--config.mesh.expert=8",
-                                                                     "--config.train.microbatches=8"]),
+    "qwen3_moe_30b_a3b with tokamax, 16 H100": ("qwen3_moe_30b_a3b", 16, [_TOKAMAX,
+                                                                          "--config.train.microbatches=16"]),
+    "mixtral_8x7b with tokamax, 32 H100": ("mixtral_8x7b", 32, [_TOKAMAX, "--config.train.microbatches=8"]),
 }
 
 

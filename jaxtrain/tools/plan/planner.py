@@ -10,6 +10,7 @@ functions: the command sets XLA's flags first.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -180,8 +181,11 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
                       for k in keys}
     t0 = time.perf_counter()
+    # A kernel library that picks its kernel by the default device (tokamax: Mosaic GPU for sm90) sees the target.
+    target = jax.default_device(devices[0]) if compiler == "gpu" else contextlib.nullcontext()
     try:
-        compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+        with target:
+            compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
     except jax.errors.JaxRuntimeError as e:  # a compiler limit, e.g. XLA:GPU's GEMM tiling without autotuning
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "; --compiler cpu plans the same step with XLA:CPU" if compiler == "gpu" else ""
