@@ -92,9 +92,9 @@ def greedy(path, prompt, n):
     twice the logits' tolerance (else the comparison tests rounding), and not one token repeated (what a model
     ignoring its context could also produce)."""
     with torch.no_grad():
-        out = hf_model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=n, do_sample=False, output_scores=True,
-                                      return_dict_in_generate=True)
+        mask = torch.ones(1, len(prompt), dtype=torch.long)
+        out = hf_model(path).generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                      output_scores=True, return_dict_in_generate=True)
     ids = out.sequences[0, len(prompt):].tolist()
     gap = min(float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores)
     assert gap > 2e-4 and len(set(ids)) >= 5, f"a degenerate reference: {ids}, smallest top-2 gap {gap:.1e}"

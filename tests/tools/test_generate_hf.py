@@ -163,8 +163,8 @@ def _missing_tensor(tmp_path, llama_dir):
     lambda tmp_path, d: (d, ["--prompt_ids", "1,96"], ["--prompt_ids", "96", "vocab_size 96"]),
     lambda tmp_path, d: (d, ["--prompt", "hello"], [d / "tokenizer.json", "--prompt_ids"]),
     lambda tmp_path, d: (d, ["--prompt_ids", "1", "--step", "3"], ["--step"]),
-], ids=["not_hf", "unsupported_model_type", "unsupported_rope_type", "missing_tensor", "ids_not_ints", "negative_id", "no_ids", "id_outside_vocab",
-        "prompt_without_tokenizer", "step"])
+], ids=["not_hf", "unsupported_model_type", "unsupported_rope_type", "missing_tensor", "ids_not_ints", "negative_id",
+        "no_ids", "id_outside_vocab", "prompt_without_tokenizer", "step"])
 def test_bad_input_exits_2_in_one_line(case, llama_dir, tmp_path, capsys):
     hf_dir, args, names = case(tmp_path, llama_dir)
     try:
