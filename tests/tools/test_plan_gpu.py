@@ -23,13 +23,14 @@ def _plugin_env() -> dict:
     return env
 
 
-def _plan(tmp_path, *args):
-    """The planner's JSON and compiled HLO text."""
-    out, hlo = tmp_path / "plan.json", tmp_path / "step.hlo"
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", *args, "--json", str(out), "--hlo", str(hlo)],
+def _plan(tmp_path, *args, hlo=True):
+    """The planner's JSON, compiled HLO text (None with hlo=False: not written) and stdout."""
+    out, hlo_path = tmp_path / "plan.json", tmp_path / "step.hlo"
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", *args, "--json", str(out),
+                           *(["--hlo", str(hlo_path)] if hlo else [])],
                           cwd=ROOT, env=_plugin_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), hlo.read_text(), proc.stdout
+    return json.loads(out.read_text()), hlo_path.read_text() if hlo else None, proc.stdout
 
 
 def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f32(tmp_path):
@@ -229,13 +230,8 @@ def test_one_recipe_per_family_fits_the_h100s_the_docs_claim(run, tmp_path):
     """XLA:GPU's compile for described H100s fits each family's recipe in an H100's memory, and docs/models.md
     says so with the same peak (its third cell, its fourth "yes")."""
     recipe, devices, args = RECIPE_RUNS[run]
-    out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "plan", "--config", f"configs/models/{recipe}.py",
-                           "--devices", str(devices), "--backend", "gpu", "--device_kind", "H100", "--compiler", "gpu",
-                           *args, "--json", str(out)], cwd=ROOT, env=_plugin_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r, _, _ = _plan(tmp_path, "--config", f"configs/models/{recipe}.py", "--devices", str(devices), "--backend", "gpu",
+                    "--device_kind", "H100", "--compiler", "gpu", *args, hlo=False)
     assert r["target"]["compiler"] == "gpu" and r["target"]["num_devices"] == devices
     peak = r["memory"]["compiled"]["peak"]
     assert peak <= r["target"]["memory_bytes"]
