@@ -8,7 +8,9 @@ and say how the layer stack runs, not what it is.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
+import re
 
 import jax
 
@@ -315,6 +317,11 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
                           f"(model.n_experts > 0)")
 
 
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """'0.0.17.dev20261026' -> (0, 0, 17): the release numbers, what follows them dropped."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
 def check_backend(model, backend: str) -> None:
     """ConfigError for settings the backend the step compiles for ("cpu", "gpu", "tpu") cannot run."""
     if model.attention_impl == "cudnn":
@@ -326,6 +333,12 @@ def check_backend(model, backend: str) -> None:
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
     if model.moe_kernel == "tokamax" and backend == "gpu":
+        # jax 0.11 renamed an argument of the Mosaic GPU API tokamax's kernels call (out_shape -> out_type), and
+        # tokamax 0.0.13 moved to it: an older one fails to trace there (H100, docs/performance.md).
+        tokamax_version = _version_tuple(importlib.metadata.version("tokamax"))
+        if jax.__version_info__ >= (0, 11) and tokamax_version < (0, 0, 13):
+            raise ConfigError("model.moe_kernel", f"tokamax {'.'.join(map(str, tokamax_version))} predates jax "
+                              f"{jax.__version__}'s Mosaic GPU API; install tokamax>=0.0.13 (or use 'xla')")
         # Its Mosaic GPU kernel tiles rows of 128 bytes (64 bf16) and fails to lower narrower ones ("WGMMA rhs
         # swizzle must match lhs swizzle", seen compiling for described H100s).
         for field in ("d_model", "d_ff"):

@@ -565,3 +565,28 @@ def test_tokamax_on_gpus_needs_widths_its_kernel_tiles():
         config_lib.check_backend(bad, "cpu")
         with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: {value} is not a multiple of 64"):
             config_lib.check_backend(bad, "gpu")
+
+
+@pytest.mark.parametrize("jax_version, tokamax_version, refused", [
+    ((0, 11, 2), "0.0.12", True), ((0, 11, 2), "0.0.13", False), ((0, 11, 2), "0.0.18.dev20261026", False),
+    ((0, 10, 2), "0.0.12", False)])
+def test_tokamax_on_gpus_refuses_a_release_older_than_jax_s_mosaic_gpu_api(monkeypatch, jax_version,
+                                                                          tokamax_version, refused):
+    """jax 0.11 renamed the Mosaic GPU argument tokamax 0.0.12's kernels pass (they fail to trace there): that
+    pair is refused for a GPU target, naming both versions, and runs elsewhere (XLA's ragged_dot behind it)."""
+    import importlib.metadata
+
+    from jaxtrain import config as config_lib
+
+    cfg = config_lib.base_config()
+    cfg.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax")
+    monkeypatch.setattr(jax, "__version_info__", jax_version)
+    monkeypatch.setattr(jax, "__version__", ".".join(map(str, jax_version)))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: tokamax_version if name == "tokamax" else None)
+    config_lib.check_backend(cfg, "cpu")
+    if not refused:
+        config_lib.check_backend(cfg, "gpu")
+        return
+    with pytest.raises(config_lib.ConfigError, match=r"^model.moe_kernel: tokamax 0.0.12 predates jax 0.11.2's "
+                       r"Mosaic GPU API; install tokamax>=0.0.13 \(or use 'xla'\)$"):
+        config_lib.check_backend(cfg, "gpu")
