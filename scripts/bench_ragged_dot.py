@@ -6,15 +6,21 @@ x [rows, k] times each group's own [k, n] weight, `--groups` equal groups of row
 [rows, k] @ [k, n] matmul, which is timed beside it. A grouped kernel takes about the dense time; a lowering
 that multiplies every row by every group's weight takes about `--groups` times it. Each is timed forward, and
 forward plus backward as the MoE layer runs it (`moe.grouped_matmul`: dx and the ragged-contracting dw), in one
-process. tokamax (`pip install 'jaxtrain[kernels]'`) is timed where it imports. Also prints what each compiled
-forward calls. Ends with one JSON line, e.g. {"dense_ms": ..., "xla": {"fwd_ms": ..., "fwd_bwd_ms": ...}, ...}
+process. tokamax (`pip install 'jaxtrain[kernels]'`) is timed where it imports, and its forward, dx and dw are
+checked against XLA's on uneven groups (one of them empty): the largest difference over the largest entry, at
+most 2% (bf16's rounding of one sum) or the script exits 1. Also prints what each compiled forward calls. Ends
+with one JSON line, e.g. {"dense_ms": ..., "xla": {"fwd_ms": ..., "fwd_bwd_ms": ...}, "tokamax": {..., "vs_xla":
+{"fwd": ..., "dx": ..., "dw": ...}}}
 """
 
+import functools
 import importlib.util
 import json
 import re
+import sys
 import time
 
+import numpy as np
 from absl import app, flags
 
 _ROWS = flags.DEFINE_integer("rows", 8192, "rows of x")
@@ -22,6 +28,7 @@ _K = flags.DEFINE_integer("k", 4096, "contracted dimension")
 _N = flags.DEFINE_integer("n", 14336, "output columns")
 _GROUPS = flags.DEFINE_integer("groups", 8, "equal groups (experts)")
 _STEPS = flags.DEFINE_integer("steps", 20, "timed calls of each")
+TOLERANCE = 0.02  # of the largest entry: a bf16 output rounded once more or less (2^-8 relative) passes
 
 
 def main(argv):
@@ -37,6 +44,16 @@ def main(argv):
     w = jax.random.normal(key, (groups, k, n), jnp.bfloat16)
     probe = jax.random.normal(jax.random.key(1), (rows, n), jnp.bfloat16)
     sizes = jnp.full((groups,), rows // groups, jnp.int32).at[-1].add(rows % groups)
+    rng = np.random.default_rng(0)
+    uneven = rng.multinomial(rows, rng.dirichlet(np.ones(groups)))
+    if groups >= 3:  # an expert no token chose
+        uneven[-1], uneven[1] = uneven[-1] + uneven[1], 0
+    uneven = jnp.asarray(uneven, jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def outputs(kernel, x, w, sizes, probe):  # forward, dx, dw in f32
+        out, pull = jax.vjp(lambda x, w: moe.grouped_matmul(kernel)(x, w, sizes), x, w)
+        return [a.astype(jnp.float32) for a in (out, *pull(probe))]
 
     def ms(f, *args):
         for _ in range(3):  # compile and warm: after one call tokamax's forward still read 40x slow on an H100
@@ -53,6 +70,8 @@ def main(argv):
     print(f"{device}: dense {dense_ms:.3f} ms ({tflops / dense_ms:,.2f} TFLOP/s)")
     result = {"device": device, "jax": jax.__version__, "rows": rows, "k": k, "n": n, "groups": groups,
               "dense_ms": dense_ms}
+    reference = outputs("xla", x, w, uneven, probe)
+    failed = []
     for kernel in [kr for kr in ("xla", "tokamax") if kr == "xla" or importlib.util.find_spec(kr)]:
         matmul = moe.grouped_matmul(kernel)
         forward = jax.jit(lambda x, w, sizes: matmul(x, w, sizes))
@@ -65,7 +84,19 @@ def main(argv):
         print(f"{kernel}: forward {fwd_ms:.3f} ms ({fwd_ms / dense_ms:.2f}x dense), forward + backward "
               f"{fwd_bwd_ms:.3f} ms ({fwd_bwd_ms / (3 * dense_ms):.2f}x three dense); the forward compiles to "
               f"{calls or 'XLA ops only'}")
+        if kernel != "xla":
+            errors = {name: float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                      for name, got, want in zip(("fwd", "dx", "dw"), outputs(kernel, x, w, uneven, probe), reference)}
+            result[kernel]["vs_xla"] = errors
+            worst = max(errors, key=errors.get)
+            if errors[worst] > TOLERANCE:
+                failed.append(kernel)
+            print(f"{kernel} against XLA on groups {uneven.tolist()}: "
+                  + ", ".join(f"{name} off by {e:.2%} of the largest entry" for name, e in errors.items())
+                  + (f": NOT EQUAL ({worst})" if kernel in failed else ""))
     print(json.dumps(result))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.0 qwix==0.1.8"
-# tokamax (model.moe_kernel=tokamax) and what it imports; each name here is also its import name.
-WHEELS="$WHEELS tokamax==0.0.12 einshape==1.0 immutabledict==4.3.1 jaxtyping==0.3.11 wadler_lindig==0.1.8
-typeguard==2.13.3 pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 tqdm==4.70.1"
+# tokamax (model.moe_kernel=tokamax) and what it imports; each name here is also its import name. The image's
+# jax 0.11 needs tokamax >= 0.0.13 (0.0.12's Mosaic GPU kernels call the API jax 0.11 renamed); 0.0.17 imports xprof.
+KERNEL_WHEELS="tokamax==0.0.17 xprof==2.24.2 einshape==1.0 immutabledict==4.3.1 jaxtyping==0.3.11 wadler_lindig==0.1.8
+pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 tqdm==4.70.1"
 if [[ "${1:-}" == "--download" ]]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl $WHEELS && ls .whl
+    --platform manylinux2014_x86_64 -d .whl $WHEELS $KERNEL_WHEELS && ls .whl
   exit
 fi
 
@@ -85,6 +86,8 @@ PY="${PY:-python3}"
 
 # Install only what this Python cannot import: a carried wheel must not shadow the image's own packages.
 modules=()
+# An installed tokamax came with what it imports (pip); only a missing one needs its wheels.
+"$PY" -c "import importlib.util as u; exit(u.find_spec('tokamax') is not None)" && WHEELS="$WHEELS $KERNEL_WHEELS"
 for wheel in $WHEELS; do modules+=("${wheel%%==*}"); done  # each wheel's import name is its package name
 missing=$("$PY" -c "import importlib.util as u, sys
 print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "${modules[@]}")

@@ -92,9 +92,28 @@ def test_gpu_bench_moe_times_both_ragged_dots_and_trains_tokamax_like_xla(tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ragged, moe_run = (json.loads(line) for line in (tmp_path / "gpu_moe.jsonl").read_text().splitlines())
     assert ragged["rows"] == 64 and ragged["xla"]["fwd_ms"] > 0 and ragged["tokamax"]["fwd_bwd_ms"] > 0
+    assert ragged["tokamax"]["vs_xla"]["fwd"] == ragged["tokamax"]["vs_xla"]["dx"] == 0  # its XLA fallback here
     assert set(moe_run) >= {"capacity", "dropless", "dropless_tokamax", "tokamax_over_xla"}
     assert moe_run["dropless_tokamax"]["loss"] == moe_run["dropless"]["loss"]
     assert moe_run["dropless"]["dropped_fraction"] == 0 < moe_run["capacity"]["dropped_fraction"]
+
+
+def test_bench_ragged_dot_exits_1_when_a_kernel_s_gradient_differs_from_xla_s():
+    """The check that caught tokamax's wrong weight gradient on an H100, with a kernel made wrong here: the script
+    names the output that differs and exits 1 (its timings and JSON line still printed)."""
+    pytest.importorskip("tokamax")
+    wrong = ("import runpy, sys, tokamax; dot_general = tokamax.ragged_dot_general; "
+             "tokamax.ragged_dot_general = lambda *a, **k: dot_general(*a, **k) * 1.2; "
+             "sys.argv = ['bench_ragged_dot.py', '--rows', '64', '--k', '16', '--n', '32', '--steps', '1']; "
+             "runpy.run_path('scripts/bench_ragged_dot.py', run_name='__main__')")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", wrong], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    verdict = [line for line in proc.stdout.splitlines() if line.startswith("tokamax against XLA")]
+    assert len(verdict) == 1 and verdict[0].endswith(": NOT EQUAL (dw)"), proc.stdout
+    errors = json.loads(proc.stdout.splitlines()[-1])["tokamax"]["vs_xla"]
+    assert errors["fwd"] == errors["dx"] == 0 and 0.15 < errors["dw"] < 0.25  # 1.2x: a fifth of the largest entry
 
 
 def test_bench_revs_times_another_commit_and_this_checkout_in_turn(tmp_path):
