@@ -27,4 +27,4 @@ def _profile(argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return common.run(_profile, argv)
+    return common.run(_profile, argv, bad_input=(FileNotFoundError,))  # a dir with no trace, or no HLO beside it

@@ -53,6 +53,11 @@ def test_profile_steps_writes_a_trace_and_the_table_of_its_ops(tiny_config, caps
     assert out.splitlines()[0] == (logdir / "summary.txt").read_text().splitlines()[0]
     assert len([line for line in out.splitlines()[out.splitlines().index(""):] if "%" in line]) == 5
 
+    (logdir / profiling.HLO_FILE).unlink()  # a trace without its HLO, then a directory with no trace
+    for bad, named in ((logdir, logdir / profiling.HLO_FILE), (logdir / "nope", logdir / "nope")):
+        assert profile_cli.main([str(bad)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(named) in err[0], err
 
 
 def test_each_op_reports_the_bytes_it_moved_and_their_rate(tmp_path):
