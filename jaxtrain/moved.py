@@ -1,11 +1,12 @@
-"""Old module paths, from before the package was split into layers: each fails with one line saying where
-it went. `python -m jaxtrain.<tool>` exits 2 naming the `jaxtrain <command>` that replaced it; an import
-of an old module raises ImportError naming the new one. Installed by `jaxtrain/__init__.py`."""
+"""Old module paths, from before the package was split into layers. `python -m jaxtrain.<tool> ARGS` still
+runs: it is `jaxtrain <command> ARGS`, with one line on stderr naming that command. An import of an old module
+raises ImportError naming the new one. Installed by `jaxtrain/__init__.py`."""
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import runpy
 import sys
 
 # Old `python -m` paths -> the `jaxtrain` subcommand that replaced them.
@@ -23,14 +24,14 @@ MODULES = {"jaxtrain.mesh": "jaxtrain.parallel.mesh", "jaxtrain.pipeline_paralle
 
 
 def message(old: str) -> str:
-    new = COMMANDS[old]
-    return f"error: python -m {old} has moved: run `jaxtrain {new} ...` (or python -m jaxtrain {new})"
+    return f"note: python -m {old} is now `jaxtrain {COMMANDS[old]}`; running that"
 
 
-def point(old: str) -> int:
-    """Says where the command `python -m old` went; the exit code for it."""
+def run(old: str) -> None:
+    """`python -m old ARGS` as `python -m jaxtrain <its command> ARGS` (exits with that command's code)."""
     print(message(old), file=sys.stderr)
-    return 2
+    sys.argv = ["jaxtrain", COMMANDS[old], *sys.argv[1:]]
+    runpy.run_module("jaxtrain", run_name="__main__", alter_sys=True)  # by name: the library imports no CLI
 
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -44,7 +45,7 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         raise ImportError(f"{module.__name__} has moved to {MODULES[module.__name__]}", name=module.__name__)
 
     def get_code(self, name):  # what `python -m <old path>` runs
-        return compile(f"import sys\nfrom jaxtrain import moved\nsys.exit(moved.point({name!r}))", name, "exec")
+        return compile(f"from jaxtrain import moved\nmoved.run({name!r})", name, "exec")
 
 
 def install() -> None:

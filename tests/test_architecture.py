@@ -60,14 +60,17 @@ def test_no_import_cycles_among_modules():
     assert strongly_connected(graph) == []
 
 
-@pytest.mark.parametrize("old,command", [("jaxtrain.plan", "plan"), ("jaxtrain.hf", "hf"),
-                                         ("jaxtrain.data.prepare", "prepare"), ("jaxtrain.profiling", "profile")])
-def test_old_commands_exit_2_with_a_pointer(old, command):
-    proc = subprocess.run([sys.executable, "-m", old, "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [f"error: python -m {old} has moved: run `jaxtrain {command} ...` "
-                                        f"(or python -m jaxtrain {command})"]
+@pytest.mark.parametrize("old,command,args", [("jaxtrain.plan", "plan", ["--help"]), ("jaxtrain.hf", "hf", ["--help"]),
+                                              ("jaxtrain.data.prepare", "prepare", ["--help"]),
+                                              ("jaxtrain.profiling", "profile", ["no-such-dir"])])
+def test_old_commands_run_the_new_one(old, command, args):
+    """`python -m jaxtrain.plan ARGS` is `jaxtrain plan ARGS`: the same output and exit code, plus one line on
+    stderr naming the command (the model-family issue's commands are written the old way)."""
+    run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd, *args], cwd=REPO, capture_output=True,  # noqa
+                                      text=True, timeout=120)
+    new, then = run("jaxtrain", command), run(old)
+    assert then.returncode == new.returncode and then.stdout == new.stdout and new.stdout + new.stderr
+    assert then.stderr == f"note: python -m {old} is now `jaxtrain {command}`; running that\n" + new.stderr
 
 
 def test_old_modules_name_their_new_place():

@@ -834,4 +834,4 @@ def _quiet_worker():
 if __name__ == "__main__":  # the command moved to `jaxtrain prepare`
     from jaxtrain import moved
 
-    sys.exit(moved.point("jaxtrain.data.prepare"))
+    moved.run("jaxtrain.data.prepare")
