@@ -201,8 +201,8 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
 
 
 # One recipe per family, as docs/models.md's tables name the run: (recipe, devices, arguments). The MoE recipes
-# fit more H100s, dropless with tokamax's grouped kernel or with capacity routing (docs/models.md says why):
-# Mixtral the one, Qwen3-MoE the other (its 128 experts' kernels take 50 s to compile, capacity 15).
+# fit more H100s with capacity routing (docs/models.md says why); their dropless runs with tokamax's kernel fit
+# too, but that kernel is not yet checked on a GPU (docs/performance.md).
 RECIPE_RUNS = {
     "llama3_1b": ("llama3_1b", 8, []),
     "qwen3_0_6b": ("qwen3_0_6b", 8, []),
@@ -210,8 +210,9 @@ RECIPE_RUNS = {
     "gemma3_1b": ("gemma3_1b", 8, []),
     "qwen3_moe_30b_a3b, 16 H100": ("qwen3_moe_30b_a3b", 16, ["--config.model.moe_routing=capacity",
                                                              "--config.train.microbatches=16"]),
-    "mixtral_8x7b with tokamax, 32 H100": ("mixtral_8x7b", 32, ["--config.model.moe_kernel=tokamax",
-                                                                "--config.train.microbatches=8"]),
+    "mixtral_8x7b, 32 H100, expert 8 x fsdp 4": ("mixtral_8x7b", 32, ["--config.model.moe_routing=capacity",
+                                                                      "--config.mesh.expert=8",
+                                                                      "--config.train.microbatches=8"]),
 }
 
 
