@@ -6,6 +6,8 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/default.py
 ARGS   ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers: 2 takes the 2-core CI machine's suite from about 29 to 21 minutes; 0 runs it in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: train test test-fast bench bench-data clean-venv
 
@@ -30,11 +32,11 @@ train: $(VENV)/.installed
 	$(PY) -m jaxtrain.main --config $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest tests notebooks --nbmake -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests notebooks --nbmake -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The tests not marked slow (no fresh clone, multi-process or end-to-end CLI runs): for iterating.
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -m "not slow" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_step.py $(ARGS)

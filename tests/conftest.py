@@ -7,8 +7,9 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One persistent compilation cache for the session, which the tests' subprocesses inherit: most tests compile the
-# same tiny programs, and compiling is most of their time. Set JAX_COMPILATION_CACHE_DIR to keep one across runs.
+# One persistent compilation cache for the session, which xdist's workers and the tests' subprocesses inherit (the
+# controller sets it before they start): most tests compile the same tiny programs, and compiling is most of their
+# time. Set JAX_COMPILATION_CACHE_DIR to keep one across runs.
 # No size limit: with one, jax re-reads every entry's access time on each write, which grows quadratic. (A read
 # that meets an entry another process is still writing warns and compiles instead.)
 _SESSION_CACHE = None
