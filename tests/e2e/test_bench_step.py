@@ -99,8 +99,8 @@ def test_gpu_bench_moe_times_both_ragged_dots_and_trains_tokamax_like_xla(tmp_pa
 
 
 def test_bench_ragged_dot_exits_1_when_a_kernel_s_gradient_differs_from_xla_s():
-    """The check that caught tokamax's wrong weight gradient on an H100, with a kernel made wrong here: the script
-    names the output that differs and exits 1 (its timings and JSON line still printed)."""
+    """The check for what a one-off script found on an H100 (tokamax's weight gradient wrong), with a kernel made
+    wrong here: the script names the output that differs and exits 1 (its timings and JSON line still printed)."""
     pytest.importorskip("tokamax")
     wrong = ("import runpy, sys, tokamax; dot_general = tokamax.ragged_dot_general; "
              "tokamax.ragged_dot_general = lambda *a, **k: dot_general(*a, **k) * 1.2; "
