@@ -30,8 +30,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtrain import files, storage
 from jaxtrain.data import beam_runner
-from jaxtrain.data import chat as chat_lib
-from jaxtrain.data import chunks
+from jaxtrain.data import chunks, encode
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
@@ -96,7 +95,7 @@ def _prepare_into(out_dir: str, settings: dict) -> dict:
     tok_lib.train_bpe(train, settings["vocab_size"]).save(os.path.join(out_dir, layout.TOKENIZER))
     tok = tok_lib.load(os.path.join(out_dir, layout.TOKENIZER))
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
-    token_lists = _tokenize(tok, train + heldout, dtype)  # Rust threads: fast on 2 cores.
+    token_lists = encode.tokenize(tok, train + heldout, dtype)  # Rust threads: fast on 2 cores.
     return {
         **settings,
         "dtype": dtype.name,
@@ -259,24 +258,6 @@ def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndar
             "block_records": layout.BLOCK_RECORDS}
 
 
-TOKENIZE_BATCH_BYTES = 4 << 20  # text per encode_batch call
-
-
-def _tokenize(tok: tok_lib.Tokenizer, docs: list[str], dtype: np.dtype) -> list[np.ndarray]:
-    # In batches of ~4 MB: HF Encoding objects (and SentencePiece's Python lists) cost ~30x the text, so a
-    # 256 MB shard tokenized in one call would peak at several GB per worker.
-    eos = np.array([tok.eos_id], dtype=dtype)
-    out, start = [], 0
-    while start < len(docs):
-        stop, size = start + 1, len(docs[start])
-        while stop < len(docs) and size < TOKENIZE_BATCH_BYTES:
-            size += len(docs[stop])
-            stop += 1
-        out.extend(np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tok.encode_batch(docs[start:stop]))
-        start = stop
-    return out
-
-
 def _build_shard(job: dict) -> dict:
     """Reads, splits, tokenizes and writes one shard into the work dir; its `.done.json` record, written
     last and atomically, is what marks it finished. Runs in a worker process (or in-process)."""
@@ -293,84 +274,12 @@ def _build_shard(job: dict) -> dict:
             continue
         path = os.path.join(work, f"{split}-{plan.index:05d}-of-{n:05d}.array_record")
         if chat:
-            ids, weights = _encode_conversations(tok, docs, dtype, chat, record["chat"])
+            ids, weights = encode.encode_conversations(tok, docs, dtype, chat, record["chat"])
             record[split] = _write_shard(path, ids, weights)
         else:
-            record[split] = _write_shard(path, _tokenize(tok, docs, dtype))
+            record[split] = _write_shard(path, encode.tokenize(tok, docs, dtype))
     files.write_json(os.path.join(work, _done_name(plan.index)), record)
     return record
-
-
-def _encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, counts: collections.Counter):
-    """Chat records -> (token arrays, loss-weight arrays), each conversation rendered with the template and cut
-    to chat["max_len"] (its oldest tokens dropped, or the whole conversation, per chat["truncate"]). Records that
-    are not conversations, and conversations left with no assistant token, are skipped and counted. Preference
-    data (chat["preference"]) gives two arrays per record, chosen then rejected (see _encode_pairs)."""
-    if chat.get("preference"):
-        return _encode_pairs(tok, records, dtype, chat, counts)
-    ids_out, weights_out = [], []
-    max_len = chat["max_len"]
-    for record in records:
-        try:
-            ids, weights = chat_lib.encode(tok, chat["template"], chat_lib.conversation(record), chat["variables"])
-        except DataError:
-            counts["skipped_not_a_conversation"] += 1
-            continue
-        if max_len and len(ids) > max_len:
-            if chat["truncate"] == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            ids, weights = ids[-max_len:], weights[-max_len:]
-            counts["truncated"] += 1
-        if not weights.any():
-            counts["skipped_no_assistant_tokens"] += 1
-            continue
-        counts["conversations"] += 1
-        counts["longest"] = max(counts["longest"], len(ids))
-        ids_out.append(np.asarray(ids, dtype))
-        weights_out.append(weights)
-    return ids_out, weights_out
-
-
-def _encode_pairs(tok, records: list, dtype: np.dtype, chat: dict, counts: collections.Counter):
-    """Preference records -> [chosen, rejected, chosen, rejected, ...] token and weight arrays: the prompt with
-    each response, weighted on the response only. A pair is packed into one row whole, so chat["max_len"] bounds
-    the two together; a longer pair is dropped, or (truncate="left") each side loses its oldest tokens, the
-    longer side first, until they fit."""
-    ids_out, weights_out = [], []
-    max_len = chat["max_len"]
-    for record in records:
-        try:
-            prompt, chosen, rejected = chat_lib.preference(record)
-            pair = [chat_lib.encode(tok, chat["template"], prompt + response, chat["variables"],
-                                    train_from=len(prompt)) for response in (chosen, rejected)]
-        except DataError:
-            counts["skipped_not_a_pair"] += 1
-            continue
-        total = sum(len(ids) for ids, _ in pair)
-        if max_len and total > max_len:
-            if chat["truncate"] == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            keep = _fair_split([len(ids) for ids, _ in pair], max_len)
-            pair = [(ids[len(ids) - k:], w[len(w) - k:]) for (ids, w), k in zip(pair, keep)]
-            counts["truncated"] += 1
-        if not all(w.any() for _, w in pair):
-            counts["skipped_no_response_tokens"] += 1
-            continue
-        counts["pairs"] += 1
-        counts["longest"] = max(counts["longest"], sum(len(ids) for ids, _ in pair))
-        for ids, weights in pair:
-            ids_out.append(np.asarray(ids, dtype))
-            weights_out.append(weights)
-    return ids_out, weights_out
-
-
-def _fair_split(lengths: list[int], budget: int) -> list[int]:
-    """How many tokens each of two sequences keeps to fit `budget` together: the shorter all it has up to half."""
-    a, b = lengths
-    keep_a = min(a, max(budget // 2, budget - b))
-    return [keep_a, min(b, budget - keep_a)]
 
 
 def _done_name(index: int) -> str:
@@ -540,8 +449,8 @@ def prepare_sources(
         raise DataError(f"{tokenizer}: tokenizer not found")
     if runner:
         beam_runner.pipeline(runner, beam_options)  # a bad runner or option fails now, not after the tokenizer
-    chat_settings = _chat_settings(tokenizer, chat_template, max_len, truncate, preference) if chat or preference \
-        else None
+    chat_settings = encode.chat_settings(tokenizer, chat_template, max_len, truncate, preference) \
+        if chat or preference else None
     if heldout_docs < 1:
         raise DataError(f"heldout_docs must be >= 1, got {heldout_docs}")
     if not 0 <= max_bad_fraction <= 1:
@@ -622,7 +531,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
     tok_file, tok = _tokenizer_into(work, tok, tokenizer, srcs, plans, text_split, seed, vocab_size)
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<i4")
     if chat:  # the template the shards were rendered with travels with them (generate --chat reads it)
-        with open(os.path.join(work, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
+        with open(os.path.join(work, encode.CHAT_TEMPLATE), "w", encoding="utf-8") as f:
             f.write(chat["template"])
     records = _build_shards(work, srcs, plans, text_split, seed, tok_file, tok.hf_dir is not None, eos_token, dtype,
                             workers, print_fn, chat, runner, beam_options)
@@ -665,7 +574,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         manifest["loss_weights"] = True
         if chat.get("preference"):
             manifest["pairs"] = True  # records come in (chosen, rejected) twos
-        manifest["chat"] = {**settings["chat"], "template_file": CHAT_TEMPLATE, **dict(sorted(counts.items()))}
+        manifest["chat"] = {**settings["chat"], "template_file": encode.CHAT_TEMPLATE, **dict(sorted(counts.items()))}
     for r in range(len(plans)):
         os.remove(os.path.join(work, _done_name(r)))
     os.remove(os.path.join(work, "settings.json"))
@@ -688,27 +597,6 @@ def _check_malformed(srcs: list, max_bad_fraction: float) -> None:
         raise TooManyMalformed(f"{malformed} of {read} records ({malformed / read:.2%}) are malformed JSONL lines, "
                                f"past --max_bad_fraction {max_bad_fraction:g}; the first: {first}. Fix the input or "
                                f"raise the limit: the finished shards are kept, so a rerun resumes")
-
-
-CHAT_TEMPLATE = chat_lib.TEMPLATE_FILE  # in a chat data dir: the template its conversations were rendered with
-TRUNCATE = ("left", "drop")
-
-
-def _chat_settings(tokenizer: str | None, template: str | None, max_len: int | None, truncate: str,
-                   pairs: bool = False) -> dict:
-    """What chat preparation needs, checked before anything is read: the template (the tokenizer directory's, or
-    a file), its variables (BOS, EOS) and the length bound."""
-    if not tokenizer or not os.path.isdir(tokenizer):
-        raise DataError(f"{tokenizer or '--tokenizer'}: chat data needs --tokenizer HF_MODEL_DIR (a Hugging Face "
-                        f"directory with tokenizer.json and tokenizer_config.json)")
-    if truncate not in TRUNCATE:
-        raise DataError(f"--truncate: {truncate!r} is not one of {', '.join(TRUNCATE)}")
-    if max_len is not None and max_len < 1:
-        raise DataError(f"--max_len: must be a positive number of tokens, got {max_len}")
-    text = chat_lib.load_template(template or tokenizer)
-    return {"template": text, "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "variables": chat_lib.special_tokens(tokenizer), "max_len": max_len, "truncate": truncate,
-            **({"preference": True} if pairs else {})}
 
 
 def _tokenizer_hash(given: str) -> str:

@@ -13,7 +13,7 @@ Usage:
 from __future__ import annotations
 
 from jaxtrain import storage
-from jaxtrain.data import prepare, sources
+from jaxtrain.data import encode, prepare, sources
 from jaxtrain.tools import common
 
 
@@ -60,7 +60,7 @@ def _prepare(argv) -> int:
                         "dir must be paths every Beam worker sees (pip install 'jaxtrain[beam]')")
     parser.add_argument("--beam_options", default="", help="with --runner: more Beam pipeline options, e.g. "
                         "'--flink_master=host:8081 --parallelism=64'")
-    parser.add_argument("--truncate", choices=prepare.TRUNCATE, default="left",
+    parser.add_argument("--truncate", choices=encode.TRUNCATE, default="left",
                         help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
     chat = args.chat or args.preference

@@ -10,7 +10,7 @@ import pytest
 from helpers import chat_tokenizer_dir
 
 from jaxtrain import train
-from jaxtrain.data import chat, layout, pipeline, prepare
+from jaxtrain.data import chat, encode, layout, pipeline, prepare
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.tools import prepare as prepare_cli
 
@@ -122,9 +122,9 @@ def test_a_long_pair_is_truncated_to_fit_or_dropped(pairs_dir, tmp_path):
 
 
 def test_fair_split_keeps_the_shorter_side_whole_up_to_half():
-    assert prepare._fair_split([10, 100], 50) == [10, 40]
-    assert prepare._fair_split([100, 10], 50) == [40, 10]
-    assert prepare._fair_split([100, 90], 50) == [25, 25]
+    assert encode._fair_split([10, 100], 50) == [10, 40]
+    assert encode._fair_split([100, 10], 50) == [40, 10]
+    assert encode._fair_split([100, 90], 50) == [25, 25]
 
 
 def test_preference_records_in_every_form():

@@ -13,7 +13,7 @@ import grain
 import numpy as np
 import pytest
 
-from jaxtrain.data import pipeline, prepare, sources, tokenizer
+from jaxtrain.data import encode, pipeline, prepare, sources, tokenizer
 from jaxtrain.data import layout
 from jaxtrain.tools import prepare as prepare_cli
 from jaxtrain import files
@@ -92,7 +92,7 @@ def test_parallel_equals_serial(tmp_path, corpus, monkeypatch):
     serial, parallel = digests(tmp_path / "serial"), digests(tmp_path / "parallel")
     assert serial == parallel == digests(tmp_path / "beam")  # shards, indexes, tokenizer.json and the manifest
     # Tokenizing in small batches (bounded memory) changes nothing either.
-    monkeypatch.setattr(prepare, "TOKENIZE_BATCH_BYTES", 500)
+    monkeypatch.setattr(encode, "TOKENIZE_BATCH_BYTES", 500)
     assert run(tmp_path / "batched", "--input", *inputs, "--num_shards", "4", "--workers", "1", heldout=7) == 0
     assert digests(tmp_path / "batched") == serial
     names = set(serial)
