@@ -37,7 +37,7 @@ SHARD_DOCS = 1 << 17
 
 def write_corpus(path: str, docs: int) -> None:
     """Random documents of 4..60 uint16 tokens in the prepared-dir format (what the trainer reads)."""
-    from jaxtrain.data import layout, prepare
+    from jaxtrain.data import layout, writer
 
     if os.path.exists(os.path.join(path, layout.MANIFEST)):
         return
@@ -49,7 +49,7 @@ def write_corpus(path: str, docs: int) -> None:
         lengths = rng.integers(4, 61, n)
         tokens = rng.integers(3, 8192, int(lengths.sum()), dtype=np.uint16)
         parts = np.split(tokens, np.cumsum(lengths)[:-1])
-        rows.append(prepare._write_shard(os.path.join(path, f"train-{s:05d}-of-{n_shards:05d}.array_record"), parts))
+        rows.append(writer.write_shard(os.path.join(path, f"train-{s:05d}-of-{n_shards:05d}.array_record"), parts))
     manifest = {"corpus": "synthetic", "dtype": "uint16", "tokenizer": {"sha256": "0" * 64, "file": ""},
                 "splits": {"train": rows}}
     with open(os.path.join(path, layout.MANIFEST), "w") as f:

@@ -14,27 +14,24 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtrain import files, storage
+from jaxtrain import files
 from jaxtrain.data import beam_runner
-from jaxtrain.data import chunks, encode
+from jaxtrain.data import encode
 from jaxtrain.data import layout
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
-from jaxtrain.errors import ConfigError, DataError, SourceError, TokenizerError
+from jaxtrain.data import writer
+from jaxtrain.errors import DataError, SourceError, TokenizerError
 
 CORPUS = "kjv"
 FORMAT = 1  # Bump when the on-disk layout changes, so old dirs are refused.
@@ -61,30 +58,6 @@ def split_documents(docs: list[str], heldout_docs: int, seed: int) -> tuple[list
     return train, heldout
 
 
-def _cut(value, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _check_settings(data_dir: str, manifest: dict, wanted: dict) -> dict:
-    # Cut long values (an input list of many files) so the error stays one readable line.
-    diffs = [f"{k}={_cut(manifest.get(k))} (requested {_cut(v)})" for k, v in wanted.items() if manifest.get(k) != v]
-    if diffs:
-        raise DataError(
-            f"{data_dir}: holds data prepared with different settings: "
-            + ", ".join(diffs)
-            + "; use another directory or delete this one"
-        )
-    return manifest
-
-
-def _write_split(out_dir: str, split: str, token_lists: list[np.ndarray], num_shards: int) -> list[dict]:
-    """Writes contiguous runs of documents to shards; returns their manifest rows."""
-    return [_write_shard(os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}.array_record"),
-                         [token_lists[j] for j in idx])
-            for i, idx in enumerate(np.array_split(np.arange(len(token_lists)), num_shards))]
-
-
 def _prepare_into(out_dir: str, settings: dict) -> dict:
     """Prepares the KJV corpus into `out_dir` (a private temp dir): in memory, it is 4 MB."""
     docs = read_kjv_documents()
@@ -104,8 +77,8 @@ def _prepare_into(out_dir: str, settings: dict) -> dict:
         "eos_id": tok.eos_id,
         "tokenizer": {"file": layout.TOKENIZER, "sha256": files.file_hash(os.path.join(out_dir, layout.TOKENIZER)), "kind": "hf"},
         "splits": {
-            "train": _write_split(out_dir, "train", token_lists[: len(train)], min(NUM_TRAIN_SHARDS, len(train))),
-            "heldout": _write_split(out_dir, "heldout", token_lists[len(train) :], 1),
+            "train": writer.write_split(out_dir, "train", token_lists[: len(train)], min(NUM_TRAIN_SHARDS, len(train))),
+            "heldout": writer.write_split(out_dir, "heldout", token_lists[len(train) :], 1),
         },
     }
 
@@ -119,14 +92,14 @@ def prepare_default_corpus(data_dir: str, vocab_size: int, heldout_docs: int = 2
         "heldout_docs": heldout_docs,
         "seed": seed,
     }
-    data_dir = _local_output(data_dir)
-    if existing := _existing_manifest(data_dir, settings):
+    data_dir = writer.local_output(data_dir)
+    if existing := writer.existing_manifest(data_dir, settings):
         return existing
     if vocab_size < 258:  # 256 byte tokens + 2 special tokens.
         raise DataError(f"vocab_size must be >= 258, got {vocab_size}")
 
     start = time.perf_counter()
-    manifest = _build_atomically(data_dir, settings, lambda tmp: _prepare_into(tmp, settings))
+    manifest = writer.build_atomically(data_dir, settings, lambda tmp: _prepare_into(tmp, settings))
 
     train, held = manifest["splits"]["train"], manifest["splits"]["heldout"]
     print(
@@ -139,47 +112,12 @@ def prepare_default_corpus(data_dir: str, vocab_size: int, heldout_docs: int = 2
     return manifest
 
 
-def _build_atomically(data_dir: str, settings: dict, build) -> dict:
-    """Runs build(tmp_dir) -> manifest and renames tmp_dir to data_dir as a whole."""
-    parent, name = os.path.split(data_dir)
-    os.makedirs(parent, exist_ok=True)
-    # Build in a sibling temp dir and rename it into place as a whole: an
-    # interrupted run leaves only a ".tmp" dir, never a data_dir that looks done.
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        manifest = build(tmp)
-        with open(os.path.join(tmp, layout.MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700.
-        try:
-            os.rename(tmp, data_dir)  # Also replaces an empty data_dir.
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            # A concurrent preparer won the race: use its result.
-            return _check_settings(data_dir, layout.load_manifest(data_dir), settings)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # No-op after a successful rename.
-    return manifest
-
-
-def _existing_manifest(data_dir: str, settings: dict) -> dict | None:
-    """The manifest of data already prepared with `settings` in data_dir; None if data_dir is free to use.
-    Data made with other settings, or a non-empty dir without a manifest, is refused (DataError)."""
-    if os.path.exists(os.path.join(data_dir, layout.MANIFEST)):
-        return _check_settings(data_dir, layout.load_manifest(data_dir), settings)
-    if os.path.exists(data_dir) and (not os.path.isdir(data_dir) or os.listdir(data_dir)):
-        raise DataError(f"{data_dir}: exists but has no {layout.MANIFEST}; refusing to overwrite it")
-    return None
-
-
 # --- Your own data: planned shards, tokenized in parallel, resumable shard by shard ---------------------
 
 SOURCES_FORMAT = 2  # layout of a `prepare --input` dir (inputs identified by content, per-shard heldout)
 SHARD_BYTES = 256 << 20  # default text per train shard
 TOKENIZER_SAMPLE_BYTES = 1 << 30  # at most this much train text teaches a new BPE
 MAX_BAD_FRACTION = 0.001  # of the records read, malformed JSONL lines skipped before prepare gives up
-PARTIAL = ".partial"  # sibling work dir `.<name>.partial`: finished shards survive an interrupted run
 
 
 @dataclasses.dataclass
@@ -234,30 +172,6 @@ def _shard_documents(srcs: list, plan: ShardPlan, text_split: str, seed: int, re
     return train, heldout, stats
 
 
-def _write_shard(path: str, token_lists: list[np.ndarray], weights: list[np.ndarray] | None = None) -> dict:
-    """One ArrayRecord file (a record per document: its tokens, then chat data's uint8 loss weights) plus its
-    lengths index; returns its manifest row."""
-    # Chunks of CHUNK_RECORDS records: a reader's index holds an entry per chunk (group_size:1 costs 35 bytes
-    # per record in every open reader), while reading one record decodes only its small chunk.
-    writer = ArrayRecordWriter(path, f"group_size:{layout.CHUNK_RECORDS}")
-    for k, tokens in enumerate(token_lists):
-        writer.write(tokens.tobytes() + (weights[k].astype(np.uint8).tobytes() if weights is not None else b""))
-    writer.close()
-    lengths = np.array([len(t) for t in token_lists], np.uint32)
-    # The indexes let the pipeline skip reading every record at start; np.save(str) would append ".npy".
-    with open(path + layout.LENGTHS_SUFFIX, "wb") as f:
-        np.save(f, lengths)
-    with open(path + layout.BLOCKS_SUFFIX, "wb") as f:
-        np.save(f, layout.block_tokens(lengths))
-    with open(path + layout.OFFSETS_SUFFIX, "wb") as f:
-        np.save(f, chunks.block_offsets(path, len(token_lists), layout.BLOCK_RECORDS, layout.CHUNK_RECORDS))
-    name = os.path.basename(path)
-    return {"file": name, "docs": len(token_lists), "tokens": int(lengths.sum(dtype=np.int64)),
-            "sha256": files.file_hash(path), "lengths": name + layout.LENGTHS_SUFFIX,
-            "blocks": name + layout.BLOCKS_SUFFIX, "offsets": name + layout.OFFSETS_SUFFIX,
-            "block_records": layout.BLOCK_RECORDS}
-
-
 def _build_shard(job: dict) -> dict:
     """Reads, splits, tokenizes and writes one shard into the work dir; its `.done.json` record, written
     last and atomically, is what marks it finished. Runs in a worker process (or in-process)."""
@@ -275,32 +189,10 @@ def _build_shard(job: dict) -> dict:
         path = os.path.join(work, f"{split}-{plan.index:05d}-of-{n:05d}.array_record")
         if chat:
             ids, weights = encode.encode_conversations(tok, docs, dtype, chat, record["chat"])
-            record[split] = _write_shard(path, ids, weights)
+            record[split] = writer.write_shard(path, ids, weights)
         else:
-            record[split] = _write_shard(path, encode.tokenize(tok, docs, dtype))
-    files.write_json(os.path.join(work, _done_name(plan.index)), record)
-    return record
-
-
-def _done_name(index: int) -> str:
-    return f"shard-{index:05d}.done.json"
-
-
-def _finished_shard(work: str, plan: ShardPlan, key: str) -> dict | None:
-    """The record of a shard an earlier (interrupted) run finished with the same key, if its files verify."""
-    try:
-        with open(os.path.join(work, _done_name(plan.index))) as f:
-            record = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("key") != key:
-        return None
-    for row in filter(None, (record["train"], record["heldout"])):
-        path = os.path.join(work, row["file"])
-        indexes = ("file", "lengths", "blocks", "offsets")
-        if not all(os.path.exists(os.path.join(work, row.get(k, "-"))) for k in indexes) or \
-                files.file_hash(path) != row["sha256"]:
-            return None
+            record[split] = writer.write_shard(path, encode.tokenize(tok, docs, dtype))
+    files.write_json(os.path.join(work, writer.done_name(plan.index)), record)
     return record
 
 
@@ -320,89 +212,6 @@ def _input_identities(srcs: list, previous: dict | None) -> list[dict]:
         sha = known.get((s.path, s.size, s.mtime_ns)) or sources_lib.file_sha256(s.path)
         out.append({"path": s.path, "kind": s.kind, "bytes": s.size, "mtime_ns": s.mtime_ns, "sha256": sha})
     return out
-
-
-def _local_output(data_dir: str) -> str:
-    """The absolute path of a local output dir; ConfigError for a URL (pathlib would make it a local "gs:"): a
-    bucket's data is prepared in a local staging dir, then `publish`ed."""
-    if problem := files.dir_problem(data_dir) if "://" in str(data_dir) else None:
-        raise ConfigError("--output", problem)
-    return os.path.abspath(data_dir)
-
-
-# --- Into a bucket: prepared locally, then uploaded, the manifest last ----------------------------------
-
-
-def staging_dir(url: str) -> str:
-    """Where data for the bucket dir `url` is prepared (and resumed) before `publish` uploads it."""
-    return files.url_cache("staging", url)
-
-
-def publish(local_dir: str, url: str, print_fn=print) -> dict:
-    """Uploads the prepared local_dir to the bucket dir `url` (gs:// or s3://), its manifest last, so a reader
-    never sees a manifest before its shards; returns the manifest. The same data already there is left as it
-    is; other data (another manifest) is refused (DataError), never overwritten."""
-    storage.check_url(url, "--output")
-    manifest = layout.load_manifest(local_dir)
-    remote = os.path.join(url, layout.MANIFEST)
-    if storage.exists(remote):
-        there = json.loads(storage.read_bytes(remote))
-        if (there.get("splits"), there.get("tokenizer")) == (manifest["splits"], manifest["tokenizer"]):
-            print_fn(f"prepare: {url} already holds this data", flush=True)
-            return manifest
-        raise DataError(f"{remote}: {url} holds other prepared data; refusing to overwrite it (give another "
-                        f"--output, or delete it first)")
-    storage.upload_dir(local_dir, url, last=layout.MANIFEST, print_fn=print_fn)
-    return manifest
-
-
-@contextlib.contextmanager
-def _locked(data_dir: str):
-    """One preparer per output dir at a time; a second one waits, then finds the finished data. The holder
-    removes the lock file as it leaves, so nothing is left beside the output; a waiter that then holds a removed
-    file's lock tries again on the new one."""
-    parent, name = os.path.split(data_dir)
-    files.make_dir(parent, "--output")
-    path = os.path.join(parent, f".{name}.lock")
-    while True:
-        f = open(path, "a")  # noqa: SIM115 - held across the yield
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        f.close()
-    try:
-        yield
-    finally:
-        os.unlink(path)
-        f.close()
-
-
-def _work_path(data_dir: str) -> str:
-    parent, name = os.path.split(data_dir)
-    return os.path.join(parent, f".{name}{PARTIAL}")
-
-
-def _work_dir(data_dir: str, settings: dict, input_mtimes: list, print_fn) -> str:
-    """The sibling work dir, reused if an interrupted run left it with the same settings, else emptied."""
-    work = _work_path(data_dir)
-    state_file = os.path.join(work, "settings.json")
-    try:
-        with open(state_file) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        saved = None
-    # The mtimes ride along only to spare a resume re-hashing unchanged inputs; they are not settings.
-    if saved is None or {k: v for k, v in saved.items() if k != "input_mtimes"} != json.loads(json.dumps(settings)):
-        if saved is not None:
-            print_fn(f"prepare: discarding the unfinished work in {work}: it was for other inputs or settings",
-                     file=sys.stderr)
-        shutil.rmtree(work, ignore_errors=True)  # our own scratch, never a finished data dir
-        os.makedirs(work)
-        files.write_json(state_file, {**settings, "input_mtimes": input_mtimes})
-    return work
 
 
 def _comparable(inputs: list[dict]) -> list[dict]:
@@ -461,13 +270,13 @@ def prepare_sources(
     srcs = sources_lib.expand(inputs, fmt, field, split=split, tfds_data_dir=tfds_data_dir)
     for s in srcs:
         s.strict = max_bad_fraction == 0
-    data_dir = _local_output(data_dir)
+    data_dir = writer.local_output(data_dir)
     start = time.perf_counter()
-    with _locked(data_dir):
+    with writer.locked(data_dir):
         previous = None
         if os.path.exists(os.path.join(data_dir, layout.MANIFEST)):
             previous = layout.load_manifest(data_dir)
-        elif os.path.exists(state := os.path.join(_work_path(data_dir), "settings.json")):
+        elif os.path.exists(state := os.path.join(writer.work_path(data_dir), "settings.json")):
             with contextlib.suppress(OSError, json.JSONDecodeError), open(state) as f:
                 previous = json.load(f)
         identities = _input_identities(srcs, previous)
@@ -487,9 +296,9 @@ def prepare_sources(
         }
         if chat_settings:
             settings["chat"] = {k: v for k, v in chat_settings.items() if k not in ("template", "variables")}
-        if existing := _existing_manifest(data_dir, settings):
+        if existing := writer.existing_manifest(data_dir, settings):
             return existing
-        work = _work_dir(data_dir, settings, [r.get("mtime_ns") for r in identities], print_fn)
+        work = writer.work_dir(data_dir, settings, [r.get("mtime_ns") for r in identities], print_fn)
         try:
             manifest = _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, tok, tokenizer, eos_token,
                                              text_split, num_shards, heldout_docs, seed, vocab_size, workers,
@@ -576,7 +385,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
             manifest["pairs"] = True  # records come in (chosen, rejected) twos
         manifest["chat"] = {**settings["chat"], "template_file": encode.CHAT_TEMPLATE, **dict(sorted(counts.items()))}
     for r in range(len(plans)):
-        os.remove(os.path.join(work, _done_name(r)))
+        os.remove(os.path.join(work, writer.done_name(r)))
     os.remove(os.path.join(work, "settings.json"))
     files.write_json(os.path.join(work, layout.MANIFEST), manifest)
     if os.path.isdir(data_dir):
@@ -667,7 +476,7 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_to
         # reused when its plan and the tokenizer are the same too.
         key = hashlib.sha256(json.dumps([plan.pieces, plan.heldout, len(plans), tok_sha, dtype.name]).encode())
         key = key.hexdigest()
-        if done := _finished_shard(work, plan, key):
+        if done := writer.finished_shard(work, plan.index, key):
             records[plan.index] = done
         else:
             jobs.append({"plan": plan, "work_dir": work, "num_shards": len(plans), "sources": srcs,
@@ -693,7 +502,7 @@ def _build_shards(work, srcs, plans, text_split, seed, tok_file, tok_dir, eos_to
         print_fn(f"prepare: {len(jobs)} shards on Apache Beam's {runner}", file=sys.stderr)
         beam_runner.run(jobs, _build_shard, runner, beam_options)
         for job in jobs:  # each worker left its shard's record in the work dir
-            if (record := _finished_shard(work, job["plan"], job["key"])) is None:
+            if (record := writer.finished_shard(work, job["plan"].index, job["key"])) is None:
                 raise DataError(f"{work}: the Beam pipeline finished without shard {job['plan'].index}")
             progress(record)
     elif workers <= 1:

@@ -13,7 +13,7 @@ Usage:
 from __future__ import annotations
 
 from jaxtrain import storage
-from jaxtrain.data import encode, prepare, sources
+from jaxtrain.data import encode, prepare, sources, writer
 from jaxtrain.tools import common
 
 
@@ -68,7 +68,7 @@ def _prepare(argv) -> int:
         parser.error("--chat_template and --max_len apply to --chat and --preference data only")
     field = args.field or (sources.RECORD if chat else "text")
     storage.check_url(args.output, "--output")
-    output = args.staging or prepare.staging_dir(args.output) if storage.is_url(args.output) else args.output
+    output = args.staging or writer.staging_dir(args.output) if storage.is_url(args.output) else args.output
     if args.staging and output == args.output:
         parser.error("--staging applies to a gs:// or s3:// --output only")
     if args.input:
@@ -87,7 +87,7 @@ def _prepare(argv) -> int:
     else:
         prepare.prepare_default_corpus(output, args.vocab_size, args.heldout_docs, args.seed)
     if output != args.output:
-        prepare.publish(output, args.output)
+        writer.publish(output, args.output)
     return 0
 
 
