@@ -52,10 +52,10 @@ def compile_seconds(cfg) -> tuple[float, float]:
 def startup_seconds(config_path: str) -> tuple[float, str]:
     """Seconds from launching a 1-step run of `config_path` to its `step 1/1` line, and that run's own
     'compiled ... (startup ...)' and 'peak ...' lines."""
-    from jaxtrain.data import prepare
+    from jaxtrain.data import corpus
 
     cfg = runpy.run_path(str(REPO / config_path))["get_config"]()
-    prepare.prepare_default_corpus(layout.default_dir(cfg.data), cfg.data.vocab_size, cfg.data.heldout_docs)  # excluded
+    corpus.prepare_default_corpus(layout.default_dir(cfg.data), cfg.data.vocab_size, cfg.data.heldout_docs)  # excluded
     workdir = tempfile.mkdtemp(prefix="bench_startup_")
     cmd = [sys.executable, "-m", "jaxtrain.main", "--config", config_path, f"--config.workdir={workdir}/run",
            "--config.train.steps=1", "--config.optim.warmup_steps=0", "--config.log.every_steps=1",

@@ -142,12 +142,12 @@ def measure_bucket(cfg) -> dict:
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     import emulators
     from jaxtrain import storage
-    from jaxtrain.data import prepare
+    from jaxtrain.data import corpus
 
     out = {}
     with tempfile.TemporaryDirectory() as root:
         ddir = str(Path(root) / "data")  # prepared afresh: a dir from before block offsets cannot be read from S3
-        prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
+        corpus.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
         out["local_tokens_per_sec"] = pipeline_tokens_per_sec(cfg, ddir)
         (Path(root) / "gcs").mkdir()
         for name, server in [("gcs", emulators.GCS(Path(root) / "gcs")), ("s3", emulators.S3())]:
@@ -165,11 +165,11 @@ def measure_bucket(cfg) -> dict:
 
 def measure_pipeline(cfg) -> dict:
     from jaxtrain import train
-    from jaxtrain.data import prepare
+    from jaxtrain.data import corpus
 
     b, s = cfg.train.batch_size, cfg.train.seq_len
     ddir = layout.default_dir(cfg.data)
-    prepare.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
+    corpus.prepare_default_corpus(ddir, cfg.data.vocab_size, cfg.data.heldout_docs)
     pipeline_tok_s = pipeline_tokens_per_sec(cfg, ddir)
 
     step_s, _, _, _ = time_train_step(cfg, _STEPS.value)

@@ -31,10 +31,10 @@ TINY_VOCAB = 512
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory):
     """The default corpus prepared once per session with a 512-token vocab (about 2 s)."""
-    from jaxtrain.data import prepare
+    from jaxtrain.data import corpus
 
     path = str(tmp_path_factory.mktemp("tiny_data") / f"kjv_v{TINY_VOCAB}")
-    prepare.prepare_default_corpus(path, TINY_VOCAB)
+    corpus.prepare_default_corpus(path, TINY_VOCAB)
     return path
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtrain.data import prepare
+from jaxtrain.data import corpus
 
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token + "
             "'\\n' }}{% else %}{{ m['role'].capitalize() + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
@@ -24,7 +24,7 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'Assista
 def continuations() -> list[tuple[str, str]]:
     """(a sentence, the sentence after it) from every KJV paragraph with two or more."""
     out = []
-    for paragraph in prepare.read_kjv_documents():
+    for paragraph in corpus.read_kjv_documents():
         sentences = [s.strip() for s in re.split(r"(?<=[.?!:;])\s+", paragraph) if s.strip()]
         out += [(a, b) for a, b in zip(sentences, sentences[1:]) if len(a) < 200 and len(b) < 200]
     return out

@@ -13,7 +13,7 @@ Usage:
 from __future__ import annotations
 
 from jaxtrain import storage
-from jaxtrain.data import encode, prepare, sources, writer
+from jaxtrain.data import corpus, encode, prepare, sources, writer
 from jaxtrain.tools import common
 
 
@@ -85,7 +85,7 @@ def _prepare(argv) -> int:
     elif args.runner:
         parser.error("--runner applies to --input data")
     else:
-        prepare.prepare_default_corpus(output, args.vocab_size, args.heldout_docs, args.seed)
+        corpus.prepare_default_corpus(output, args.vocab_size, args.heldout_docs, args.seed)
     if output != args.output:
         writer.publish(output, args.output)
     return 0

@@ -13,7 +13,7 @@ import grain
 import numpy as np
 import pytest
 
-from jaxtrain.data import pipeline, prepare, tokenizer
+from jaxtrain.data import corpus, pipeline, tokenizer
 from jaxtrain.data.prepare import DataError
 from jaxtrain.data import layout
 from jaxtrain import files
@@ -26,7 +26,7 @@ REPO = str(Path(__file__).resolve().parents[2])
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("kjv") / "data")
-    prepare.prepare_default_corpus(path, VOCAB)
+    corpus.prepare_default_corpus(path, VOCAB)
     return path
 
 
@@ -72,7 +72,7 @@ def test_records_decode_to_source_documents(data_dir):
         for rec in records(data_dir, split):
             assert rec[-1] == tokenizer.EOS_ID and tokenizer.EOS_ID not in rec[:-1]
             decoded.append(tok.decode(rec[:-1]))
-    assert sorted(decoded) == sorted(prepare.read_kjv_documents())
+    assert sorted(decoded) == sorted(corpus.read_kjv_documents())
     assert len(records(data_dir, "heldout")) == 200
 
 
@@ -80,7 +80,7 @@ def test_manifest_counts_and_hashes(data_dir):
     m = layout.load_manifest(data_dir)
     assert (m["vocab_size"], m["heldout_docs"], m["seed"], m["dtype"]) == (VOCAB, 200, 0, "uint16")
     assert m["tokenizer"]["sha256"] == files.file_hash(os.path.join(data_dir, "tokenizer.json"))
-    assert len(m["splits"]["train"]) == prepare.NUM_TRAIN_SHARDS
+    assert len(m["splits"]["train"]) == corpus.NUM_TRAIN_SHARDS
     for split, shards in m["splits"].items():
         recs = records(data_dir, split)
         assert sum(s["docs"] for s in shards) == len(recs)
@@ -90,7 +90,7 @@ def test_manifest_counts_and_hashes(data_dir):
 
 
 def test_tokenizer_is_deterministic_and_round_trips():
-    texts = prepare.read_kjv_documents()[:300] + ["<|endoftext|> stays text — Æ’"]
+    texts = corpus.read_kjv_documents()[:300] + ["<|endoftext|> stays text — Æ’"]
     a, b = tokenizer.train_bpe(texts, 400), tokenizer.train_bpe(texts, 400)
     assert a.to_str() == b.to_str()
     assert (a.token_to_id("<|pad|>"), a.token_to_id("<|endoftext|>")) == (0, 1)
@@ -102,7 +102,7 @@ def test_tokenizer_is_deterministic_and_round_trips():
 def test_reuse_does_not_touch_files(data_dir, capsys):
     before = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
     start = time.perf_counter()
-    manifest = prepare.prepare_default_corpus(data_dir, VOCAB)
+    manifest = corpus.prepare_default_corpus(data_dir, VOCAB)
     assert time.perf_counter() - start < 0.5
     assert manifest == layout.load_manifest(data_dir)
     after = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
@@ -120,7 +120,7 @@ def test_reuse_does_not_touch_files(data_dir, capsys):
 )
 def test_different_settings_raise(data_dir, kwargs, setting):
     with pytest.raises(DataError, match=setting) as e:
-        prepare.prepare_default_corpus(data_dir, **kwargs)
+        corpus.prepare_default_corpus(data_dir, **kwargs)
     assert data_dir in str(e.value)
 
 
@@ -139,9 +139,9 @@ def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
         open(os.path.join(out_dir, "tokenizer.json"), "w").close()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare, "_prepare_into", crash)
+    monkeypatch.setattr(corpus, "_prepare_into", crash)
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare_default_corpus(str(tmp_path / "data"), VOCAB)
+        corpus.prepare_default_corpus(str(tmp_path / "data"), VOCAB)
     assert os.listdir(tmp_path) == []
 
 

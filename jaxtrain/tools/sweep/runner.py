@@ -33,7 +33,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     get_sweep() dict or a Sweep. Raises SweepError/ConfigError/DataError before any trial for bad input.
 
     Returns {"rows", "best" (row or None), "csv", "markdown", "plot", "sweep_dir"}."""
-    from jaxtrain.data import layout, prepare
+    from jaxtrain.data import corpus, layout
 
     spec = load(sweep, trials)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -43,7 +43,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     # The corpus once, here: N workers' first trials would otherwise all build it; a DataError is bad input.
     ddir = layout.default_dir(config.data)
     if not layout.prepared_from_sources(ddir):
-        prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
+        corpus.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     files.make_dir(sweep_dir, "--sweep_dir")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our one line per trial replaces Optuna's
     study = open_study(spec, config, sweep_dir, storage)
