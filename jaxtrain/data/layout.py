@@ -3,7 +3,7 @@
 A prepared dir holds `manifest.json` (settings, inputs, dtype, EOS id, per-shard docs/tokens/sha256), the
 tokenizer (`tokenizer.json` or `tokenizer.model`), and `train-*` / `heldout-*` ArrayRecord shards, each with a
 `.lengths.npy` index (tokens per document) and a `.blocks.npy` one (tokens per block of BLOCK_RECORDS
-documents, what the shuffle reads at start). `jaxtrain.data.prepare` writes it; this module is what reading
+documents, what the shuffle reads at start). corpus.py and prepare.py write it; this module is what reading
 needs. Data made with a Hugging Face directory's tokenizer (manifest `tokenizer.hf_dir`) also holds its
 tokenizer_config.json, and the data dir is then read as that directory (its template tokens, e.g. BOS,
 start each encoded text).
