@@ -10,6 +10,7 @@ compiled one, so their ratio shows where XLA departs from the textbook. The form
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from jaxtrain.observe import hlo as hlo_lib
@@ -53,6 +54,232 @@ def _host_activation_bytes_per_token(cfg, tensor: int, seq_len: int) -> float:
     return dots - _activation_bytes_per_token(cfg, "full", tensor, seq_len) if cfg.remat == "offload_dots" else 0.0
 
 
+def _active_axes(name: str, mesh_shape: dict, rules: dict) -> tuple[str, ...]:
+    """The mesh axes (> 1) that the rules map the logical name `name` to."""
+    return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One device's share of a step: the mesh axes that split the batch, sequence, experts, vocabulary and pipeline,
+    and the sizes that follow. Every memory and traffic term below reads it."""
+    mesh_shape: dict
+    batch_axes: tuple[str, ...]
+    seq_axes: tuple[str, ...]
+    expert_axes: tuple[str, ...]
+    pipeline_axes: tuple[str, ...]
+    vocab_axes: tuple[str, ...]
+    replicas: tuple[str, ...]  # mesh.replica_axes: pure data-parallel replicas
+    dp: int
+    seq_ways: int
+    vocab_ways: int
+    tensor: int
+    act_size: int  # bytes of an activation element in the compute dtype
+    seq_len: int
+    microbatches: int
+    stages: int
+    repeats: int  # the pipeline's repeats and microbatches (1 without a pipeline)
+    pipe_microbatches: int
+    ticks: int
+    rows: int  # sequences per device per microbatch
+    tokens_dev: int
+    layer_runs: float
+    kv_whole: float  # one layer's K and V, the whole sequence
+
+
+def _layout(model_cfg, mesh_shape: dict, rules: dict, pipeline: dict | None, *, batch: int, seq_len: int,
+            microbatches: int) -> _Layout:
+    """The step's layout from the mesh, its rules and the config's sizes."""
+    from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    batch_axes = _active_axes("batch", mesh_shape, rules)
+    seq_axes = _active_axes("seq", mesh_shape, rules)
+    dp = math.prod(mesh_shape[a] for a in batch_axes)
+    seq_ways = math.prod(mesh_shape[a] for a in seq_axes)
+    tensor = mesh_shape.get("tensor", 1) if any("tensor" in v for v in rules.values()) else 1
+    a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
+    stages = pipeline["stages"] if pipeline else 1
+    repeats, pipe_microbatches = (pipeline["repeats"], pipeline["microbatches"]) if stages > 1 else (1, 1)
+    ticks = repeats * pipe_microbatches + stages - 1 if stages > 1 else 1
+    rows = batch // (microbatches * dp)
+    vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
+    kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
+    return _Layout(
+        mesh_shape=mesh_shape, batch_axes=batch_axes, seq_axes=seq_axes,
+        expert_axes=_active_axes("experts", mesh_shape, rules),
+        pipeline_axes=_active_axes("stages", mesh_shape, rules) if stages > 1 else (),
+        vocab_axes=vocab_axes, replicas=mesh_lib.replica_axes(mesh_shape, rules), dp=dp, seq_ways=seq_ways,
+        vocab_ways=math.prod(mesh_shape[x] for x in vocab_axes), tensor=tensor, act_size=a, seq_len=seq_len,
+        microbatches=microbatches, stages=stages, repeats=repeats, pipe_microbatches=pipe_microbatches, ticks=ticks,
+        rows=rows, tokens_dev=rows * seq_len // seq_ways,
+        # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R)
+        # layers on a microbatch (bubble ticks included), ticks * L / (P * R * M).
+        layer_runs=model_cfg.n_layers * (ticks / (stages * repeats * pipe_microbatches) if stages > 1 else 1),
+        kv_whole=2 * rows * seq_len * kv_dim * a)
+
+
+def _param_memory(placed: list[tuple]) -> tuple[float, float]:
+    """Per-device bytes of every parameter, and of those with gradients and optimizer state (LoRA: the adapters)."""
+    param_bytes = trained_bytes = 0.0
+    for p, shards, _ in placed:
+        param_bytes += p["bytes"] / shards
+        trained_bytes += p["bytes"] / shards if p.get("trained", True) else 0.0
+    return param_bytes, trained_bytes
+
+
+def _grad_scales(model_cfg) -> tuple[float, float, float]:
+    """Gradient bytes per param byte as reduced: (the per-replica sums', a weight matmul's, the head's). A weight
+    matmul's gradient comes out of its matmul in the compute dtype, or narrower where optim.grad_reduce_dtype asks
+    (layers.weight_grad_in); the fused loss's head in f32 or that dtype; lookup tables, norms and biases in the param
+    dtype; the per-replica sums in that dtype."""
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    g_size, p_size = size[model_cfg.grad_reduce_dtype], size[model_cfg.param_dtype]
+    matmul_scale = min(g_size, size[model_cfg.dtype]) / p_size
+    head_scale = g_size / p_size if model_cfg.loss_chunk_tokens and not model_cfg.final_softcap else matmul_scale
+    return g_size / p_size, matmul_scale, head_scale
+
+
+def _weight_terms(model_cfg, placed: list[tuple], lay: _Layout, per_replica: bool):
+    """(kind, axes, bytes) of the weights' gathers and their gradients' reduces, parameter by parameter."""
+    for p, shards, axes in placed:
+        yield from _param_terms(model_cfg, p, shards, axes, lay, per_replica)
+
+
+def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per_replica: bool):
+    """One parameter's: gathered over the batch axes that shard it, its gradient reduced over the rest."""
+    from jaxtrain import step as step_lib  # noqa: PLC0415 (imports jax)
+    mesh_shape, batch_axes, microbatches = lay.mesh_shape, lay.batch_axes, lay.microbatches
+    names = tuple(p["names"] or ())
+    # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
+    owned = [x for x in axes if x in lay.expert_axes and "experts" in names]
+    gather = [x for x in axes if x in batch_axes and x not in owned]
+    reduce = [x for x in batch_axes if x not in axes]
+    gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
+    # A pipelined layer's gradient is reduced on every tick (each tick adds to the chunk each stage ran; a stage
+    # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
+    pipelined = lay.stages > 1 and "layers" in names
+    times = microbatches * (lay.ticks / lay.repeats if pipelined else 1)
+    # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
+    tied = model_cfg.tie_embeddings and "vocab" in names
+    # Gathered in the forward, and again in the backward where that needs the weight and nothing kept it: the
+    # head's input gradient always, a layer's unless remat "none" keeps the forward's copy; the lookup table
+    # never (its gradient is a scatter). Under a pipeline or per-replica accumulation XLA gathers once a step
+    # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
+    lookup = not tied and names[:1] == ("vocab",)
+    # The fused loss (model.loss_chunk_tokens) uses the head once, for the logits and dx alike, gathered before
+    # its chunk loop (cross_entropy._gathered_once).
+    fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
+    passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
+    copies = pipelined or bool(lay.replicas) and (per_replica or step_lib.accumulates_per_replica(model_cfg,
+                                                                                                 microbatches))
+    yield "all-gather", gather, passes * (1 if copies else microbatches) * gathered
+    if not p.get("trained", True):  # a frozen weight (LoRA's base): gathered, never reduced
+        return
+    reduced_scale, matmul_scale, head_scale = _grad_scales(model_cfg)
+    matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
+    scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
+    parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
+    yield "reduce-scatter", gather, parts * times * gathered
+    # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
+    once = [x for x in reduce if copies and x in lay.replicas]
+    yield "all-reduce", once, reduced_scale * p["bytes"] / shards
+    yield "all-reduce", [x for x in reduce if x not in once], parts * times * p["bytes"] / shards
+    yield "all-reduce", lay.seq_axes, parts * times * p["bytes"] / shards  # each slice's share
+
+
+def _tensor_terms(model_cfg, lay: _Layout):
+    """Megatron's activation all-reduces over `tensor`."""
+    if lay.tensor > 1:
+        per_layer = 6 if model_cfg.remat == "full" else 4
+        yield "all-reduce", ("tensor",), (lay.microbatches * per_layer * lay.layer_runs * lay.tokens_dev
+                                          * model_cfg.d_model * lay.act_size)
+
+
+def _vocab_terms(model_cfg, lay: _Layout):
+    """Vocabulary tables split along the vocab: the lookup's partial rows and the head's input gradient are summed,
+    and the loss combines each token's f32 max, sum of exponentials and target logit over the vocab shards."""
+    yield "all-reduce", lay.vocab_axes, lay.microbatches * lay.tokens_dev * (2 * model_cfg.d_model * lay.act_size
+                                                                             + 3 * 4)
+
+
+def _sequence_terms(model_cfg, lay: _Layout):
+    """Every layer gathers K and V whole along the sequence axes; their gradients go back as a reduce-scatter."""
+    if lay.seq_axes:
+        # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
+        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
+                 "offload_dots": 0.5}.get(model_cfg.remat, 0.0)
+        yield "all-gather", lay.seq_axes, lay.microbatches * lay.layer_runs * (1 + again) * lay.kv_whole
+        yield "reduce-scatter", lay.seq_axes, lay.microbatches * lay.layer_runs * lay.kv_whole
+
+
+def _expert_terms(model_cfg, lay: _Layout):
+    """The tokens' trips to their experts along `expert`, forward and backward."""
+    a, expert_axes, microbatches = lay.act_size, lay.expert_axes, lay.microbatches
+    if model_cfg.n_experts and expert_axes and model_cfg.moe_routing == "dropless":
+        # Each shard's assignments (tokens x top_k rows) are gathered along `expert`, every device runs its own
+        # experts on them and the partial outputs are summed; the backward does the same with the gradients.
+        ways = math.prod(lay.mesh_shape[x] for x in expert_axes if x in lay.batch_axes)
+        rows_bytes = lay.tokens_dev * ways * model_cfg.moe_top_k * model_cfg.d_model * a
+        passes = 3 if model_cfg.remat == "full" else 2  # remat=full runs the forward's again
+        if ways > 1:
+            yield "all-gather", expert_axes, microbatches * lay.layer_runs * passes * rows_bytes
+        yield "all-reduce", expert_axes, microbatches * lay.layer_runs * passes * rows_bytes
+    elif model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
+        from jaxtrain.models import moe  # noqa: PLC0415 (imports jax)
+        seq_len = lay.seq_len
+        group = model_cfg.moe_group_tokens or seq_len
+        local_groups = seq_len // group // lay.seq_ways if group < seq_len else 1  # groups sit on one sequence shard
+        slots = moe.capacity(model_cfg.moe_capacity_factor, group, model_cfg.moe_top_k, model_cfg.n_experts)
+        buffer = model_cfg.n_experts * lay.rows * local_groups * slots * model_cfg.d_model * a
+        passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
+        yield "all-to-all", expert_axes, microbatches * lay.layer_runs * passes * buffer
+
+
+def _pipeline_terms(model_cfg, lay: _Layout):
+    """Each tick hands every stage's microbatch on (x and its int32 positions and segment ids)."""
+    if lay.stages > 1:
+        a, seq_len, seq_ways = lay.act_size, lay.seq_len, lay.seq_ways
+        micro_rows = lay.rows // lay.pipe_microbatches
+        x_bytes = micro_rows * seq_len // seq_ways * model_cfg.d_model * a
+        yield "collective-permute", lay.pipeline_axes, lay.microbatches * lay.ticks * (
+            x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes)
+        # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
+        yield "all-reduce", lay.pipeline_axes, (lay.microbatches * 2 * lay.rows * seq_len // seq_ways
+                                                * model_cfg.d_model * a)
+
+
+def _sum_collectives(terms, mesh_shape: dict) -> list[dict]:
+    """The (kind, axes, bytes) terms summed by kind and mesh axes (in mesh order), in hlo.COLLECTIVES' order."""
+    comms: dict[tuple, float] = {}
+    for kind, axes, nbytes in terms:
+        if axes and nbytes:
+            key = (kind, tuple(x for x in mesh_shape if x in axes))
+            comms[key] = comms.get(key, 0.0) + nbytes
+    return [{"kind": k, "axes": axes, "bytes": v} for (k, axes), v in
+            sorted(comms.items(), key=lambda kv: (hlo_lib.COLLECTIVES.index(kv[0][0]), kv[0][1]))]
+
+
+def _activations(cfg, lay: _Layout) -> tuple[float, float]:
+    """Activation bytes a device holds in the backward (every layer's saved tensors, the layer being recomputed or
+    brought back, the logits), and one layer's share."""
+    act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    tensor, seq_len, tokens_dev = lay.tensor, lay.seq_len, lay.tokens_dev
+    per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
+    if lay.seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
+        per_layer += lay.kv_whole / lay.act_size * act_bytes * (1 - 1 / lay.seq_ways)
+    total = lay.layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
+    if cfg.remat == "offload_dots":  # one layer's, back from the host, during its backward
+        total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
+    if cfg.remat == "full":  # one layer is recomputed at a time during backward
+        total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
+    if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
+        from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
+        chunk_tokens = tokens_dev // cross_entropy.n_chunks(lay.rows, seq_len, cfg.loss_chunk_tokens, 1, lay.seq_ways)
+        logits = 8 + (act_bytes if act_bytes < 4 else 0)
+        return total + chunk_tokens * cfg.vocab_size / lay.vocab_ways * logits, per_layer
+    logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
+    return total + tokens_dev * cfg.vocab_size / lay.vocab_ways * logits, per_layer
+
+
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
              microbatches: int, opt_counters: int, opt_moments: float = 2.0,
              pipeline: dict | None = None, offload: bool = False, per_replica: bool = False) -> dict:
@@ -62,152 +289,24 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     config's pipeline group (stages, microbatches, repeats) when the layers are pipelined. `offload`
     (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are.
     `per_replica`: the step differentiates per-replica weight copies even without accumulation (error feedback)."""
-    def active(name):
-        return tuple(a for a in rules.get(name, ()) if mesh_shape[a] > 1)
-
-    batch_axes, seq_axes, expert_axes = active("batch"), active("seq"), active("experts")
-    dp = math.prod(mesh_shape[a] for a in batch_axes)
-    seq_ways = math.prod(mesh_shape[a] for a in seq_axes)
-    tensor = mesh_shape.get("tensor", 1) if any("tensor" in v for v in rules.values()) else 1
-    a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
-    stages = pipeline["stages"] if pipeline else 1
-    ticks = pipeline["repeats"] * pipeline["microbatches"] + stages - 1 if stages > 1 else 1
-    param_bytes = trained_bytes = 0.0  # every parameter's; those with gradients and optimizer state (LoRA: adapters)
-    from jaxtrain import step as step_lib  # noqa: PLC0415 (imports jax)
-    from jaxtrain.parallel import mesh as mesh_lib
-    replicas = mesh_lib.replica_axes(mesh_shape, rules)
-    comms: dict[tuple, float] = {}
-    # Gradient bytes per param byte as reduced. A weight matmul's gradient comes out of its matmul in the compute
-    # dtype, or narrower where optim.grad_reduce_dtype asks (layers.weight_grad_in); the fused loss's head in f32
-    # or that dtype; lookup tables, norms and biases in the param dtype; the per-replica sums in that dtype.
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}
-    g_size, p_size = size[model_cfg.grad_reduce_dtype], size[model_cfg.param_dtype]
-    matmul_scale = min(g_size, size[model_cfg.dtype]) / p_size
-    head_scale = g_size / p_size if model_cfg.loss_chunk_tokens and not model_cfg.final_softcap else matmul_scale
-
-    def add(kind, axes, nbytes):
-        if axes and nbytes:
-            key = (kind, tuple(x for x in mesh_shape if x in axes))
-            comms[key] = comms.get(key, 0.0) + nbytes
-
-    for p in params:
-        names = tuple(p["names"] or ())
-        shards, axes = _param_shards(p["shape"], p["names"], mesh_shape, rules)
-        param_bytes += p["bytes"] / shards
-        trained = p.get("trained", True)
-        trained_bytes += p["bytes"] / shards if trained else 0.0
-        # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
-        owned = [x for x in axes if x in expert_axes and "experts" in names]
-        gather = [x for x in axes if x in batch_axes and x not in owned]
-        reduce = [x for x in batch_axes if x not in axes]
-        gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
-        # A pipelined layer's gradient is reduced on every tick (each tick adds to the chunk each stage ran; a stage
-        # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
-        pipelined = stages > 1 and "layers" in names
-        times = microbatches * (ticks / pipeline["repeats"] if pipelined else 1)
-        # A tied table's gradient has two parts (lookup and head), which XLA reduces one after the other.
-        tied = model_cfg.tie_embeddings and "vocab" in names
-        # Gathered in the forward, and again in the backward where that needs the weight and nothing kept it: the
-        # head's input gradient always, a layer's unless remat "none" keeps the forward's copy; the lookup table
-        # never (its gradient is a scatter). Under a pipeline or per-replica accumulation XLA gathers once a step
-        # for every tick and microbatch (the weight does not change in between); otherwise once per microbatch.
-        lookup = not tied and names[:1] == ("vocab",)
-        # The fused loss (model.loss_chunk_tokens) uses the head once, for the logits and dx alike, gathered before
-        # its chunk loop (cross_entropy._gathered_once).
-        fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
-        passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
-        copies = pipelined or bool(replicas) and (per_replica or step_lib.accumulates_per_replica(model_cfg,
-                                                                                                  microbatches))
-        add("all-gather", gather, passes * (1 if copies else microbatches) * gathered)
-        if not trained:  # a frozen weight (LoRA's base): gathered, never reduced
-            continue
-        matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
-        scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
-        parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
-        add("reduce-scatter", gather, parts * times * gathered)
-        # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
-        once = [x for x in reduce if copies and x in replicas]
-        add("all-reduce", once, g_size / p_size * p["bytes"] / shards)
-        add("all-reduce", [x for x in reduce if x not in once], parts * times * p["bytes"] / shards)
-        add("all-reduce", seq_axes, parts * times * p["bytes"] / shards)  # each slice's share
-    rows = batch // (microbatches * dp)  # sequences per device per microbatch
-    tokens_dev = rows * seq_len // seq_ways
-    # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R) layers
-    # on a microbatch (bubble ticks included), ticks * L / (P * R * M).
-    layer_runs = model_cfg.n_layers * (ticks / (stages * pipeline["repeats"] * pipeline["microbatches"])
-                                       if stages > 1 else 1)
-    if tensor > 1:
-        per_layer = 6 if model_cfg.remat == "full" else 4
-        add("all-reduce", ("tensor",), microbatches * per_layer * layer_runs * tokens_dev * model_cfg.d_model * a)
-    # Vocabulary tables split along the vocab: the lookup's partial rows and the head's input gradient are summed,
-    # and the loss combines each token's f32 max, sum of exponentials and target logit over the vocab shards.
-    vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
-    vocab_ways = math.prod(mesh_shape[x] for x in vocab_axes)
-    add("all-reduce", vocab_axes, microbatches * tokens_dev * (2 * model_cfg.d_model * a + 3 * 4))
-    kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
-    kv_whole = 2 * rows * seq_len * kv_dim * a  # one layer's K and V, the whole sequence
-    if seq_axes:  # every layer gathers K and V whole; their gradients go back as a reduce-scatter
-        # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
-        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
-                 "offload_dots": 0.5}.get(model_cfg.remat, 0.0)
-        add("all-gather", seq_axes, microbatches * layer_runs * (1 + again) * kv_whole)
-        add("reduce-scatter", seq_axes, microbatches * layer_runs * kv_whole)
-    if model_cfg.n_experts and expert_axes and model_cfg.moe_routing == "dropless":
-        # Each shard's assignments (tokens x top_k rows) are gathered along `expert`, every device runs its own
-        # experts on them and the partial outputs are summed; the backward does the same with the gradients.
-        ways = math.prod(mesh_shape[x] for x in expert_axes if x in batch_axes)
-        rows_bytes = tokens_dev * ways * model_cfg.moe_top_k * model_cfg.d_model * a
-        passes = 3 if model_cfg.remat == "full" else 2  # remat=full runs the forward's again
-        if ways > 1:
-            add("all-gather", expert_axes, microbatches * layer_runs * passes * rows_bytes)
-        add("all-reduce", expert_axes, microbatches * layer_runs * passes * rows_bytes)
-    elif model_cfg.n_experts and expert_axes:  # tokens to their experts and back, forward and backward
-        from jaxtrain.models import moe  # noqa: PLC0415 (imports jax)
-        group = model_cfg.moe_group_tokens or seq_len
-        local_groups = seq_len // group // seq_ways if group < seq_len else 1  # groups sit on one sequence shard
-        slots = moe.capacity(model_cfg.moe_capacity_factor, group, model_cfg.moe_top_k, model_cfg.n_experts)
-        buffer = model_cfg.n_experts * rows * local_groups * slots * model_cfg.d_model * a
-        passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
-        add("all-to-all", expert_axes, microbatches * layer_runs * passes * buffer)
-    if stages > 1:  # each tick hands every stage's microbatch on (x and its int32 positions and segment ids)
-        pipeline_axes = active("stages")
-        micro_rows = rows // pipeline["microbatches"]
-        x_bytes = micro_rows * seq_len // seq_ways * model_cfg.d_model * a
-        add("collective-permute", pipeline_axes, microbatches * ticks * (
-            x_bytes + 2 * micro_rows * seq_len // seq_ways * 4 + 2 * x_bytes))
-        # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
-        add("all-reduce", pipeline_axes, microbatches * 2 * rows * seq_len // seq_ways * model_cfg.d_model * a)
+    lay = _layout(model_cfg, mesh_shape, rules, pipeline, batch=batch, seq_len=seq_len, microbatches=microbatches)
+    placed = [(p, *_param_shards(p["shape"], p["names"], mesh_shape, rules)) for p in params]
+    param_bytes, trained_bytes = _param_memory(placed)
+    collectives = _sum_collectives(itertools.chain(
+        _weight_terms(model_cfg, placed, lay, per_replica), _tensor_terms(model_cfg, lay),
+        _vocab_terms(model_cfg, lay), _sequence_terms(model_cfg, lay), _expert_terms(model_cfg, lay),
+        _pipeline_terms(model_cfg, lay)), mesh_shape)
     opt = opt_moments * trained_bytes + 4 * opt_counters
-
-    def activations(cfg):
-        act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-        per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
-        if seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
-            per_layer += kv_whole / a * act_bytes * (1 - 1 / seq_ways)
-        total = layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
-        if cfg.remat == "offload_dots":  # one layer's, back from the host, during its backward
-            total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
-        if cfg.remat == "full":  # one layer is recomputed at a time during backward
-            total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
-        if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
-            from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
-            chunk_tokens = tokens_dev // cross_entropy.n_chunks(rows, seq_len, cfg.loss_chunk_tokens, 1, seq_ways)
-            logits = 8 + (act_bytes if act_bytes < 4 else 0)
-            return total + chunk_tokens * cfg.vocab_size / vocab_ways * logits, per_layer
-        logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
-        return total + tokens_dev * cfg.vocab_size / vocab_ways * logits, per_layer
-
-    act, per_layer = activations(model_cfg)
-    host_act = layer_runs * _host_activation_bytes_per_token(model_cfg, tensor, seq_len) * tokens_dev
-    act_f32, _ = activations(dataclasses.replace(model_cfg, dtype="float32"))
-    batch_bytes = 3 * 4 * batch * seq_len / dp
+    act, per_layer = _activations(model_cfg, lay)
+    act_f32, _ = _activations(dataclasses.replace(model_cfg, dtype="float32"), lay)
+    host_act = lay.layer_runs * _host_activation_bytes_per_token(model_cfg, lay.tensor, seq_len) * lay.tokens_dev
+    batch_bytes = 3 * 4 * batch * seq_len / lay.dp
     return {
         "params": param_bytes, "gradients": trained_bytes, "optimizer": 0.0 if offload else opt,
         "host": {"optimizer": opt if offload else 0.0, "activations": host_act},
         "activations": act, "activations_per_layer": per_layer,
         "temporaries": trained_bytes + act, "temporaries_f32_activations": trained_bytes + act_f32,
         "arguments": param_bytes + (0.0 if offload else opt) + 4 + batch_bytes,
-        "collectives": [{"kind": k, "axes": axes, "bytes": v} for (k, axes), v in
-                        sorted(comms.items(), key=lambda kv: (hlo_lib.COLLECTIVES.index(kv[0][0]), kv[0][1]))],
-        "batch_axes": batch_axes, "data_parallel": dp, "tokens_per_device_microbatch": tokens_dev,
+        "collectives": collectives,
+        "batch_axes": lay.batch_axes, "data_parallel": lay.dp, "tokens_per_device_microbatch": lay.tokens_dev,
     }

@@ -120,23 +120,66 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     collectives are then the GPU compiler's own.
     `peak_flops`: peak FLOP/s per device, overriding the `backend` / `device_kind` lookup. `hlo_path`: also
     write the compiled HLO text there (to read the collectives' op names and shapes)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
+    from jaxtrain import step as step_lib  # noqa: PLC0415
 
-    from jaxtrain import config as config_lib, optim  # noqa: PLC0415
-    from jaxtrain.parallel import mesh as mesh_lib
-    from jaxtrain.parallel import pipeline as pipeline_parallel
-    from jaxtrain import step as step_lib, trainer as trainer_lib  # noqa: PLC0415
-    from jaxtrain.models import lora, transformer  # noqa: PLC0415
-    from jaxtrain.trainer import build_trainer
+    _check_request(num_devices, backend, mfu)
+    devices, compiled_on = _target_devices(compiler, backend, device_kind, num_devices)
+    facts, model_cfg = _check_config(config, num_devices, backend, device_kind, force)
+    if peak_flops is None:  # an unknown device kind fails before the compile
+        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)
+    else:
+        peak_dev, peak_source = float(peak_flops), "--peak_tflops"
+    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
 
+    config, trainer = _build_for_target(config, model_cfg, compiler, mesh_shape, rules, devices)
+    t = config.train
+    abstract_batch = _abstract_batch(t, trainer.batch_sharding)
+    compiled, compile_s = _compile(trainer, abstract_batch, compiler, devices[0], compiled_on)
+
+    state = trainer.abstract_state
+    reference, feedback = "reference" in state, step_lib.RESIDUAL in state  # DPO's; error feedback's
+    sharded = _sharded_bytes(state, abstract_batch, model_cfg, config.optim.offload)
+    est, inventory = _estimate(config, model_cfg, mesh_shape, rules, reference=reference, feedback=feedback)
+    memory = _memory_analysis(compiled)
+    module = _compiled_hlo(compiled, hlo_path)
+    collective_rows = _collective_rows(module, mesh_shape, rules, est["collectives"])
+
+    tokens = t.batch_size * t.seq_len
+    model_flops = _model_flops(model_cfg, t)
+    flops = _flop_counts(compiled, module, model_flops, num_devices)
+    roof = _roofline(module, compiler, device_kind, peak_dev, model_flops / num_devices)
+    step_s = model_flops / (peak_dev * num_devices * mfu)
+    return {
+        "config": _config_summary(config, model_cfg, mesh_shape),
+        "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
+                   "num_devices": num_devices, "compiler": compiler, "compiled_on": compiled_on,
+                   "peak_flops_per_device": peak_dev, "peak_source": peak_source,
+                   "memory_bytes": device_memory(backend, device_kind)},
+        "model": {"params": sum(math.prod(p["shape"]) for p in inventory), "tokens_per_step": tokens,
+                  "layers": model_cfg.n_layers},
+        "compile_s": compile_s,
+        "memory": {"sharding": sharded, "compiled": memory, "analytic": est,
+                   "rows": _memory_rows(sharded, memory, est, reference=reference, feedback=feedback)},
+        "flops": flops,
+        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
+        "pipeline": _pipeline_summary(config.pipeline),
+        "collectives": collective_rows,
+    }
+
+
+def _check_request(num_devices: int, backend: str, mfu: float) -> None:
+    """The plain arguments, checked before anything is built."""
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise ConfigError("devices", f"must be an integer >= 1, got {num_devices!r}")
     if backend not in BACKENDS:
         raise ConfigError("backend", f"unknown {backend!r}; choose one of {list(BACKENDS)}")
     if not 0 < mfu <= 1:
         raise ConfigError("mfu", f"must be in (0, 1], got {mfu!r}")
+
+
+def _target_devices(compiler: str, backend: str, device_kind: str | None, num_devices: int) -> tuple[list, str]:
+    """The devices `compiler` compiles for (fake CPU devices, or GPUs described to XLA:GPU), and their description."""
+    import jax  # noqa: PLC0415
     if compiler == "gpu":
         if backend != "gpu":
             raise ConfigError("compiler", f"gpu compiles for a gpu target; --backend is {backend!r}")
@@ -144,30 +187,34 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
             devices = gpu_topology.devices(device_kind, num_devices)
         except (ModuleNotFoundError, ValueError) as e:
             raise ConfigError("compiler", str(e)) from None
-        compiled_on = f"{num_devices} described {gpu_topology.spec_for(device_kind)[0].upper()} GPU(s), by XLA:GPU"
-    elif compiler == "cpu":
+        return devices, f"{num_devices} described {gpu_topology.spec_for(device_kind)[0].upper()} GPU(s), by XLA:GPU"
+    if compiler == "cpu":
         devices = jax.devices("cpu")[:num_devices]
         if len(devices) < num_devices:
             raise ConfigError("devices", f"{num_devices} requested but this process has {len(devices)} CPU "
                               f"device(s); set XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
                               f"before jax is imported (the CLI does)")
-        compiled_on = f"{num_devices} fake CPU devices"
-    else:
-        raise ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
+        return devices, f"{num_devices} fake CPU devices"
+    raise ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
+
+
+def _check_config(config, num_devices: int, backend: str, device_kind: str | None, force: bool) -> tuple:
+    """The config's mesh facts (config.validate) and its model config for the target, or a ConfigError."""
+    from jaxtrain import config as config_lib  # noqa: PLC0415
     facts = config_lib.validate(config, num_devices)
     config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
     if not force:  # the run's own floor, against the target's memory: refused before a long compile
         config_lib.check_fits(config, num_devices, device_memory(backend, device_kind))
-    model_cfg = config_lib.model_config(config, backend)
-    if peak_flops is None:  # an unknown device kind fails before the compile
-        peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)
-    else:
-        peak_dev, peak_source = float(peak_flops), "--peak_tflops"
-    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+    return facts, config_lib.model_config(config, backend)
 
-    # The target's dtypes, written into the config so that build_trainer (which resolves `auto` by the
-    # platform it compiles for) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the
-    # analytic counts the target's kernel).
+
+def _build_for_target(config, model_cfg, compiler: str, mesh_shape: dict, rules: dict, devices: list) -> tuple:
+    """(the config as compiled, the trainer a run would build from it: shapes only, nothing allocated).
+
+    The target's dtypes are written into the config so that build_trainer (which resolves `auto` by the platform it
+    compiles for) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the analytic counts
+    the target's kernel)."""
+    from jaxtrain.trainer import build_trainer  # noqa: PLC0415
     config = copy.deepcopy(config)
     config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
     if compiler == "cpu":
@@ -175,14 +222,24 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     trainer = build_trainer(config, mesh_shape, rules, devices=devices)
     assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl=config.model.attention_impl), \
         (trainer.model_cfg, model_cfg)
+    return config, trainer
 
-    t = config.train
+
+def _abstract_batch(t, sharding) -> dict:
+    """The step's batch as shapes (`t`: the config's train group), placed like a run's."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
     keys = ("tokens", "segment_ids", "positions") + (("loss_weights",) if t.objective == "dpo" else ())
-    abstract_batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=trainer.batch_sharding)
-                      for k in keys}
+    return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=sharding) for k in keys}
+
+
+def _compile(trainer, abstract_batch: dict, compiler: str, device, compiled_on: str) -> tuple[object, float]:
+    """The step lowered and compiled ahead of time, and the seconds that took. A compiler's failure is a PlanError
+    of one line rather than its traceback."""
+    import jax  # noqa: PLC0415
     t0 = time.perf_counter()
     # A kernel library that picks its kernel by the default device (tokamax: Mosaic GPU for sm90) sees the target.
-    target = jax.default_device(devices[0]) if compiler == "gpu" else contextlib.nullcontext()
+    target = jax.default_device(device) if compiler == "gpu" else contextlib.nullcontext()
     try:
         with target:
             compiled = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
@@ -191,9 +248,12 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
         hint = "; --compiler cpu plans the same step with XLA:CPU" if compiler == "gpu" else ""
         raise PlanError(f"compiler: compiling the step for {compiled_on} failed: "
                         f"{reason[:300]}{'...' if len(reason) > 300 else ''}{hint}") from None
-    compile_s = time.perf_counter() - t0
+    return compiled, time.perf_counter() - t0
 
-    state = trainer.abstract_state
+
+def _sharded_bytes(state: dict, abstract_batch: dict, model_cfg, offload: bool) -> dict:
+    """Per-device bytes of each part of the step's arguments, from their shardings."""
+    from jaxtrain import step as step_lib, trainer as trainer_lib  # noqa: PLC0415
     sharded = {"params": per_device_bytes(state["params"]), "optimizer": per_device_bytes(state["opt_state"]),
                "step": per_device_bytes(state["step"]), "batch": per_device_bytes(abstract_batch)}
     sharded["gradients"] = per_device_bytes(trainer_lib.trained_params(model_cfg)(state["params"]))
@@ -202,101 +262,151 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     sharded["grad_residual"] = per_device_bytes(state[step_lib.RESIDUAL]) if feedback else 0.0
     # optim.offload: the state's shards live in each device's host memory. Counted by the config, not the
     # shardings' memory kind, which a described GPU's devices (no memories) drop.
-    sharded["host"] = {"optimizer": sharded["optimizer"] if config.optim.offload else 0.0}
-    if config.optim.offload:
+    sharded["host"] = {"optimizer": sharded["optimizer"] if offload else 0.0}
+    if offload:
         sharded["optimizer"] = 0.0
+    return sharded
 
-    # Analytic inventory: every parameter's shape and logical names (the model's own annotations).
-    abstract_params = nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, t.seed)))
+
+def _param_inventory(model_cfg, seed: int) -> tuple[list[dict], dict, dict]:
+    """Every parameter's shape, logical names (the model's own annotations), bytes and whether it is trained; and
+    the trees of names and shapes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxtrain.models import lora, transformer  # noqa: PLC0415
+    abstract_params = nnx.state(nnx.eval_shape(lambda: transformer.build(model_cfg, seed)))
     names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     shapes = nnx.to_pure_dict(abstract_params)
     is_names = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)  # noqa: E731
     # With LoRA only the adapters are trained: they alone have gradients and optimizer state.
-    trained = trainer_lib.trained_params(model_cfg)
     flags = [not model_cfg.lora_rank or lora.is_adapter(str(path[-1].key))
              for path, _ in jax.tree_util.tree_leaves_with_path(shapes)]
     inventory = [{"shape": x.shape, "names": tuple(n) if n is not None else None,
                   "bytes": math.prod(x.shape) * jnp.dtype(x.dtype).itemsize, "trained": f}
                  for n, x, f in zip(jax.tree.leaves(names, is_leaf=is_names), jax.tree.leaves(shapes), flags)]
-    optimizer = optim.make_optimizer(config.optim, t.steps, trained(names), model_cfg.dtype)
+    return inventory, names, shapes
+
+
+def _optimizer_size(config, model_cfg, names: dict, shapes: dict, inventory: list[dict]) -> tuple[int, float]:
+    """The optimizer state's integer counters, and its other bytes per trained parameter byte."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxtrain import optim, trainer as trainer_lib  # noqa: PLC0415
+    trained = trainer_lib.trained_params(model_cfg)
+    optimizer = optim.make_optimizer(config.optim, config.train.steps, trained(names), model_cfg.dtype)
     opt_leaves = jax.tree.leaves(jax.eval_shape(optimizer.init, trained(shapes)))
     counters = sum(1 for x in opt_leaves if x.shape == () and jnp.issubdtype(x.dtype, jnp.integer))
     moments = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim) / sum(
         p["bytes"] for p in inventory if p["trained"])
+    return counters, moments
+
+
+def _estimate(config, model_cfg, mesh_shape: dict, rules: dict, *, reference: bool,
+              feedback: bool) -> tuple[dict, list[dict]]:
+    """The analytic estimate of the step (analytic.py) with the state's extra arguments, and the parameter
+    inventory it counted."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    t = config.train
+    inventory, names, shapes = _param_inventory(model_cfg, t.seed)
+    counters, moments = _optimizer_size(config, model_cfg, names, shapes, inventory)
     est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
                    pipeline=dict(config.pipeline), offload=config.optim.offload,
                    per_replica=config.optim.grad_reduce_error_feedback)
     # DPO's frozen reference: a copy of the trained params (all, or LoRA's adapters), an argument of the step.
-    est["reference"] = est["gradients"] if "reference" in state else 0.0
+    est["reference"] = est["gradients"] if reference else 0.0
     est["arguments"] += est["reference"]
     # Error feedback's residual: each replica's is f32 and split like its trained params, one copy per device.
     est["grad_residual"] = est["gradients"] * 4 / jnp.dtype(model_cfg.param_dtype).itemsize if feedback else 0.0
     est["arguments"] += est["grad_residual"]
+    return est, inventory
 
-    memory = _memory_analysis(compiled)
+
+def _compiled_hlo(compiled, hlo_path: str | None) -> dict | None:
+    """The compiled program's HLO, parsed (None where the backend gives no text); also written to `hlo_path`."""
     text = compiled.as_text() or ""
     if hlo_path:
         Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         Path(hlo_path).write_text(text)
-    module = hlo_lib.parse_hlo(text)
-    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if text else []
-    coll_rows = summarize_collectives(ops)
-    analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
-    for row in coll_rows:
+    return hlo_lib.parse_hlo(text) if text else None
+
+
+def _collective_rows(module: dict | None, mesh_shape: dict, rules: dict, predicted: list[dict]) -> list[dict]:
+    """The compiled program's collectives per kind and mesh axes, each beside the analytic bytes `predicted`; then
+    those predicted but not in the program."""
+    from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415
+    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if module is not None else []
+    rows = summarize_collectives(ops)
+    analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in predicted}
+    for row in rows:
         row["analytic_bytes"] = analytic_by_key.pop((row["kind"], row["axes"]), None)
     for (kind, axes), nbytes in analytic_by_key.items():  # predicted but not in the compiled program
-        coll_rows.append({"kind": kind, "axes": axes, "count": 0, "bytes": 0.0, "wire_bytes": 0.0,
-                          "partial": False, "trip_count_unknown": False, "analytic_bytes": nbytes})
+        rows.append({"kind": kind, "axes": axes, "count": 0, "bytes": 0.0, "wire_bytes": 0.0,
+                     "partial": False, "trip_count_unknown": False, "analytic_bytes": nbytes})
+    return [dict(r, axes=list(r["axes"]), ratio=_ratio(r.get("analytic_bytes"), r["bytes"])) for r in rows]
 
-    n_params = sum(math.prod(p["shape"]) for p in inventory)
+
+def _model_flops(model_cfg, t) -> float:
+    """The step's model FLOPs over all devices (`t`: the config's train group)."""
+    from jaxtrain.models import transformer  # noqa: PLC0415
     tokens = t.batch_size * t.seq_len
     model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
     if t.objective == "dpo":  # the reference model's forward, a third of a train step's FLOPs
         model_flops *= 4 / 3
+    return model_flops
+
+
+def _flop_counts(compiled, module: dict | None, model_flops: float, num_devices: int) -> dict:
+    """The model's FLOPs beside XLA's cost analysis and the HLO's dots, over all devices."""
     cost = _cost_flops(compiled)
-    dots = hlo_lib.dot_flops(module) if text else None
-    step_s = model_flops / (peak_dev * num_devices * mfu)
-    roof = None
-    if compiler == "gpu" and text:
-        roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
-        roof["mfu"] = model_flops / num_devices / (peak_dev * roof["seconds"]) if roof["seconds"] else None
+    dots = hlo_lib.dot_flops(module) if module is not None else None
+    cost_total = cost * num_devices if cost is not None else None
+    dots_total = dots * num_devices if dots is not None else None
+    return {"model_per_step": model_flops, "cost_analysis_per_device": cost, "cost_analysis_total": cost_total,
+            "hlo_dots_total": dots_total, "cost_analysis_vs_model": _ratio(cost_total, model_flops),
+            "hlo_dots_vs_model": _ratio(dots_total, model_flops)}
 
-    def ratio(x, y):
-        return x / y if x is not None and y else None
 
+def _roofline(module: dict | None, compiler: str, device_kind: str | None, peak_dev: float,
+              flops_per_device: float) -> dict | None:
+    """The roofline of an XLA:GPU program (roofline.py), with the MFU it allows; None for other compilers."""
+    if compiler != "gpu" or module is None:
+        return None
+    roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
+    roof["mfu"] = flops_per_device / (peak_dev * roof["seconds"]) if roof["seconds"] else None
+    return roof
+
+
+def _ratio(x, y):
+    return x / y if x is not None and y else None
+
+
+def _memory_rows(sharded: dict, memory: dict | None, est: dict, *, reference: bool, feedback: bool) -> list[dict]:
+    """The memory table: each part's bytes from the shardings or the compiler, beside the analytic ones."""
     rows = [
         ("params", sharded["params"], est["params"]),
         ("optimizer", sharded["optimizer"], est["optimizer"]),
         ("gradients", sharded["gradients"], est["gradients"]),
-        *([("reference", sharded["reference"], est["reference"])] if "reference" in state else []),
+        *([("reference", sharded["reference"], est["reference"])] if reference else []),
         *([("grad_residual", sharded["grad_residual"], est["grad_residual"])] if feedback else []),
         ("arguments", (memory or {}).get("argument"), est["arguments"]),
         ("temporaries", (memory or {}).get("temp"), est["temporaries"]),
     ]
-    return {
-        "config": {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size,
-                   "seq_len": t.seq_len, "microbatches": t.microbatches, "remat": model_cfg.remat,
-                   "dtype": model_cfg.dtype, "param_dtype": model_cfg.param_dtype,
-                   "attention_impl": model_cfg.attention_impl, "compiled_attention": config.model.attention_impl},
-        "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
-                   "num_devices": num_devices, "compiler": compiler, "compiled_on": compiled_on,
-                   "peak_flops_per_device": peak_dev, "peak_source": peak_source,
-                   "memory_bytes": device_memory(backend, device_kind)},
-        "model": {"params": n_params, "tokens_per_step": tokens, "layers": model_cfg.n_layers},
-        "compile_s": compile_s,
-        "memory": {"sharding": sharded, "compiled": memory, "analytic": est,
-                   "rows": [{"name": n, "compiled": c, "analytic": a, "ratio": ratio(a, c)} for n, c, a in rows]},
-        "flops": {"model_per_step": model_flops, "cost_analysis_per_device": cost,
-                  "cost_analysis_total": cost * num_devices if cost is not None else None,
-                  "hlo_dots_total": dots * num_devices if dots is not None else None,
-                  "cost_analysis_vs_model": ratio(cost * num_devices if cost is not None else None, model_flops),
-                  "hlo_dots_vs_model": ratio(dots * num_devices if dots is not None else None, model_flops)},
-        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
-        "pipeline": {"stages": config.pipeline.stages, "microbatches": config.pipeline.microbatches,
-                     "schedule": config.pipeline.schedule, "repeats": config.pipeline.repeats,
-                     "bubble": pipeline_parallel.bubble_fraction(config.pipeline.stages, config.pipeline.microbatches,
-                                                                 config.pipeline.repeats)},
-        "collectives": [dict(r, axes=list(r["axes"]), ratio=ratio(r.get("analytic_bytes"), r["bytes"]))
-                        for r in coll_rows],
-    }
+    return [{"name": n, "compiled": c, "analytic": a, "ratio": _ratio(a, c)} for n, c, a in rows]
+
+
+def _config_summary(config, model_cfg, mesh_shape: dict) -> dict:
+    t = config.train
+    return {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size, "seq_len": t.seq_len,
+            "microbatches": t.microbatches, "remat": model_cfg.remat, "dtype": model_cfg.dtype,
+            "param_dtype": model_cfg.param_dtype, "attention_impl": model_cfg.attention_impl,
+            "compiled_attention": config.model.attention_impl}
+
+
+def _pipeline_summary(p) -> dict:
+    from jaxtrain.parallel import pipeline as pipeline_parallel  # noqa: PLC0415
+    return {"stages": p.stages, "microbatches": p.microbatches, "schedule": p.schedule, "repeats": p.repeats,
+            "bubble": pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats)}

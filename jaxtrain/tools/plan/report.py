@@ -36,10 +36,15 @@ def _f(x) -> str:
 
 
 def format_report(r: dict) -> str:
+    """The plan's figures as text: a header, memory per device, compute per step and the collectives."""
+    return "\n".join([*_header_lines(r), "", *_memory_lines(r), *_memory_notes(r), "", *_compute_lines(r), "",
+                      *_collective_lines(r)])
+
+
+def _header_lines(r: dict) -> list[str]:
     c, tg, m = r["config"], r["target"], r["model"]
     mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items())
-    mem = r["memory"]
-    lines = [
+    return [
         f"plan: {m['params'] / 1e6:,.2f}M params, {m['layers']} layers | target {tg['backend']} "
         f"({tg['device_kind']}), {c['dtype']} compute, {c['param_dtype']} params | {tg['num_devices']} devices, "
         f"mesh {mesh}, rules {c['rules']!r}",
@@ -47,9 +52,13 @@ def format_report(r: dict) -> str:
         + ("XLA:GPU's fusion, scheduling and buffer reuse, without autotuning" if tg["compiler"] == "gpu" else
            "the CPU compiler's fusion and buffer reuse") + f") | batch {c['batch_size']} x {c['seq_len']} = "
         f"{m['tokens_per_step']:,} tokens/step, {c['microbatches']} microbatch(es), remat {c['remat']}",
-        "",
-        f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}",
     ]
+
+
+def _memory_lines(r: dict) -> list[str]:
+    """The memory table: each part from the shardings or the compiler beside the analytic figure."""
+    mem = r["memory"]
+    lines = [f"{'memory per device':<28}{'sharding/compiled':>20}{'analytic':>14}{'analytic/compiled':>19}"]
     labels = {"params": "params (shardings)", "optimizer": "optimizer state (shardings)",
               "gradients": "gradients (trained params)", "reference": "DPO reference (frozen)",
               "grad_residual": "error-feedback residual",
@@ -59,29 +68,35 @@ def format_report(r: dict) -> str:
         lines.append(f"  {labels[row['name']]:<26}{_b(row['compiled']):>20}{_b(row['analytic']):>14}"
                      f"{_r(row['ratio']):>19}")
     compiled = mem["compiled"]
-    if compiled:
-        lines.append(f"  {'outputs / aliased (donated)':<26}{_b(compiled.get('output')):>20} / "
-                     f"{_b(compiled.get('alias'))}")
-        if "peak" in compiled:
-            lines.append(f"  {'peak = args+out-alias+temp':<26}{_b(compiled['peak']):>20}")
-        host = {k[5:]: v for k, v in compiled.items() if k.startswith("host_")}
-        if host or mem["analytic"]["host"]["optimizer"] or mem["analytic"]["host"]["activations"]:
-            a_host = mem["analytic"]["host"]
-            lines.append(f"  {'host memory (offloaded)':<26}{_b(host.get('argument', 0.0) + host.get('temp', 0.0)):>20}"
-                         f"{_b(a_host['optimizer'] + a_host['activations']):>14}   compiled host arguments "
-                         f"{_b(host.get('argument', 0.0))} + temp {_b(host.get('temp', 0.0))}; analytic optimizer "
-                         f"state {_b(a_host['optimizer'])} + activations {_b(a_host['activations'])}")
-        if compiled.get("generated_code"):
-            lines.append(f"  {'generated code':<26}{_b(compiled['generated_code']):>20}")
-    else:
-        lines.append("  (memory_analysis() not available on this backend)")
+    if not compiled:
+        return [*lines, "  (memory_analysis() not available on this backend)"]
+    lines.append(f"  {'outputs / aliased (donated)':<26}{_b(compiled.get('output')):>20} / "
+                 f"{_b(compiled.get('alias'))}")
+    if "peak" in compiled:
+        lines.append(f"  {'peak = args+out-alias+temp':<26}{_b(compiled['peak']):>20}")
+    host = {k[5:]: v for k, v in compiled.items() if k.startswith("host_")}
+    if host or mem["analytic"]["host"]["optimizer"] or mem["analytic"]["host"]["activations"]:
+        a_host = mem["analytic"]["host"]
+        lines.append(f"  {'host memory (offloaded)':<26}{_b(host.get('argument', 0.0) + host.get('temp', 0.0)):>20}"
+                     f"{_b(a_host['optimizer'] + a_host['activations']):>14}   compiled host arguments "
+                     f"{_b(host.get('argument', 0.0))} + temp {_b(host.get('temp', 0.0))}; analytic optimizer "
+                     f"state {_b(a_host['optimizer'])} + activations {_b(a_host['activations'])}")
+    if compiled.get("generated_code"):
+        lines.append(f"  {'generated code':<26}{_b(compiled['generated_code']):>20}")
+    return lines
+
+
+def _memory_notes(r: dict) -> list[str]:
+    """Whether the step fits the target, the analytic temporaries' parts, and where the compiled figures differ
+    from the target's (the CPU compiler's f32 activations, XLA's attention)."""
+    c, tg, mem = r["config"], r["target"], r["memory"]
+    compiled, a = mem["compiled"], mem["analytic"]
+    lines = []
     hbm = tg.get("memory_bytes")
     if hbm:
-        need = {"compiled peak": (compiled or {}).get("peak"),
-                "analytic": mem["analytic"]["arguments"] + mem["analytic"]["temporaries"]}
+        need = {"compiled peak": (compiled or {}).get("peak"), "analytic": a["arguments"] + a["temporaries"]}
         lines.append(f"  fits in {_b(hbm)} ({tg['device_kind']})? " + ", ".join(
             f"{k} {_b(v)}: {'yes' if v <= hbm else 'NO'}" for k, v in need.items() if v))
-    a = mem["analytic"]
     lines.append(f"  analytic temporaries = gradients {_b(a['gradients'])} + activations {_b(a['activations'])} "
                  f"({_b(a['activations_per_layer'])} per layer, {a['tokens_per_device_microbatch']:,} tokens "
                  f"per device per microbatch)")
@@ -95,13 +110,16 @@ def format_report(r: dict) -> str:
         lines.append(f"  note: compiled with XLA's attention (the CPU has no {c['attention_impl']} kernel), which "
                      f"keeps [batch, heads, seq, seq] scores that the target's fused kernel does not; the analytic "
                      f"counts the fused kernel's (its softmax statistics only)")
-    f = r["flops"]
-    s = r["speed"]
+    return lines
+
+
+def _compute_lines(r: dict) -> list[str]:
+    """FLOPs per step (the model's, XLA's counts), the peak, the ideal step, the roofline and the pipeline bubble."""
+    tg, f, s = r["target"], r["flops"], r["speed"]
     # DPO adds the reference model's forward to each step.
-    flops_label = "model FLOPs ((6N + attn) x 4/3, DPO)" if mem["sharding"].get("reference") else \
+    flops_label = "model FLOPs ((6N + attn) x 4/3, DPO)" if r["memory"]["sharding"].get("reference") else \
         "model FLOPs (6N + attention)"
-    lines += [
-        "",
+    lines = [
         "compute per step (all devices)",
         f"  {flops_label:<38}{_f(f['model_per_step']):>16}",
         f"  {'XLA cost_analysis flops':<38}{_f(f['cost_analysis_total']):>16}   "
@@ -113,22 +131,30 @@ def format_report(r: dict) -> str:
     ]
     roof = s.get("roofline")
     if roof and roof["mfu"]:
-        lines.append(f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each "
-                     f"of its {roof['kernels']} kernels ran at max(FLOPs / peak, bytes / "
-                     f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped)")
-        eight = roof.get("matmul_flops_8bit") or 0
-        in_8bit = f", {_f(eight)} of them in 8-bit at 2x the peak" if eight else ""
-        lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}{in_8bit}); other kernels "
-                     f"{_t(roof['other_seconds'])} moving {_b(roof['other_bytes'])}, the largest:")
-        for k in roof["top"]:
-            lines.append(f"      {_t(k['seconds']):>10}  {k['name']} x{k['runs']:g}  {k['op_name'][-70:]}")
+        lines += _roofline_lines(roof)
     p = r["pipeline"]
     if p["stages"] > 1:
         lines.append(f"  pipeline {p['stages']} stages x {p['microbatches']} microbatches ({p['schedule']}"
                      f"{', %d repeats' % p['repeats'] if p['schedule'] == 'circular' else ''}): bubble "
                      f"{p['bubble']:.1%}, so at most {1 - p['bubble']:.0%} of that MFU")
-    lines += [
-        "",
+    return lines
+
+
+def _roofline_lines(roof: dict) -> list[str]:
+    lines = [f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each "
+             f"of its {roof['kernels']} kernels ran at max(FLOPs / peak, bytes / "
+             f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped)"]
+    eight = roof.get("matmul_flops_8bit") or 0
+    in_8bit = f", {_f(eight)} of them in 8-bit at 2x the peak" if eight else ""
+    lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}{in_8bit}); other kernels "
+                 f"{_t(roof['other_seconds'])} moving {_b(roof['other_bytes'])}, the largest:")
+    for k in roof["top"]:
+        lines.append(f"      {_t(k['seconds']):>10}  {k['name']} x{k['runs']:g}  {k['op_name'][-70:]}")
+    return lines
+
+
+def _collective_lines(r: dict) -> list[str]:
+    lines = [
         "collectives per step, per device (bytes = payload; wire = ring traffic)",
         f"  {'op':<20}{'axes':<16}{'count':>7}{'bytes':>14}{'wire bytes':>14}{'analytic':>14}{'analytic/compiled':>19}",
     ]
@@ -141,4 +167,4 @@ def format_report(r: dict) -> str:
                      f"{_b(row['wire_bytes']):>14}{_b(row.get('analytic_bytes')):>14}{_r(row['ratio']):>19}{flags}")
     if not r["collectives"]:
         lines.append("  (none: one device, or nothing is sharded)")
-    return "\n".join(lines)
+    return lines
