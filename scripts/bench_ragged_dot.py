@@ -56,7 +56,7 @@ def main(argv):
         return [a.astype(jnp.float32) for a in (out, *pull(probe))]
 
     def ms(f, *args):
-        for _ in range(3):  # compile and warm: after one call tokamax's forward still read 40x slow on an H100
+        for _ in range(3):  # compile and warm: one call leaves tokamax's forward far from its steady speed
             jax.block_until_ready(f(*args))
         t0 = time.perf_counter()
         for _ in range(_STEPS.value):

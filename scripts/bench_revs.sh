@@ -6,7 +6,7 @@
 #
 # The other commit is checked out with `git worktree` into a temporary dir and runs with this checkout's venv
 # (PY, default .venv/bin/python). Set ROUNDS (default 3). The JSON lines go to OUT (default /tmp/bench_revs.jsonl).
-# MFU is not compared: each run measures its own CPU peak, whose noise (about 5%) exceeds the step's.
+# MFU is not compared: each run measures its own CPU peak, whose noise exceeds the step's (docs/performance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev="${1:?usage: bash scripts/bench_revs.sh REV [bench_step.py arguments...]}"; shift

@@ -3,16 +3,13 @@
     python scripts/bench_torch_ref.py [--config configs/bench_cpu.py] [--steps 10] [--config.model.remat=full]
     python scripts/bench_torch_ref.py --config.model.dtype=bfloat16   # both in bf16: torch under torch.autocast
 
-Times, on the same synthetic batch (scripts/bench_step.py's: uniform random tokens, one document per row),
-jaxtrain's jitted train step, the PyTorch twin (scripts/torch_llama.py) in eager mode, and under torch.compile
-(default mode, with a fresh inductor cache; its compile time is reported apart and excluded from step time; if it
-fails the error is printed and the run goes on with eager). After 2 warm-up steps each, --steps rounds time one
-step of each in turn, and each figure is the median over the rounds: interleaved, so a shared machine that speeds
-up or slows down during the run moves all three alike. The spread of the per-round ratio is printed as a measure
-of how steady the machine was. Both torch models start from jaxtrain's initial params, and the first-step losses
-of all three are printed side by side. torch runs with torch.set_num_threads(os.cpu_count()). jaxtrain's host malloc
-settings (jaxtrain/host_memory.py) apply to the whole process, so to torch as well; the header says which were used.
-
+Times jaxtrain's jitted step, its PyTorch twin (scripts/torch_llama.py) in eager mode and under torch.compile
+(default mode, a fresh inductor cache, its compile time reported apart; if it fails the run goes on with eager) on
+scripts/bench_step.py's synthetic batch, all from jaxtrain's initial params. After 2 warm-up steps each, --steps
+rounds time one step of each in turn and each figure is the median over the rounds: interleaved, so a shared
+machine that speeds up or slows down moves all three alike; the per-round ratio's spread says how steady it was.
+The first-step losses are printed side by side. torch uses os.cpu_count() threads; jaxtrain's host malloc settings
+(jaxtrain/host_memory.py) apply to the whole process, torch included, and the header says which were used.
 Prints a table (step ms, tokens/s, jaxtrain / max(eager, compile) against the 1.2x target) on stderr, then one
 JSON line on stdout, e.g. {"jax_tokens_per_sec": ..., "torch_eager_tokens_per_sec": ..., "ratio": ..., ...}
 """

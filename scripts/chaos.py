@@ -2,26 +2,18 @@
 
     python scripts/chaos.py [--trials 10] [--seed 0] [--steps 300] [--out DIR]
 
-A reference run of configs/tiny.py trains uninterrupted. Each trial then runs the same config under
-`jaxtrain supervise` and injects one fault, chosen at random:
+A reference run of configs/tiny.py trains uninterrupted. Each trial runs the same config under `jaxtrain
+supervise` and injects one of FAULTS at random: SIGKILL or SIGTERM at a random step; SIGKILL during a save;
+SIGKILL, then damage to the newest checkpoint (corrupt:<kind>), its two newest step dirs swapped and the newest
+copied to a later step (swap_steps), the dead run's workdir lock left (stale_lock) or a training shard damaged
+(damaged_shard: the restart must exit 2 naming it, without a retry, then the shard is repaired); or a second run
+on the live workdir (concurrent: it must exit 2 within seconds, the first finish untouched). docs/reliability.md
+says what each must do.
 
-  sigkill         SIGKILL the trainer at a random step (the supervisor restarts it)
-  sigterm         SIGTERM it (preemption: it saves, exits 75, the supervisor restarts it)
-  kill_in_save    SIGKILL it while a checkpoint is being written (a partial tmp directory is left)
-  corrupt:<kind>  SIGKILL it, damage its newest checkpoint (flipped bit, truncated file, missing manifest,
-                  missing commit marker, broken data-state JSON), then let the supervisor resume
-  swap_steps      SIGKILL it, swap its two newest step dirs and copy the newest to a later step (a careless sync)
-  stale_lock      SIGKILL it while it holds the workdir lock, then restart (the dead holder must block nothing)
-  concurrent      start a second run on the workdir while the supervised one is alive (a requeue while the old
-                  job runs; paused meanwhile): the second must exit 2 within seconds, the first finish untouched
-  damaged_shard   SIGKILL it, damage a training shard: the restart must exit 2 naming the shard, without a
-                  retry; then repair the shard and rerun
-
-A trial *recovered* if the supervised run finished; it is *bit-identical* if its final state checksum
-(summary.json, every array of params and optimizer state) equals the reference's. A *silent corruption*
-is a run that finished without complaint but differs. Recovery time runs from the fault to the moment
-the restarted trainer is training again (its goodput "start" record): restart, restore and compile.
-Prints a markdown table, then one JSON line.
+A trial *recovered* if the supervised run finished; it is *bit-identical* if its final state checksum (summary.json,
+every array of params and optimizer state) equals the reference's; a *silent corruption* finished without complaint
+but differs. Recovery time runs from the fault to the restarted trainer training again (its goodput "start"
+record). Prints a markdown table, then one JSON line.
 """
 
 from __future__ import annotations

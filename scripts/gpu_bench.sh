@@ -12,8 +12,8 @@
 #   bash scripts/gpu_bench.sh cudnn cudnn+lora16                                        # LoRA against full
 #   bash scripts/gpu_bench.sh moe     # dropless MoE: ragged_dot (XLA's, tokamax's), then bench_moe.py --tokamax
 #                                     # (RAGGED_ARGS, MOE_ARGS: more arguments for each script)
-# Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu near
-# 25% MFU by `jaxtrain plan --compiler gpu`'s roofline and cuDNN's near 63%, so tune on top of cudnn.
+# Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu's
+# roofline (`jaxtrain plan --compiler gpu`) far below cuDNN's (docs/planning.md, Figures), so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
 # $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log, a + written as -). A variant that would start after
 # BUDGET_S seconds (default 480) is skipped and said so, so the call ends inside its limit with what it measured.

@@ -1,25 +1,18 @@
 """A plain-PyTorch twin of jaxtrain's model and optimizer, for scripts/bench_torch_ref.py and tests/test_torch_ref.py.
 
 Same math as `jaxtrain.models.transformer.Transformer` (f32; when model.dtype is bfloat16, bf16 compute with f32
-params as `torch.autocast("cpu", torch.bfloat16)`, torch's own mixed precision): token embedding, per layer RMSNorm
-(f32, same eps) -> GQA attention with rotate-half RoPE (same theta, positions from the batch) -> residual,
-RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; tied or untied head. Attention is
-`F.scaled_dot_product_attention`: `is_causal` when every row is one document (the benchmark's batch), else an
-explicit causal & same-document & non-padding mask (jaxtrain's `attention_mask`; padding queries also see themselves
-so no softmax row is empty: their outputs never reach the loss).
+params under `torch.autocast("cpu", torch.bfloat16)`, torch's own mixed precision): token embedding, per layer
+RMSNorm -> GQA attention with rotate-half RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; tied
+or untied head. Attention is `F.scaled_dot_product_attention`, `is_causal` when every row is one document (the
+benchmark's batch), else jaxtrain's causal, same-document, non-padding mask (`attention_mask`; padding queries
+also see themselves, so no softmax row is empty). Weights keep jaxtrain's layout with the heads flattened, one
+tensor per layer, so `load_jax_params` reshapes and never transposes; activations are x @ W.
 
-Weights keep jaxtrain's layout, heads flattened ([d, H, hd] -> [d, H*hd], one tensor per layer instead of the
-stacked `blocks` axis), so the copy in `load_jax_params` is a reshape, never a transpose; activations are x @ W.
-
-The optimizer mirrors `jaxtrain.optim.make_optimizer`: global-norm clipping exactly as optax's
-`clip_by_global_norm`, then `torch.optim.AdamW` with the same b1/b2/eps and weight decay, and the decay mask taken
-from `jaxtrain.optim.decay_mask` on the jax params (no decay on norm scales). The learning rate of step k is
-`jaxtrain.optim.schedule(config.optim, config.train.steps)(k)` (optax's count k = number of updates applied so
-far), set on every param group before each step. Like `jaxtrain.step`, a non-finite loss or gradient norm skips
-the update. The loss is the mean next-token cross-entropy over tokens whose next token is in the same document
-(`jaxtrain.step.next_token_targets`).
-
-Import from tests with `sys.path.insert(0, "scripts")`; scripts/ is not a package.
+The optimizer mirrors `jaxtrain.optim.make_optimizer`: optax's `clip_by_global_norm`, then `torch.optim.AdamW` with
+the same hyperparameters, with jaxtrain's own decay mask and schedule. Like `jaxtrain.step`, a non-finite loss or
+gradient norm skips the update. The loss is the mean next-token cross-entropy within documents
+(`jaxtrain.step.next_token_targets`). Import from tests with `sys.path.insert(0, "scripts")`: scripts/ is not a
+package.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ footer (`verify`). A shard's ArrayRecord reader opens on first use, and at most 
 least recently used closes), so a host holds the record index of only the shards its rows come from.
 Lengths are memory-mapped from each shard's `.lengths.npy` and checked block by block against the block
 index as they are read. Dirs prepared before the block index existed get it summed from the lengths at
-open; dirs older than the lengths index are measured by reading every record (0.3 s for the KJV). Shards in
-a bucket are read through a sparse local copy, a block at a time (_SparseShard).
+open; dirs older than the lengths index are measured by reading every record (docs/data.md). Shards in a bucket
+are read through a sparse local copy, a block at a time (_SparseShard).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from jaxtrain import storage
 from jaxtrain.data import layout
 from jaxtrain.errors import DataError
 
-MAX_OPEN = 16  # shard readers kept open (~0.2 MB each with 16-record chunks): a window has 16 blocks
+MAX_OPEN = 16  # shard readers kept open (each holds its chunk index: docs/performance.md): a window has 16 blocks
 VERIFY_THREADS = 2
 REMOTE_VERIFY_THREADS = 16
-HASH_BELOW = 64 << 20  # a split of shards under this many bytes is hashed whole at open (~0.1 s)
+HASH_BELOW = 64 << 20  # a split of shards under this many bytes is hashed whole at open: cheap at that size
 
 
 class Split:
@@ -38,9 +38,9 @@ class Split:
         self.data_dir = data_dir
         self.paths = [os.path.join(data_dir, r["file"]) for r in rows]
         self.sizes = sizes if sizes is not None else [storage.size(p) for p in self.paths]
-        # A bucket's shards are read through sparse local copies, a block per request (_SparseShard): 8x
-        # faster than ArrayRecord's own gs:// reads, a request per chunk of 16 records, which remain for gs://
-        # dirs prepared before the block offsets; other buckets need them.
+        # A bucket's shards are read through sparse local copies, a block per request (_SparseShard): far
+        # fewer requests than ArrayRecord's own gs:// reads, one per chunk of 16 records (docs/data.md), which
+        # remain for gs:// dirs prepared before the block offsets; other buckets need them.
         self.sparse = storage.is_url(data_dir) and all("offsets" in r for r in rows)
         if storage.is_url(data_dir) and not self.sparse and not str(data_dir).startswith("gs://"):
             raise DataError(f"{data_dir}: prepared before shards recorded their block offsets, which reading "

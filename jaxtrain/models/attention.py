@@ -41,7 +41,7 @@ def causal_attention(q, k, v, mask, block: int, impl: str = "xla", scale: float 
     default, None, is XLA's kernel on every backend, GPUs included). block > 0: `blocked_attention`, query blocks of
     `block` positions; block i attends to keys [0, end of block i) only, so the blocks above the diagonal, which the
     mask zeroes, are never computed (4 blocks: 10/16 of the work). On XLA:CPU that is faster than the library call
-    on the same blocks, whose grouped-query reshapes and vmap add copies (BUILD.md, performance). Equal up to float
+    on the same blocks, whose grouped-query reshapes and vmap add copies (docs/performance.md). Equal up to float
     rounding; queries that see no key (padding) get a different, unused output. One block of plain autodiff
     (`attend`) when `block` does not divide T or the sequence is split over devices (slicing it would move the
     slices between them). `scale` multiplies the logits (0: head_dim^-0.5); `softcap` > 0 caps them
@@ -133,8 +133,8 @@ def _blocked_bwd(block, scale, res, g):
         dlogits.append(dl)
     # Keys [s, e) are read by the query blocks from s on: dK^T and dV^T of that key block are one matmul each over
     # those queries, with g and q transposed once ([B, N, D, T]) and the blocks' probabilities and logit gradients
-    # sliced and stacked along the queries (plain copies; transposing those instead cost ~8 ms a bf16 bench_cpu
-    # step), and no sums.
+    # sliced and stacked along the queries (plain copies, which XLA:CPU runs far faster than transposes:
+    # docs/performance.md), and no sums.
     gt, qt = transposed_in_memory(gh, (0, 1, 3, 2)), transposed_in_memory(qh, (0, 1, 3, 2))
     dkt, dvt = [], []
     for j, (s, e) in enumerate(spans):

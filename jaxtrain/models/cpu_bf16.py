@@ -1,9 +1,9 @@
 """The matmul forms in which XLA:CPU runs bf16 at bf16 speed.
 
-XLA:CPU (YNNPACK) runs a bf16 matmul at its bf16 speed (~2x f32 with AVX512-BF16) only as a row-major lhs contracting
-its last dim into an f32 result; any other form (a bf16 result, an lhs read transposed) is computed in f32 after
-converting both operands (BUILD.md, performance notes). A transpose that feeds a dot directly is folded into it as a
-transposed read, so operands that need another layout are copied first (`transposed_in_memory`).
+XLA:CPU (YNNPACK) runs a bf16 matmul at its bf16 speed (AVX512-BF16) only as a row-major lhs contracting its last
+dim into an f32 result; any other form (a bf16 result, an lhs read transposed) is computed in f32 after converting
+both operands (docs/performance.md, "CPU: what makes the step fast"). A transpose that feeds a dot directly is
+folded into it as a transposed read, so operands that need another layout are copied first (`transposed_in_memory`).
 
 Autodiff's backward of x @ w has both bad forms: its dw reads x transposed. So on CPU the bf16 projections take
 `matmul`'s VJP: f32 accumulation cast back to bf16 in the forward, dx as g contracted with w's last dim (a supported
@@ -28,9 +28,9 @@ def applies(*arrays) -> bool:
 
 def cast(a, dtype):
     """a.astype(dtype), bit for bit (its gradient too); f32 -> bf16 on CPU as integer ops. Fused after an exp (the
-    fused loss's softmax gradient), XLA:CPU's own convert ran the pass at ~60% of the speed: exp then cast of 16M
-    floats 5.3-6.0 ms against 3.5 this way; the bf16 bench_cpu step's four loss-gradient passes 24 -> 17 ms
-    (2026-11-25). No gain measured where no exp precedes the cast (RMSNorm, RoPE, matmul outputs, attention)."""
+    fused loss's softmax gradient), XLA:CPU's own convert stalls the pass, and these integer ops do not
+    (docs/performance.md); where no exp precedes the cast (RMSNorm, RoPE, matmul outputs, attention) they gain
+    nothing."""
     if a.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16 and mesh_lib.compile_platform() == "cpu":
         return _round_to_bf16(a)
     return a.astype(dtype)

@@ -4,9 +4,8 @@
 computed a chunk of sequence positions at a time (about `chunk_tokens` tokens per device), so the [B, T, vocab]
 logits never exist whole. The gradient is computed in the same pass (weights * (softmax - one-hot) is known as soon
 as the chunk's logsumexp is) and the backward only scales it by the incoming cotangent: no matmul is recomputed,
-the FLOPs are the unfused head's, and each chunk's logits are used while they are still in cache. On the 2-core
-CPU the unfused head's [2048, 32000] logits are 8x the L3 cache and its matmuls run at ~2/3 of the speed they reach
-on cache-sized chunks (BUILD.md, performance notes).
+the FLOPs are the unfused head's, and each chunk's logits are used while they are still in cache: on a CPU a
+matmul whose output outgrows the L3 cache runs markedly slower than on cache-sized chunks (docs/performance.md).
 
 `token_log_probs` gives each token's log-probability instead (DPO sums them per sequence), chunked the same way.
 
@@ -60,7 +59,7 @@ def _by_shard(a, batch_ways: int, seq_ways: int, tokens_last: bool = False, f_na
 def _gathered_once(w, dtype):
     """w [d, V] cast to `dtype` and gathered over the axes FSDP splits d_model on, once, before the chunk loop. Left
     to XLA, XLA:GPU put the gather inside the loop: every chunk gathered the head again for its logits and for its dx
-    (`jaxtrain plan --compiler gpu`, configs/plan_1b.py on 8 H100s: 2 x 128 gathers of 125 MiB a step)."""
+    (docs/planning.md)."""
     return constrain(w.astype(dtype), (None, "vocab"))
 
 
@@ -129,7 +128,7 @@ def _fwd(x, w, targets, weights, chunk_tokens, dtype, grad_dtype):
     init = (jnp.zeros((), jnp.float32), jnp.zeros((*ways, *w.shape), jnp.float32))
     x_chunks = _chunks(x, n)
     # [n, batch ways, seq ways, d, tokens]: dW's matmul reads x transposed; transposed once here it is a row-major
-    # matmul (XLA:CPU ran the transposed-operand form ~25% slower).
+    # matmul (XLA:CPU runs the transposed-operand form slower: docs/performance.md).
     x_t = jax.vmap(lambda a: _by_shard(a.astype(dtype), *ways, tokens_last=True))(x_chunks)
     (total, dw), dx = jax.lax.scan(body, init, (x_chunks, x_t, _chunks(targets, n), _chunks(weights, n)))
     # Over the batch shards first, into w's layout (a reduce-scatter over fsdp, the rest of the batch axes then

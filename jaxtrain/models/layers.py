@@ -22,9 +22,9 @@ from jaxtrain.parallel.mesh import constrain, split_ways
 
 def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "none", grad_dtype=None):
     """x [..., K1..Kc] @ w [K1..Kc, N...] -> [..., N...] as one 2-D matmul. Same as the einsum, but XLA:CPU runs a
-    dot with several free dimensions (e.g. "btd,df->btf") about 1.6x slower than the 2-D one; reshapes are free.
-    Not when the sequence is split over devices: merging batch and sequence into one dimension made XLA gather
-    every projection's input whole along the sequence (each device then computed every position).
+    dot with several free dimensions (e.g. "btd,df->btf") markedly slower than the 2-D one (docs/performance.md);
+    reshapes are free. Not when the sequence is split over devices: merging batch and sequence into one dimension
+    made XLA gather every projection's input whole along the sequence (each device then computed every position).
     `quant`: ModelConfig.quant, the matmul in fp8 or int8 (jaxtrain.models.quant). `grad_dtype`
     (ModelConfig.grad_reduce_dtype): w's gradient comes out of its matmul in this dtype where it is narrower than
     the matmul's own, hence is reduced over the batch axes in it (`weight_grad_in`); not for a quantized matmul,
@@ -58,8 +58,8 @@ def project_fused(x, weights, name: str, act_name: str, quant: str = "none", gra
     viewed as [d, T, N_i/T * ...] (T = those axes' size: each device's block of N_i stays whole) and the views are
     joined along the last dimension, which no device has to move. Under tensor parallelism the input's gradient is
     then one matmul and one all-reduce, not one per weight (Megatron's fused QKV and gate/up projections); under
-    sequence parallelism XLA no longer recomputes the input. Elsewhere joining saves no collective and costs: on one
-    H100 the backward's joined gate/up cotangent (0.37 GB a layer in bench_gpu) took 4% of the step."""
+    sequence parallelism XLA no longer recomputes the input. Elsewhere joining saves no collective and costs time:
+    the backward copies the cotangents together before its matmul, in every layer (docs/performance.md, GPU)."""
     ways = split_ways(name)
     if (ways == 1 and split_ways("seq") == 1) or any(w.shape[1] % ways for w in weights):
         return [project(x, w, quant=quant, grad_dtype=grad_dtype) for w in weights]
@@ -110,7 +110,7 @@ def sum_in(x, axis: int, dtype):
 def split_last(y, cuts: tuple[int, ...]):
     """jnp.split(y, cuts, axis=-1), whose backward joins 16-bit cotangents as their raw bits. Joined as floats, XLA
     moved their narrowing converts below the concatenation: it and the fusions feeding it (RoPE's and SwiGLU's
-    backward) wrote f32, twice the bytes (~13 ms of the bf16 bench_cpu step). Same values either way."""
+    backward) wrote f32, twice the bytes (docs/performance.md). Same values either way."""
     return jnp.split(y, cuts, axis=-1)
 
 
@@ -239,8 +239,8 @@ def _scaled(x, factor: float):
 def rotary_lookup(positions, rope_freqs: tuple[np.ndarray, float]):
     """`rotary` for positions that index their row, 0 <= p < T (the data pipeline restarts them at each document),
     read from a table of positions 0..T-1 built at trace time; a position outside it reads NaN. XLA fuses a sine
-    into every op that reads it, so even computed once per step the sines were recomputed in each of the ~20
-    fusions that apply or differentiate RoPE (~15 ms of the bf16 bench_cpu step); a lookup fuses as a load."""
+    into every op that reads it, so even computed once per step the sines were recomputed in every fusion that
+    applies or differentiates RoPE (docs/performance.md); a lookup fuses as a load."""
     freqs, factor = rope_freqs
     t = positions.shape[1]
     angle = np.arange(t, dtype=np.float32)[:, None] * freqs

@@ -77,9 +77,8 @@ def delta(module: nnx.Module, name: str, x, contract: int, project, keys=None):
     a, b = ab
     x = dropout(x, keys, name, module.cfg.lora_dropout)
     low = project(x, a, contract=contract)  # [..., r]: named like every weight matmul, so remat keeps it
-    # Not named: remat recomputes this r-deep product rather than keep a second output as wide as the weight's
-    # (kept, plan_1b's LoRA step needed 27.3 GiB of temporaries on 8 H100s; recomputed, 18.0 against full
-    # fine-tuning's 21.1).
+    # Not named: remat recomputes this r-deep product rather than keep a second output as wide as the weight's,
+    # which would leave LoRA needing more memory than full fine-tuning (docs/fine-tuning.md, Memory).
     return jnp.matmul(low.reshape(-1, low.shape[-1]), b.reshape(b.shape[0], -1)).reshape(*low.shape[:-1], *b.shape[1:])
 
 

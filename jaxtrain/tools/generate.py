@@ -6,16 +6,13 @@ Usage:
   jaxtrain generate --hf MODEL_DIR (--prompt TEXT | --prompt_ids 1,2,3) [the same sampling flags]
   jaxtrain generate (--workdir DIR | --hf MODEL_DIR) --chat --prompt "a user message"
 
---hf runs the directory's weights (`jaxtrain.models.hf.import_dir`) in float32. --prompt encodes with its own
-tokenizer (tokenizer.json: BOS and EOS as transformers' AutoTokenizer). Generation stops at
-generation_config.json's eos_token_id (else config.json's), as transformers' `generate` does, and with --prompt at
-the tokenizer's EOS too. The window is config.json's max_position_embeddings (without one, prompt + new tokens):
-`sampling` sizes the cache to prompt + new tokens within it, and slides it only past it. --prompt_ids prints each
-sample's new ids comma-separated, a stop id included as `generate` returns it: with one sample, the last line.
---chat sends --prompt as a user message through the chat template (the HF directory's, or the one a workdir's chat
-data was prepared with) and prints the reply alone.
-Exit codes: 0 done; 2 bad input (one line on stderr naming the flag or path). How sampling works:
-`jaxtrain.models.sampling`.
+--hf runs the directory's weights (`jaxtrain.models.hf.import_dir`) in float32, encoding --prompt with its own
+tokenizer as transformers' AutoTokenizer does, and stops as transformers' `generate` does: at
+generation_config.json's eos_token_id (else config.json's), and with --prompt at the tokenizer's EOS too; its
+window is config.json's max_position_embeddings. --prompt_ids prints each sample's new ids comma-separated (a stop id
+included). --chat sends --prompt as a user message through the chat template (the HF directory's, or the one a
+workdir's chat data was prepared with) and prints the reply alone. Exit codes: 0 done; 2 bad input (one line on
+stderr naming the flag or path). How sampling works: `jaxtrain.models.sampling`.
 """
 
 from __future__ import annotations
