@@ -17,14 +17,10 @@ import dataclasses
 import gc
 import hashlib
 import importlib.util
-import inspect
 import json
-import logging
 import os
 import sys
 import time
-import traceback
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +30,7 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jaxtrain import files, orbax_s3, storage
+from jaxtrain import files, storage
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
@@ -49,7 +45,12 @@ WRITE_ERROR_POLICIES = ("stop", "continue")
 # next save tries again). A good checkpoint is never deleted.
 CONFIG = dict(dir="", every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
               local_keep=2, on_write_error="stop")
-URL_SCHEMES = ("gs://", orbax_s3.PREFIX)  # tensorstore's gcs driver through Orbax; its s3 one through orbax_s3
+URL_SCHEMES = ("gs://", "s3://")  # tensorstore's gcs driver through Orbax; its s3 one through compat.orbax_s3
+# Orbax builds tensorstore specs for local paths and gs:// only. jaxtrain.compat.orbax_s3.install(), which entry
+# points and train.run call, extends them to s3:// and records here whether it could (None: it did).
+S3_NEEDS_INSTALL = ("s3:// checkpoints need jaxtrain.compat.install() in this process first (jaxtrain's commands "
+                    "and train.run call it)")
+s3_problem: str | None = S3_NEEDS_INSTALL
 
 
 def check_config(c) -> None:
@@ -68,11 +69,11 @@ def check_config(c) -> None:
         if "://" in value and not value.startswith(URL_SCHEMES):
             raise ConfigError(f"checkpoint.{name}", f"{value}: Orbax writes checkpoints to a local path or "
                               f"{' '.join(URL_SCHEMES)} only")
-        if value.startswith(orbax_s3.PREFIX) and (why := orbax_s3.problem()):
-            raise ConfigError(f"checkpoint.{name}", f"{value}: {why}")
         client = {"gs://": "gcsfs", "s3://": "s3fs"}.get(value[:5])  # epath's way to the metadata files
         if client and importlib.util.find_spec(client) is None:
             raise ConfigError(f"checkpoint.{name}", f"{value}: needs {client} (pip install 'jaxtrain[cloud]')")
+        if value.startswith("s3://") and s3_problem:
+            raise ConfigError(f"checkpoint.{name}", f"{value}: {s3_problem}")
     if bool(c.local_dir) != bool(c.local_every_steps):
         raise ConfigError("checkpoint.local_every_steps", "set both checkpoint.local_dir and "
                           "checkpoint.local_every_steps, or neither")
@@ -201,8 +202,8 @@ class _Dir:
 
     def __init__(self, path: str, keep: int, keep_period: int, async_save: bool):
         self.path = path if "://" in path else os.path.abspath(path)  # tensorstore needs absolute local paths
-        if self.path.startswith(orbax_s3.PREFIX):
-            orbax_s3.install()
+        if self.path.startswith("s3://") and s3_problem:
+            raise CheckpointError(f"{self.path}: {s3_problem}")
         policy = ocp.checkpoint_managers.LatestN(keep)
         if keep_period:
             policy = ocp.checkpoint_managers.AnyPreservationPolicy(
@@ -213,7 +214,7 @@ class _Dir:
             preservation_policy=policy, enable_async_checkpointing=async_save, create=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False), cleanup_tmp_directories=True,
             temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if self.path.startswith(
-                orbax_s3.PREFIX) else None)  # S3 has no rename: the commit marker, written last, commits a step
+                "s3://") else None)  # S3 has no rename: the commit marker, written last, commits a step
         self.saving: int | None = None  # step of the save in flight
         self.abandoned: set[int] = set()  # steps whose failed save left a tmp dir behind
         self.manager = self._open(self.options)
@@ -458,7 +459,6 @@ class Checkpointer:
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         check_paths(directory, local_directory)
-        _once_per_damaged_metadata()
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
         self.run_id = run_id  # recorded in each save, checked on restore (process 0 needs it; others follow)
@@ -605,7 +605,6 @@ class Checkpointer:
         `abstract_state` holds jax.ShapeDtypeStruct leaves with the target shardings. Bad copies are left in
         place; raises CheckpointError naming each copy's problem."""
         problems = []
-        _quiet_abandoned_reads()
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
@@ -624,7 +623,6 @@ class Checkpointer:
             d.manager.reload()
         candidates = sorted(((s, -i, d) for i, d in enumerate(self._dirs) for s in d.manager.all_steps()),
                             key=lambda c: c[:2], reverse=True)
-        _quiet_abandoned_reads()
         for step, _, d in candidates:
             try:
                 return step, *self._in_own_order(*self._load(d, step, abstract_state))
@@ -639,56 +637,6 @@ class Checkpointer:
         return None
 
 
-def _quiet_abandoned_reads() -> None:
-    """Keeps what a failed load leaves behind off the user's terminal for the rest of the process: the failure
-    itself is logged, and the rest would print at any later time, from any thread, around the one-line error
-    when every checkpoint is damaged. Installed before the first load, since tensorstore's reads still in flight
-    report within milliseconds, once Orbax's loop is closed, through sys.unraisablehook ("Event loop is
-    closed"), as do Orbax's suspended reads when they are collected. Its futures and tasks come through
-    asyncio's logger ("... exception was never retrieved"), its coroutines as warnings. Each filter is narrow;
-    everything else passes."""
-    _filter_once("asyncio", _AbandonedReads)
-    if not isinstance(sys.unraisablehook, _LateCompletions):
-        sys.unraisablehook = _LateCompletions(sys.unraisablehook)
-    # jaxtrain has no coroutines of its own.
-    warnings.filterwarnings("ignore", r"coroutine '\w+' was never awaited", RuntimeWarning)
-
-
-def _once_per_damaged_metadata() -> None:
-    """Orbax reads a step's `_CHECKPOINT_METADATA` (timestamps, not the state) each time it lists the steps, and
-    logs an ERROR with the file's whole content each time one is damaged or missing; it then goes on without
-    it. One warning line per file says the same."""
-    _filter_once("absl", _MetadataComplaints)
-
-
-def _filter_once(logger: str, kind: type[logging.Filter]) -> None:
-    """Adds a `kind` filter to the logger unless it has one: each Checkpointer or load installs it again."""
-    log = logging.getLogger(logger)
-    if not any(isinstance(f, kind) for f in log.filters):
-        log.addFilter(kind())
-
-
-class _MetadataComplaints(logging.Filter):
-    PREFIXES = ("Failed to json parse Metadata file", "Failed to read Metadata file", "Metadata file does not exist")
-
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        if not msg.startswith(self.PREFIXES) or not record.args:
-            return True
-        path = str(record.args[0])
-        if path in self.seen:
-            return False
-        self.seen.add(path)
-        record.msg, record.args = "%s: %s; Orbax goes on without it (the state is still verified)", (
-            path, "missing" if msg.startswith("Metadata file does not exist") else "unreadable")
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
 def _drop_failed_reads() -> None:
     """Collects the coroutines a failed load left suspended now, without their "Exception ignored in" reports."""
     hook = sys.unraisablehook
@@ -697,42 +645,6 @@ def _drop_failed_reads() -> None:
         gc.collect()
     finally:
         sys.unraisablehook = hook
-
-
-class _AbandonedReads(logging.Filter):
-    """Drops asyncio's report of a future whose exception nobody retrieved when it was one of Orbax's tasks or
-    gathers (an Orbax frame raised it) or a tensorstore read (set from C++: no frames, an absl status code)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is None or "exception was never retrieved" not in str(record.msg).partition("\n")[0]:
-            return True
-        if exc.__traceback__ is None:
-            return str(exc).partition(":")[0] not in _ABSL_STATUS_CODES
-        return not any("orbax" in f.filename for f in traceback.extract_tb(exc.__traceback__))
-
-
-_ABSL_STATUS_CODES = frozenset(
-    "CANCELLED UNKNOWN INVALID_ARGUMENT DEADLINE_EXCEEDED NOT_FOUND ALREADY_EXISTS PERMISSION_DENIED "
-    "RESOURCE_EXHAUSTED FAILED_PRECONDITION ABORTED OUT_OF_RANGE UNIMPLEMENTED INTERNAL UNAVAILABLE DATA_LOSS "
-    "UNAUTHENTICATED".split())
-
-
-class _LateCompletions:
-    """An unraisable hook that drops a read finishing after its loop was closed, or one of Orbax's suspended reads
-    raising as the garbage collector closes it ("Exception ignored in: <coroutine ...>"), whenever that happens;
-    it passes on all else. It may run while the interpreter exits, so it binds what it uses now."""
-
-    def __init__(self, passed_on, extract_tb=traceback.extract_tb, is_coroutine=inspect.iscoroutine):
-        self.passed_on, self.extract_tb, self.is_coroutine = passed_on, extract_tb, is_coroutine
-
-    def __call__(self, unraisable) -> None:
-        obj, exc = unraisable.object, unraisable.exc_value
-        late = (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-                and any(f.name == "call_soon_threadsafe" for f in self.extract_tb(unraisable.exc_traceback)))
-        closed_read = self.is_coroutine(obj) and "orbax" in obj.cr_code.co_filename
-        if not (late or closed_read):
-            self.passed_on(unraisable)
 
 
 def abstract_with_shardings(abstract_tree, shardings):

@@ -1,9 +1,11 @@
 """Things that happen between steps. The loop calls every hook after every step; each decides itself
-whether it has work. Add a feature by adding a hook, not a branch in the loop."""
+whether it has work. Add a feature by adding a hook, not a branch in the loop. `build` makes a run's hooks
+from its config."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -12,10 +14,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxtrain import faults
 from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.errors import CheckpointError, NonFiniteLoss, Preempted
 from jaxtrain.fields import Group
-from jaxtrain.observe import profiling
+from jaxtrain.observe import goodput, profiling
+from jaxtrain.observe import metrics as metrics_lib
 
 # The config's `eval` group (EvalHook): held-out loss every `every_steps` (0 = only at the end), `batches` batches
 # each, and at step 0 when `at_start`. `sets` (optional): more validation sets, "name=DIR,name2=DIR2", each the
@@ -80,13 +84,17 @@ def _duration(s: float) -> str:
 
 
 class LogHook(Hook):
-    """Every `every` steps: one progress line and one metrics record."""
+    """Every `every` steps: one progress line and one metrics record. The record has every metric the step
+    reports under a name with a '/' (the MoE's, an objective's); `progress` puts some of them on the line: name ->
+    (scale, format of the scaled value), e.g. {"dpo/accuracy": (100.0, "pref acc {:.1f}%")}."""
 
     def __init__(self, *, every: int, total_steps: int, start_step: int, tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float, writer, clock: Clock, print_fn=print):
+                 flops_per_token: float, peak_flops: float, writer, clock: Clock, print_fn=print,
+                 progress: dict[str, tuple[float, str]] | None = None):
         self.every, self.total, self.tokens_per_step = every, total_steps, tokens_per_step
         self.flops_per_token, self.peak = flops_per_token, peak_flops
         self.writer, self.clock, self.print = writer, clock, print_fn
+        self.progress = progress or {}
         self.rewind(start_step)
 
     def rewind(self, step):
@@ -110,11 +118,11 @@ class LogHook(Hook):
                   "grad_norm": float(fetched[-1]["grad_norm"]), "tokens_per_sec": tok_s, "mfu": mfu,
                   "eta_s": eta, "data_wait_frac": (self.clock.data_wait_s - self.last_wait) / secs,
                   "skipped_steps": len(fetched) - sum(bool(m["finite"]) for m in fetched)}
-        record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if k.startswith(("moe/", "dpo/"))})
+        record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if "/" in k})
         self.writer.write_scalars(step, record)
         extra = f" | moe drop {100 * record['moe/dropped_fraction']:.1f}%" if "moe/dropped_fraction" in record else ""
-        if "dpo/accuracy" in record:
-            extra += f" | pref acc {100 * record['dpo/accuracy']:.1f}% margin {record['dpo/margin']:.3f}"
+        if shown := [fmt.format(scale * record[k]) for k, (scale, fmt) in self.progress.items() if k in record]:
+            extra += " | " + " ".join(shown)
         self.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {record['loss']:.4f} | "
                    f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
                    f"MFU {100 * mfu:.1f}%{extra} | ETA {_duration(eta)}")
@@ -365,3 +373,62 @@ class FingerprintHook(Hook):
         self.file.close()
 
 
+@dataclasses.dataclass
+class RunHooks:
+    """A run's hooks in the order the loop calls them (`all`), and those the loop and its teardown reach by name.
+    `close()` stops the watchdog and the preemption handler (the run's `finally`)."""
+    all: list[Hook]
+    clock: Clock
+    nan_guard: NonFiniteGuard
+    eval: EvalHook
+    checkpoint: CheckpointHook
+    watchdog: faults.Watchdog
+    preemption: faults.PreemptionGuard
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        self.preemption.close()
+
+
+def build(config, *, workdir: Path, start_step: int, checkpointer, data_iterator, evaluate, writer,
+          flops_per_token: float, peak_flops: float, hlo_text=None, progress=None, print_fn=print,
+          is_main: bool = True) -> RunHooks:
+    """The hooks of a run of `config` in `workdir` resumed at `start_step` (0: fresh): the non-finite guard, the
+    progress log, evals (`evaluate(state)`, see EvalHook), checkpoints, preemption, the step watchdog, and where
+    configured goodput (process 0), a profile and the data fingerprints. `writer`: the metrics writer
+    (jaxtrain.observe.metrics); `hlo_text`: the compiled step's HLO, for the profile's table; `progress`: an
+    objective's metrics for the progress line (LogHook)."""
+    t = config.train
+    watchdog = faults.Watchdog(config.faults.step_timeout_s)
+    clock = Clock(on_pause=watchdog.paused)
+    recorder = goodput.GoodputRecorder(workdir / "goodput.jsonl") if is_main else None
+
+    def on_checkpoint(step):
+        nan_guard.checkpoint_committed()
+        if recorder:
+            recorder.checkpoint(step)
+
+    nan_guard = NonFiniteGuard(config.faults.nan_policy, print_fn=print_fn)
+    log_hook = LogHook(every=config.log.every_steps, total_steps=t.steps, start_step=start_step,
+                       tokens_per_step=t.batch_size * t.seq_len, flops_per_token=flops_per_token,
+                       peak_flops=peak_flops, writer=writer, clock=clock, print_fn=print_fn, progress=progress)
+    eval_hook = EvalHook(every=config.eval.every_steps, total_steps=t.steps, evaluate=evaluate, writer=writer,
+                         clock=clock, print_fn=print_fn,
+                         # A resumed run's summary keeps the evals before it (from process 0's log).
+                         earlier=metrics_lib.earlier_evals(workdir, start_step) if is_main and start_step else ())
+    ckpt_hook = CheckpointHook(checkpointer=checkpointer, data_iterator=data_iterator, clock=clock,
+                               start_step=start_step, on_write_error=config.checkpoint.on_write_error,
+                               print_fn=print_fn, on_commit=on_checkpoint)
+    preemption = faults.PreemptionGuard(grace_s=config.faults.preempt_grace_s)
+    hooks = [nan_guard, log_hook, eval_hook, ckpt_hook, PreemptionHook(preemption, ckpt_hook, print_fn=print_fn),
+             WatchdogHook(watchdog)]
+    if recorder:
+        hooks.append(GoodputHook(recorder, every=config.log.every_steps, clock=clock, start_step=start_step))
+    if profiled := profiling.parse_steps(config.log.profile_steps):
+        hooks.append(ProfileHook(*profiled, workdir / "profile", start_step=start_step, print_fn=print_fn,
+                                 hlo_text=hlo_text if is_main else None))
+    if config.log.fingerprints:
+        hooks.append(FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
+                                     data_pipeline.tokens_per_batch_fingerprint))
+    return RunHooks(all=hooks, clock=clock, nan_guard=nan_guard, eval=eval_hook, checkpoint=ckpt_hook,
+                    watchdog=watchdog, preemption=preemption)

@@ -1,14 +1,13 @@
-"""Pure train and eval steps, and the objectives they minimise.
+"""Pure train and eval steps.
 
-State is a plain dict {"step", "params", "opt_state"} of arrays (plus "reference", DPO's frozen starting
+State is a plain dict {"step", "params", "opt_state"} of arrays (plus "reference", an objective's frozen starting
 weights: the adapters only under LoRA); the model graph is rebuilt from its static `graphdef` only while
-tracing, so the jitted step is a plain function of arrays. An `Objective` is a loss over a batch: the language
-model's cross-entropy (pretraining, and SFT through chat data's loss weights) or DPO over preference pairs.
+tracing, so the jitted step is a plain function of arrays. What a step minimises is an objective's `Loss`
+(jaxtrain.objectives).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
@@ -16,31 +15,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.models import dpo as dpo_lib
+from jaxtrain import objectives
 from jaxtrain.models import lora as lora_lib
-from jaxtrain.models import cross_entropy
-from jaxtrain.models.cross_entropy import linear_cross_entropy
 from jaxtrain.models.layers import sum_in
-
-
-def next_token_targets(batch):
-    """Targets are the next token; a position counts only if the next token is in the same document, and, with
-    chat data's "loss_weights", by the weight of the token it predicts (1 on assistant tokens, 0 elsewhere)."""
-    def shifted(x):
-        return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
-
-    tokens, seg = batch["tokens"], batch["segment_ids"]
-    targets = shifted(tokens)
-    weights = ((seg != 0) & (shifted(seg) == seg)).astype(jnp.float32)
-    if "loss_weights" in batch:
-        weights = weights * shifted(batch["loss_weights"]).astype(jnp.float32)
-    return targets, weights
-
-
-def _inputs(batch):
-    """The model's inputs in `batch`; its "dropout_keys" are there in training steps only (`dropout_keys`)."""
-    return batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("dropout_keys")
+from jaxtrain.parallel import mesh as mesh_lib
 
 
 def dropout_keys(seed: int, step, rows: int):
@@ -50,76 +28,11 @@ def dropout_keys(seed: int, step, rows: int):
     return jax.vmap(lambda row: jax.random.key_data(jax.random.fold_in(key, row)))(jnp.arange(rows))
 
 
-def loss_terms(graphdef, params, batch):
-    """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
-    model = nnx.merge(graphdef, params)
-    targets, weights = next_token_targets(batch)
-    # The head fused with the loss, chunk by chunk: no [B, T, vocab] logits. Not with a final soft-cap (Gemma 2),
-    # which the fused kernel does not apply.
-    if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
-        x, aux = model.hidden(*_inputs(batch))
-        ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
-                                      model.cfg.grad_reduce_dtype)
-        return ce_sum, jnp.sum(weights), aux
-    logits, aux = model.forward(*_inputs(batch))
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(ce * weights), jnp.sum(weights), aux
-
-
-def token_log_probs(graphdef, params, batch):
-    """(each scored token's log-probability times its weight, f32 [B, T]; the model's aux scalars)."""
-    model = nnx.merge(graphdef, params)
-    targets, weights = next_token_targets(batch)
-    if model.cfg.loss_chunk_tokens and not model.cfg.final_softcap:
-        x, aux = model.hidden(*_inputs(batch))
-        log_probs = cross_entropy.token_log_probs(x, model.head(), targets, model.cfg.loss_chunk_tokens, x.dtype)
-    else:
-        logits, aux = model.forward(*_inputs(batch))
-        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), targets[..., None], -1)[..., 0]
-    return log_probs * weights, aux
-
-
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """What a step minimises. terms(graphdef, params, batch) -> (summed loss, summed metrics, the model's aux
-    scalars); the step divides both sums by count(batch) over the whole batch (scored tokens, or pairs), so that
-    gradient accumulation equals one big step. `reference`: the batch also needs "reference_log_probs", the
-    frozen reference model's token_log_probs."""
-    terms: Callable
-    count: Callable
-    reference: bool = False
-
-
-def _lm_terms(graphdef, params, batch):
-    ce_sum, _, aux = loss_terms(graphdef, params, batch)
-    return ce_sum, {}, aux
-
-
-LANGUAGE_MODEL = Objective(_lm_terms, lambda batch: next_token_targets(batch)[1].sum())
-
-
-def dpo(beta: float, label_smoothing: float = 0.0) -> Objective:
-    def terms(graphdef, params, batch):
-        policy, aux = token_log_probs(graphdef, params, batch)
-        loss, metrics = dpo_lib.batch_terms(policy, batch["reference_log_probs"], batch["segment_ids"], beta,
-                                            label_smoothing)
-        return loss, metrics, aux
-
-    return Objective(terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]), reference=True)
-
-
-def objective(config) -> Objective:
-    """The run's objective: train.objective, with the `dpo` group's settings."""
-    if config.train.objective == "dpo":
-        return dpo(config.dpo.beta, config.dpo.label_smoothing)
-    return LANGUAGE_MODEL
-
-
 def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
     """`batch` plus "reference_log_probs" under `reference_params`, a microbatch at a time (the reference runs
     forward only, and its memory peak is a microbatch's, as the policy's is). No gradient flows into it."""
     reference_params = jax.lax.stop_gradient(reference_params)
-    fn = lambda mb: token_log_probs(graphdef, reference_params, mb)[0]  # noqa: E731
+    fn = lambda mb: objectives.token_log_probs(graphdef, reference_params, mb)[0]  # noqa: E731
     if microbatches == 1:
         values = fn(batch)
     else:
@@ -129,7 +42,7 @@ def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
 
 
 def reference_params(state: dict, lora: bool):
-    """DPO's reference model, the run's starting weights: the state's frozen copy of them, which under LoRA holds
+    """An objective's reference model (DPO's), the run's starting weights: the state's frozen copy of them, which under LoRA holds
     the starting adapters only, over the frozen base. Fresh adapters have B = 0, so that reference is the base
     with the adapters off, exactly, and the weights are not held twice."""
     if lora:
@@ -148,7 +61,7 @@ def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
     return microbatches > 1 and not model_cfg.n_experts
 
 
-def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches, error_feedback: bool = False):
+def _accumulation_grad_fn(objective, model, params, mesh, rules, microbatches, error_feedback: bool = False):
     """(params to differentiate, value_and_grad of `objective` at them, (gradients, residual) -> (the params'
     gradients, the new residual)) for gradient accumulation. With pure data-parallel replicas
     (mesh.replica_axes) the params are one copy per replica and each replica's rows run on its copy
@@ -157,7 +70,7 @@ def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches, err
     gradients, with or without accumulation (`sum_with_feedback`)."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     axes = mesh_lib.replica_axes(mesh.shape, rules)
-    if not axes or not (error_feedback or accumulates_per_replica(cfg, microbatches)):
+    if not axes or not (error_feedback or accumulates_per_replica(model.cfg, microbatches)):
         return params, grad_fn, lambda grads, residual: (grads, residual)
 
     per_replica = mesh_lib.over_replicas(objective, axes)
@@ -168,8 +81,8 @@ def _accumulation_grad_fn(objective, cfg, params, mesh, rules, microbatches, err
 
     def summed(grads, residual):  # the sum over the replicas is their reduction
         if error_feedback:
-            return sum_with_feedback(grads, residual, cfg.grad_reduce_dtype)
-        return jax.tree.map(lambda g: sum_in(g, 0, cfg.grad_reduce_dtype), grads), residual
+            return sum_with_feedback(grads, residual, model.layout.grad_reduce_dtype)
+        return jax.tree.map(lambda g: sum_in(g, 0, model.layout.grad_reduce_dtype), grads), residual
 
     copies = jax.tree.map(lambda w: mesh_lib.per_replica(w, axes), params)
     return copies, jax.value_and_grad(summed_objective, has_aux=True), summed
@@ -192,8 +105,8 @@ def sum_with_feedback(grads, residual, dtype):
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
-                    offload: bool = False, lora: bool = False, objective: Objective = LANGUAGE_MODEL,
-                    dropout_seed: int | None = None) -> Callable:
+                    offload: bool = False, lora: bool = False, loss: objectives.Loss | None = None,
+                    reference: bool = False, dropout_seed: int | None = None) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -202,15 +115,18 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     `offload` (optim.offload): the optimizer state lives in pinned host memory; it is copied to the device for the
     update and the new state back, so between steps the device holds none of it. `lora` (model.lora_rank > 0):
     only the adapters are differentiated, clipped and updated (models.lora.split); the base weights stay as
-    they are, bit for bit. `objective`: what is minimised (default: the language model's cross-entropy).
+    they are, bit for bit. `loss`: what is minimised (default: the language model's cross-entropy); `reference`:
+    its objective keeps the state's "reference" (objectives.Objective.reference), whose log-probs join each batch.
     `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step.
     A state with a RESIDUAL item (optim.grad_reduce_error_feedback) has the sum over the data-parallel replicas
     carry each replica's rounding error over to the next step in it."""
+    loss_fn = loss or objectives.LANGUAGE_MODEL.loss(None)
+
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
             # Normalise by the whole batch's count so that accumulation equals one big step.
-            total = jnp.maximum(objective.count(batch), 1.0)
-            if objective.reference:
+            total = jnp.maximum(loss_fn.count(batch), 1.0)
+            if reference:
                 batch = with_reference(graphdef, reference_params(state, lora), batch, microbatches)
             if dropout_seed is not None:  # after the reference, which runs without dropout
                 batch = {**batch, "dropout_keys": dropout_keys(dropout_seed, state["step"], batch["tokens"].shape[0])}
@@ -224,7 +140,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 trained, whole, trained_shardings = state["params"], (lambda t: t), param_shardings
 
             def minimised(trained, mb):
-                loss_sum, sums, aux = objective.terms(graphdef, whole(trained), mb)
+                loss_sum, sums, aux = loss_fn.terms(graphdef, whole(trained), mb)
                 loss = loss_sum / total
                 aux = {f"moe/{k}": v / microbatches for k, v in aux.items()}  # means over the microbatches
                 balance = aux.get("moe/load_balance_loss", 0.0)
@@ -236,8 +152,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             if microbatches == 1 and not error_feedback:
                 (_, (loss, aux)), grads = grad_fn(trained, batch)
             else:
-                cfg = nnx.merge(graphdef, state["params"]).cfg
-                params, grad_fn, summed = _accumulation_grad_fn(minimised, cfg, trained, mesh, rules, microbatches,
+                model = nnx.merge(graphdef, state["params"])
+                params, grad_fn, summed = _accumulation_grad_fn(minimised, model, trained, mesh, rules, microbatches,
                                                                 error_feedback)
 
                 def accumulate(carry, mb):
@@ -257,7 +173,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             opt_state = state["opt_state"]
             if offload:  # as memory spaces, not shardings: a described GPU (plan --compiler gpu) has no memory kinds
                 # The barrier holds the copy in until the gradients exist: XLA:GPU started it with the step, so the
-                # whole state sat on the device through the backward's activation peak (an H100 peaked as high).
+                # whole state sat on the device through the backward's activation peak.
                 grad_norm, opt_state = jax.lax.optimization_barrier((grad_norm, opt_state))
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
 
@@ -284,24 +200,26 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
 def unless_non_finite(finite, update: Callable, old, platform: str):
     """update(None) where `finite`, else `old`, for a step compiled for `platform`: a non-finite loss or gradient
-    never reaches the weights. On CPU a cond: a select per array re-read and re-wrote every weight and moment
-    there (50% more optimizer time). Elsewhere a select, which fuses into the optimizer's own pass over the
-    state: XLA:GPU copied the whole state (params and both moments) into and out of the cond's branches, 44 GiB
-    a step for configs/bench_gpu.py (`jaxtrain plan --compiler gpu`; ~14 ms on an H100), and it reads a cond's
-    predicate on the host."""
+    never reaches the weights. On CPU a cond: a select per array re-reads and re-writes every weight and moment
+    there. Elsewhere a select, which fuses into the optimizer's own pass over the state: XLA:GPU copies the whole
+    state (params and both moments) into and out of a cond's branches, and reads its predicate on the host
+    (docs/performance.md, "CPU: what makes the step fast", the optimizer)."""
     if platform == "cpu":
         return jax.lax.cond(finite, update, lambda _: old, None)
     return jax.tree.map(lambda new, kept: jnp.where(finite, new, kept), update(None), old)
 
 
-def make_eval_step(graphdef, mesh, rules, objective: Objective = LANGUAGE_MODEL, lora: bool = False) -> Callable:
+def make_eval_step(graphdef, mesh, rules, loss: objectives.Loss | None = None, lora: bool = False,
+                   reference: bool = False) -> Callable:
     """eval_step(params, the state's "reference" or None, batch) -> (summed loss, count, summed metrics)."""
-    def eval_step(params, reference, batch):
+    loss_fn = loss or objectives.LANGUAGE_MODEL.loss(None)
+
+    def eval_step(params, reference_state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
-            if objective.reference:
-                batch = with_reference(graphdef, reference_params({"params": params, "reference": reference}, lora),
-                                       batch)
-            loss_sum, sums, _ = objective.terms(graphdef, params, batch)
-            return loss_sum, objective.count(batch), sums
+            if reference:
+                batch = with_reference(graphdef, reference_params({"params": params, "reference": reference_state},
+                                                                  lora), batch)
+            loss_sum, sums, _ = loss_fn.terms(graphdef, params, batch)
+            return loss_sum, loss_fn.count(batch), sums
 
     return eval_step

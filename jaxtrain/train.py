@@ -1,11 +1,14 @@
-"""The training run, top to bottom: config -> data -> mesh -> state -> compiled step -> loop -> sample.
+"""The training run, top to bottom: checks -> trainer -> workdir -> state -> compiled step -> hooks -> loop -> summary.
 
-`run(config)` is what `python -m jaxtrain.main` and notebooks call. It returns a summary dict.
+`run(config)` is what `jaxtrain train` (jaxtrain.main) and notebooks call; it returns a summary dict. Each phase
+is a function of its own below, in the order `run` calls them, so that `run` reads as the table of contents.
+Everything that can be wrong with the input is found before anything compiles or the workdir is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -17,20 +20,221 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import compat, errors, faults, memory, objectives, storage
 from jaxtrain import config as config_lib
-from jaxtrain import errors, faults, host_memory, storage
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import workdir as workdir_lib
-from jaxtrain.data import layout, pipeline, prepare
+from jaxtrain.data import corpus, layout, pipeline
 from jaxtrain.errors import ConfigError, HFError
 from jaxtrain.models import hf, lora, sampling, transformer
 from jaxtrain.observe import goodput, tracking
 from jaxtrain.observe import metrics as metrics_lib
-from jaxtrain.observe import profiling
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.trainer import build_trainer, global_batch, make_checkpointer
+
+
+def run(config, print_fn=print, writers=()) -> dict:
+    """Trains `config` to `train.steps` (or `train.stop_at`), resuming from its workdir's checkpoints.
+
+    `writers`: extra `metrics.MetricWriter`s (process 0 only) that receive every record metrics.jsonl gets,
+    e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
+    t_start = time.perf_counter()
+    compat.install()  # the dependency workarounds a run needs (jaxtrain/compat), before jax starts its backend
+    resolved, data = check_inputs(config)
+    is_main = jax.process_index() == 0
+    say = print_fn if is_main else (lambda *a, **k: None)
+    trainer = build_trainer(config, resolved)  # abstract: nothing allocated or compiled yet
+    describe(config, trainer, resolved, say)
+
+    with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:
+        checkpointer = make_checkpointer(config, wd.path, print_fn=say, run_id=wd.run_id(create=False))
+        latest = resumable_step(config, wd, checkpointer)
+        if latest >= config.train.steps:
+            say(f"run already finished: checkpoint at step {latest} >= train.steps={config.train.steps}; "
+                "nothing to do")
+            checkpointer.close()
+            return {"finished": True, "step": latest, "resumed": True}
+        train_iter, eval_data = data_iterators(config, data.dir)
+        start, state = restore_or_init(config, trainer, checkpointer, latest, train_iter, say)
+        if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
+            wd.record_config(tracking.redact(config.to_dict()))
+        checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs
+        writer = metric_writer(config, wd.path, writers, is_main)
+        train_step = compile_step(config, trainer, data.dir, say, t_start)
+        hooks = make_hooks(config, trainer, wd.path, start, checkpointer, train_iter, eval_data, writer,
+                           train_step, resolved.objective, say, is_main)
+        loop = Loop(trainer, train_step, train_iter, checkpointer, hooks, lambda: fresh_state(config, trainer),
+                    say, step=start)
+        record = run_record(config, wd.path, start, t_start) if is_main else None
+        try:
+            state = train_loop(config, loop, state)
+        finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
+            finish(loop, writer, record, config.train.steps)
+        return summarize(config, trainer, state, start, loop.step, hooks.eval, data, wd.path, say, is_main,
+                         t_start)
+
+
+# ===== Input checks: everything the config names, before anything compiles or touches the workdir ===============
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The run's data dir (prepared, or reused as it is) and its tokenizer."""
+    dir: str
+    tokenizer: object
+
+
+def check_inputs(config) -> tuple[config_lib.Resolved, Data]:
+    """Starts the hosts, validates the config and checks every input it names (data dirs, Hugging Face
+    weights and adapters, checkpoint paths, the step's memory), preparing the default corpus if it is
+    missing. ConfigError (exit 2) names the first bad field or path; the workdir is not touched."""
+    config_lib.validate_distributed(config)
+    try:
+        distributed.initialize(**config.distributed)
+    except ValueError as e:  # a partial cluster environment, named by its variable
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError(field if reason else "distributed", reason or field) from None
+    resolved = config_lib.validate(config, jax.device_count(), jax.process_count())
+    memory.check_fits(config, jax.device_count(), memory.device_bytes(jax.local_devices()))
+    try:  # the devices must form as many slices or nodes as the dcn sizes say
+        mesh_lib.granules(jax.devices(), math.prod(resolved.dcn.values()))
+    except ValueError as e:
+        raise ConfigError(*str(e).split(": ", 1)) from None
+    if config.model.init_from:  # the checkpoint's config.json only: its weights are read at init, after compiling
+        hf.check_init_from(config.model.init_from, resolved.model)
+    if config.model.init_adapters:
+        hf.check_init_adapters(config.model.init_adapters, resolved.model)
+    data = check_data(config, resolved)
+    ckpt_lib.check_paths(ckpt_lib.directory(config.checkpoint, config.workdir), config.checkpoint.local_dir,
+                         "checkpoint.dir" if config.checkpoint.dir else "workdir")
+    return resolved, data
+
+
+def check_data(config, resolved: config_lib.Resolved) -> Data:
+    """The data dir (the default corpus prepared there if it is not yet) and every dir the config names: each
+    holds what the objective trains on, its tokenizer fits the model, and chat data fits a row."""
+    ddir = layout.default_dir(config.data)
+    if not storage.is_url(ddir) and not layout.prepared_from_sources(ddir):  # else used as it is
+        corpus.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
+    tok = layout.load_tokenizer(ddir)  # exit 2 if it is not the shards' tokenizer
+    if tok.vocab_size > config.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the vocab "
+                          f"({tok.vocab_size}) of the tokenizer in {ddir}")
+    pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)
+    pipeline.check_conversations_fit(ddir, config.train.seq_len)
+    suits = {}  # the kind of data -> the objectives that train on it
+    for name in objectives.names():
+        suits.setdefault(objectives.get(name).data, []).append(name)
+    pipeline.check_data_kind(ddir, resolved.objective.name, resolved.objective.data, suits, config.data.mixture,
+                             config.eval.sets)
+    if config.model.init_from:
+        hf.check_tokenizer(config.model.init_from, layout.local_tokenizer_dir(ddir) if storage.is_url(ddir) else ddir)
+    return Data(ddir, tok)
+
+
+def describe(config, trainer, resolved: config_lib.Resolved, say) -> None:
+    """One line on the mesh, the model and the devices (and one on the pipeline's schedule)."""
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
+    hybrid = f" (dcn {resolved.dcn})" if math.prod(resolved.dcn.values()) > 1 else ""
+    axes = {a: n for a, n in trainer.mesh.shape.items() if n > 1} or {"data": 1}  # size-1 axes are noise
+    say(f"mesh {axes}{hybrid} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
+        f"{trainer.model_cfg.dtype} compute | devices {jax.device_count()} x {jax.devices()[0].device_kind} | "
+        f"processes {jax.process_count()}")
+    if config.pipeline.stages > 1:
+        p = config.pipeline
+        say(f"pipeline {p.stages} stages x {p.microbatches} microbatches, {p.schedule} schedule"
+            f"{f' x {p.repeats} repeats' if p.schedule == 'circular' else ''} | bubble "
+            f"{pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats):.1%} of each step idle")
+
+
+# ===== Workdir and state ===========================================================================================
+
+def resumable_step(config, wd, checkpointer) -> int:
+    """The newest checkpoint's step (0: none), once misplaced step dirs are set aside and the checkpoints are
+    known to have been made with settings this config keeps (config.check_resumable)."""
+    checkpointer.set_aside_misplaced()  # a step dir holding another step's checkpoint (moved, swapped, copied)
+    latest = checkpointer.latest_step() or 0
+    saved = wd.saved_config()
+    if latest and saved is not None:  # what the checkpoints were made with (without one, nothing binds)
+        config_lib.check_resumable(saved, config, str(wd.path))
+    return latest
+
+
+def data_iterators(config, ddir: str):
+    """(the train iterator, reported metric -> its eval batches: data.dir's held-out split, then each of
+    eval.sets). One data position for all processes: see jaxtrain/data/pipeline.py."""
+    t = config.train
+    hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    train_iter = pipeline.train_iterator(ddir, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed,
+                                         mixture=config.data.mixture, num_workers=config.data.num_workers, **hosts)
+    shape = dict(seq_len=t.seq_len, global_batch=t.batch_size, num_batches=config.eval.batches, **hosts)
+    eval_data = {"eval_loss": pipeline.eval_batches(ddir, **shape)}
+    for name, batches in pipeline.eval_set_batches(ddir, config.eval.sets, **shape).items():
+        eval_data[f"eval_loss/{name}"] = batches
+    return train_iter, eval_data
+
+
+def fresh_state(config, trainer):
+    """The state at step 0: from the seed, or from model.init_from's weights (and init_adapters' adapters)."""
+    if not config.model.init_from:
+        return trainer.init()
+    try:
+        params = hf.load_params(config.model.init_from, trainer.model_cfg)
+    except HFError as e:  # a tensor missing or unreadable: the config passed, the weights did not
+        raise ConfigError("model.init_from", str(e)) from None
+    if config.model.init_adapters:  # PEFT adapters continue training over that base
+        try:
+            adapters = hf.import_adapters(config.model.init_adapters, trainer.model_cfg)
+        except HFError as e:
+            raise ConfigError("model.init_adapters", str(e)) from None
+        dtype = np.dtype(trainer.model_cfg.param_dtype)
+        params = lora.join(jax.tree.map(lambda a: a.astype(dtype), adapters), params)
+    return trainer.init_from_host(params)
+
+
+def restore_or_init(config, trainer, checkpointer, latest: int, train_iter, say):
+    """(start step, state): the newest checkpoint that verifies, with the data position it saved, or a fresh
+    state at step 0."""
+    restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
+    if restored:
+        start, state, data_state = restored
+        train_iter.set_state(data_state)
+        say(f"resumed from checkpoint at step {start}")
+        if train_iter.get_state()["order"] == pipeline.LEGACY_ORDER:
+            say("data: this checkpoint's position predates the block order; it keeps its materialised "
+                "per-epoch permutation (8-24 bytes per document in host memory), a new workdir gets the block "
+                "order (docs/data.md)")
+        return start, state
+    if config.model.init_from:
+        say(f"initialized from the Hugging Face checkpoint {config.model.init_from}"
+            + (f" with the adapters of {config.model.init_adapters}" if config.model.init_adapters else ""))
+    return 0, fresh_state(config, trainer)
+
+
+# ===== Writers, the compiled step and the hooks =================================================================
+
+def metric_writer(config, workdir, writers, is_main: bool):
+    """Process 0's writers (metrics.jsonl, TensorBoard, the configured trackers, `writers`); a no-op elsewhere."""
+    if not is_main:
+        return metrics_lib.MetricWriter()
+    writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
+                                      metrics_lib.TensorBoardWriter(workdir / "tensorboard"),
+                                      *metrics_lib.tracker_writers(config.log, workdir), *writers])
+    writer.write_hparams(tracking.redact(config.to_dict()))
+    return writer
+
+
+def compile_step(config, trainer, ddir: str, say, t_start: float):
+    """The train step compiled ahead of time for the data's batches: the first step is then a step, not a
+    compile."""
+    t = time.perf_counter()
+    abstract_batch = {k: jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len), jnp.int32,
+                                              sharding=trainer.batch_sharding)
+                      for k in pipeline.batch_keys(ddir)}
+    train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
+    return train_step
 
 
 def evaluate(trainer, state, eval_data: dict) -> dict:
@@ -45,273 +249,155 @@ def evaluate(trainer, state, eval_data: dict) -> dict:
     return out
 
 
-def run(config, print_fn=print, writers=()) -> dict:
-    """Trains `config` to `train.steps` (or `train.stop_at`), resuming from its workdir's checkpoints.
+def make_hooks(config, trainer, workdir, start: int, checkpointer, train_iter, eval_data, writer, train_step,
+               objective, say, is_main: bool) -> hooks_lib.RunHooks:
+    """hooks.build with what only the run knows: the model's FLOPs and the device's peak (for MFU), how to
+    evaluate, and the objective's metrics for the progress line."""
+    peak, peak_source = metrics_lib.peak_flops(dtype=trainer.model_cfg.dtype)
+    flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, config.train.seq_len)
+    say(f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP per token")
+    progress = {name: (m.scale, m.progress) for name, m in objective.metrics.items() if m.progress}
+    return hooks_lib.build(config, workdir=workdir, start_step=start, checkpointer=checkpointer,
+                           data_iterator=train_iter, evaluate=lambda state: evaluate(trainer, state, eval_data),
+                           writer=writer, flops_per_token=flops_per_token, peak_flops=peak,
+                           hlo_text=train_step.as_text, progress=progress, print_fn=say, is_main=is_main)
 
-    `writers`: extra `metrics.MetricWriter`s (process 0 only) that receive every record metrics.jsonl gets,
-    e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
-    t_start = time.perf_counter()
-    # ===== Config and hosts: validated before anything compiles or touches the workdir ================
-    host_memory.keep_freed_memory()  # CPU runs; before jax starts its backend (jaxtrain/host_memory.py)
-    config_lib.validate_distributed(config)
+
+def run_record(config, workdir, start: int, t_start: float) -> tracking.RunRecord:
+    """run.json (process 0): what ran, where, with which code; `finish` writes how it ended."""
+    record = tracking.RunRecord(workdir, config.to_dict(), processes=jax.process_count(), seed=config.train.seed,
+                                devices={"platform": jax.devices()[0].platform, "count": jax.device_count(),
+                                         "kind": jax.devices()[0].device_kind})
+    record.start(start, started_unix=time.time() - (time.perf_counter() - t_start))
+    return record
+
+
+# ===== The loop ===================================================================================================
+
+@dataclasses.dataclass
+class Loop:
+    """What the loop runs: the compiled step, the data it feeds, the checkpoints and hooks it tells. `fresh_state()`
+    is the state a rollback with no checkpoint returns to; `step` is the last step done, kept as the loop goes."""
+    trainer: object
+    train_step: object
+    train_iter: object
+    checkpointer: ckpt_lib.Checkpointer
+    hooks: hooks_lib.RunHooks
+    fresh_state: object
+    say: object
+    step: int = 0
+
+
+def train_loop(config, loop: Loop, state):
+    """The state after training steps loop.step+1.. to train.stop_at or train.steps, the hooks after each, and
+    their end; an eval first at step 0 (eval.at_start). Ctrl-C raises errors.Interrupted, naming the step a rerun
+    resumes from, once any save in flight has completed."""
+    t = config.train
+    if loop.step == 0 and config.eval.at_start:
+        loop.hooks.eval.run(0, state)
+    last = min(t.stop_at or t.steps, t.steps)
+    loop.say(f"training steps {loop.step + 1}..{last} of {t.steps}, {t.batch_size} x {t.seq_len} tokens per step")
+    loop.hooks.watchdog.start()
+    interrupt = faults.InterruptBetweenSteps()
     try:
-        distributed.initialize(**config.distributed)
-    except ValueError as e:  # a partial cluster environment, named by its variable
-        field, _, reason = str(e).partition(": ")
-        raise ConfigError(field if reason else "distributed", reason or field) from None
-    facts = config_lib.validate(config, jax.device_count(), jax.process_count())
-    config_lib.check_backend(config, jax.default_backend())
-    config_lib.check_fits(config, jax.device_count(), host_memory.device_bytes(jax.local_devices()))
-    mesh_shape, rules, dcn = facts["mesh_shape"], facts["rules"], facts["dcn"]
-    try:  # the devices must form as many slices or nodes as the dcn sizes say
-        mesh_lib.granules(jax.devices(), math.prod(dcn.values()))
-    except ValueError as e:
-        raise ConfigError(*str(e).split(": ", 1)) from None
-    train_cfg = config.train
-    is_main = jax.process_index() == 0
-    say = print_fn if is_main else (lambda *a, **k: None)
+        state = steps(loop, state, last, interrupt)
+        for hook in loop.hooks.all:
+            hook.end(loop.step, state)
+    except KeyboardInterrupt:
+        # A save in flight completes (the interrupt may even have hit inside one): the directories then say
+        # what a rerun resumes from.
+        with contextlib.suppress(Exception):
+            loop.checkpointer.wait()
+        raise errors.Interrupted(loop.step, loop.checkpointer.latest_step(reread=True) or 0) from None
+    finally:
+        interrupt.close()
+    return state
 
-    # ===== Data: prepared (or reused) before the workdir is created ====================================
-    ddir = layout.default_dir(config.data)
-    if not storage.is_url(ddir) and not layout.prepared_from_sources(ddir):  # else used as it is
-        prepare.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
-    tok = layout.load_tokenizer(ddir)  # exit 2 if it is not the shards' tokenizer
-    if tok.vocab_size > config.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the vocab "
-                          f"({tok.vocab_size}) of the tokenizer in {ddir}")
-    pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)  # exit 2 before the workdir exists
-    pipeline.check_conversations_fit(ddir, train_cfg.seq_len)
-    pipeline.check_objective(ddir, train_cfg.objective, config.data.mixture, config.eval.sets)
-    if config.model.init_from:
-        hf.check_tokenizer(config.model.init_from, layout.local_tokenizer_dir(ddir) if storage.is_url(ddir) else ddir)
-    ckpt_lib.check_paths(ckpt_lib.directory(config.checkpoint, config.workdir), config.checkpoint.local_dir,
-                         "checkpoint.dir" if config.checkpoint.dir else "workdir")
 
-    # ===== Workdir: one run at a time (jaxtrain/workdir.py); a finished run is left exactly as it is =======
-    with workdir_lib.Workdir(config.workdir, is_main=is_main) as wd:
-        workdir = wd.path
-        checkpointer = make_checkpointer(config, workdir, print_fn=say, run_id=wd.run_id(create=False))
-        checkpointer.set_aside_misplaced()  # a step dir holding another step's checkpoint (moved, swapped, copied)
-        latest = checkpointer.latest_step() or 0
-        saved = wd.saved_config()
-        if latest and saved is not None:  # what the checkpoints were made with (without one, nothing binds)
-            config_lib.check_resumable(saved, config, str(workdir))
-        if latest >= train_cfg.steps:
-            say(f"run already finished: checkpoint at step {latest} >= train.steps={train_cfg.steps}; nothing to do")
-            checkpointer.close()
-            return {"finished": True, "step": latest, "resumed": True}
-
-        # ===== Mesh, model, optimizer, jitted steps =======================================================
-        trainer = build_trainer(config, mesh_shape, rules, dcn=dcn)
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_state["params"]))
-        hybrid = f" (dcn {dcn})" if math.prod(dcn.values()) > 1 else ""
-        axes = {a: n for a, n in trainer.mesh.shape.items() if n > 1} or {"data": 1}  # size-1 axes are noise
-        say(f"mesh {axes}{hybrid} rules {config.mesh.rules!r} | model {n_params / 1e6:.2f}M params, "
-            f"{trainer.model_cfg.dtype} compute | devices {jax.device_count()} x {jax.devices()[0].device_kind} | "
-            f"processes {jax.process_count()}")
-        if config.pipeline.stages > 1:
-            p = config.pipeline
-            say(f"pipeline {p.stages} stages x {p.microbatches} microbatches, {p.schedule} schedule"
-                f"{f' x {p.repeats} repeats' if p.schedule == 'circular' else ''} | bubble "
-                f"{pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats):.1%} of each step idle")
-
-        # ===== Data iterators (one position for all processes: see jaxtrain/data/pipeline.py) ==============
-        hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
-        train_iter = pipeline.train_iterator(ddir, seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size,
-                                             seed=train_cfg.seed, mixture=config.data.mixture,
-                                             num_workers=config.data.num_workers, **hosts)
-        # Reported metric -> its eval batches: data.dir's held-out split, then each of eval.sets.
-        eval_shape = dict(seq_len=train_cfg.seq_len, global_batch=train_cfg.batch_size, num_batches=config.eval.batches,
-                          **hosts)
-        eval_data = {"eval_loss": pipeline.eval_batches(ddir, **eval_shape)}
-        for name, batches in pipeline.eval_set_batches(ddir, config.eval.sets, **eval_shape).items():
-            eval_data[f"eval_loss/{name}"] = batches
-
-        # ===== State: the newest checkpoint that verifies, or a fresh init =================================
-        def fresh_state():  # from the seed, or from model.init_from's weights
-            if not config.model.init_from:
-                return trainer.init()
-            try:
-                params = hf.load_params(config.model.init_from, trainer.model_cfg)
-            except HFError as e:  # a tensor missing or unreadable: the config passed, the weights did not
-                raise ConfigError("model.init_from", str(e)) from None
-            if config.model.init_adapters:  # PEFT adapters continue training over that base
-                try:
-                    adapters = hf.import_adapters(config.model.init_adapters, trainer.model_cfg)
-                except HFError as e:
-                    raise ConfigError("model.init_adapters", str(e)) from None
-                dtype = np.dtype(trainer.model_cfg.param_dtype)
-                params = lora.join(jax.tree.map(lambda a: a.astype(dtype), adapters), params)
-            return trainer.init_from_host(params)
-
-        restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
-        if restored:
-            start, state, data_state = restored
-            train_iter.set_state(data_state)
-            say(f"resumed from checkpoint at step {start}")
-            if train_iter.get_state()["order"] == pipeline.LEGACY_ORDER:
-                say("data: this checkpoint's position predates the block order; it keeps its materialised "
-                    "per-epoch permutation (8-24 bytes per document in host memory), a new workdir gets the block "
-                    "order (docs/data.md)")
-        else:
-            start, state = 0, fresh_state()
-            if config.model.init_from:
-                say(f"initialized from the Hugging Face checkpoint {config.model.init_from}"
-                    + (f" with the adapters of {config.model.init_adapters}" if config.model.init_adapters else ""))
-        if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
-            wd.record_config(tracking.redact(config.to_dict()))
-        checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs
-
-        # ===== Metric writers ==============================================================================
-        if is_main:
-            writer = metrics_lib.MultiWriter([metrics_lib.JsonlWriter(workdir / "metrics.jsonl"),
-                                              metrics_lib.TensorBoardWriter(workdir / "tensorboard"),
-                                              *metrics_lib.tracker_writers(config.log, workdir), *writers])
-            writer.write_hparams(tracking.redact(config.to_dict()))
-        else:
-            writer = metrics_lib.MetricWriter()
-
-        # ===== Compile the train step ahead of time (the first step is then a step, not a compile) =======
-        t = time.perf_counter()
-        abstract_batch = {k: jax.ShapeDtypeStruct((train_cfg.batch_size, train_cfg.seq_len), jnp.int32,
-                                                  sharding=trainer.batch_sharding)
-                          for k in pipeline.batch_keys(ddir)}
-        train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
-        say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
-
-        # ===== Hooks =======================================================================================
-        watchdog = faults.Watchdog(config.faults.step_timeout_s)
-        clock = hooks_lib.Clock(on_pause=watchdog.paused)
-        peak, peak_source = metrics_lib.peak_flops(dtype=trainer.model_cfg.dtype)
-        flops_per_token = transformer.train_flops_per_token(trainer.model_cfg, train_cfg.seq_len)
-        say(f"peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}); {flops_per_token / 1e6:.1f} MFLOP per token")
-        recorder = goodput.GoodputRecorder(workdir / "goodput.jsonl") if is_main else None
-
-        def on_checkpoint(step):
-            nan_guard.checkpoint_committed()
-            if recorder:
-                recorder.checkpoint(step)
-
-        nan_guard = hooks_lib.NonFiniteGuard(config.faults.nan_policy, print_fn=say)
-        log_hook = hooks_lib.LogHook(every=config.log.every_steps, total_steps=train_cfg.steps, start_step=start,
-                                     tokens_per_step=train_cfg.batch_size * train_cfg.seq_len,
-                                     flops_per_token=flops_per_token, peak_flops=peak, writer=writer, clock=clock,
-                                     print_fn=say)
-        eval_hook = hooks_lib.EvalHook(every=config.eval.every_steps, total_steps=train_cfg.steps,
-                                       evaluate=lambda state: evaluate(trainer, state, eval_data),
-                                       writer=writer, clock=clock, print_fn=say,
-                                       # A resumed run's summary keeps the evals before it (from process 0's log).
-                                       earlier=metrics_lib.earlier_evals(workdir, start) if is_main and start else ())
-        ckpt_hook = hooks_lib.CheckpointHook(checkpointer=checkpointer, data_iterator=train_iter, clock=clock,
-                                             start_step=start, on_write_error=config.checkpoint.on_write_error,
-                                             print_fn=say, on_commit=on_checkpoint)
-        preemption = faults.PreemptionGuard(grace_s=config.faults.preempt_grace_s)
-        hooks = [nan_guard, log_hook, eval_hook, ckpt_hook,
-                 hooks_lib.PreemptionHook(preemption, ckpt_hook, print_fn=say), hooks_lib.WatchdogHook(watchdog)]
-        if is_main:
-            hooks.append(hooks_lib.GoodputHook(recorder, every=config.log.every_steps, clock=clock, start_step=start))
-        if profiled := profiling.parse_steps(config.log.profile_steps):
-            hooks.append(hooks_lib.ProfileHook(*profiled, workdir / "profile", start_step=start, print_fn=say,
-                                               hlo_text=train_step.as_text if is_main else None))
-        if config.log.fingerprints:
-            hooks.append(hooks_lib.FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
-                                                   pipeline.tokens_per_batch_fingerprint))
-
-        # ===== Train =======================================================================================
-        if start == 0 and config.eval.at_start:
-            eval_hook.run(0, state)
-        last = min(train_cfg.stop_at or train_cfg.steps, train_cfg.steps)
-        say(f"training steps {start + 1}..{last} of {train_cfg.steps}, "
-            f"{train_cfg.batch_size} x {train_cfg.seq_len} tokens per step")
-        step, previous = start, None
-        record = None
-        if is_main:  # run.json: what ran, where, with which code; its end is written whatever happens next
-            record = tracking.RunRecord(workdir, config.to_dict(), processes=jax.process_count(), seed=train_cfg.seed,
-                                        devices={"platform": jax.devices()[0].platform, "count": jax.device_count(),
-                                                 "kind": jax.devices()[0].device_kind})
-            record.start(start, started_unix=time.time() - (time.perf_counter() - t_start))
-        watchdog.start()
-        interrupt = faults.InterruptBetweenSteps()
+def steps(loop: Loop, state, last: int, interrupt):
+    """The state after steps loop.step+1..last, at most two in flight, with the rollback to the newest good
+    checkpoint (or the fresh state) when the non-finite guard asks for one."""
+    previous = None
+    while loop.step < last:
+        first = loop.step + 1  # after a rollback: the step after the restored checkpoint
         try:
-            while step < last:
-                first = step + 1  # after a rollback: the step after the restored checkpoint
-                try:
-                    for step in range(first, last + 1):
-                        t = time.perf_counter()
-                        local = next(train_iter)
-                        clock.data_wait_s += time.perf_counter() - t
-                        state, metrics = train_step(state, global_batch(local, trainer.batch_sharding))
-                        # At most two steps in flight: enough to overlap host work with the device, and it bounds
-                        # the queue (hundreds of queued collectives time out XLA's CPU rendezvous on fake devices).
-                        jax.block_until_ready(previous)
-                        previous = metrics
-                        for hook in hooks:
-                            hook(step, state, metrics, local)
-                        interrupt.check()
-                    nan_guard.check()  # the last step's flag, before anything is saved at the end
-                except hooks_lib.Rollback as rollback:
-                    # Back to the newest good checkpoint (or the init), with the data after the bad step.
-                    data_state = train_iter.get_state()
-                    ckpt_hook.wait()  # a save still in flight is the newest good checkpoint
-                    restored = checkpointer.restore_latest(trainer.abstract_state)
-                    step, state = restored[:2] if restored else (0, fresh_state())
-                    train_iter.set_state(data_state)
-                    for hook in hooks:
-                        hook.rewind(step)
-                    say(f"{rollback}: rolled back to step {step}, skipping the batches up to step {rollback.step}")
-            for hook in hooks:
-                hook.end(step, state)
-        except KeyboardInterrupt:
-            # A save in flight completes (the interrupt may even have hit inside one): the directories then say
-            # what a rerun resumes from.
-            with contextlib.suppress(Exception):
-                checkpointer.wait()
-            raise errors.Interrupted(step, checkpointer.latest_step(reread=True) or 0) from None
-        finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
-            interrupt.close()
-            watchdog.stop()
-            preemption.close()
-            writer.close()
-            train_iter.close()  # its prefetch thread or data.num_workers processes
-            error = sys.exc_info()[1]
-            close_error = None
-            try:
-                checkpointer.close()
-            except ckpt_lib.CheckpointError as e:
-                close_error = e
-            if record:
-                failure = error or close_error
-                record.end(tracking.status_of(failure, step >= train_cfg.steps), step, failure)
-            if close_error and not error:  # otherwise the error already in flight is the one to report
-                raise close_error
+            for step in range(first, last + 1):
+                loop.step = step
+                t = time.perf_counter()
+                local = next(loop.train_iter)
+                loop.hooks.clock.data_wait_s += time.perf_counter() - t
+                state, metrics = loop.train_step(state, global_batch(local, loop.trainer.batch_sharding))
+                # At most two steps in flight: enough to overlap host work with the device, and it bounds the queue
+                # (hundreds of queued collectives time out XLA's CPU rendezvous on fake devices).
+                jax.block_until_ready(previous)
+                previous = metrics
+                for hook in loop.hooks.all:
+                    hook(step, state, metrics, local)
+                interrupt.check()
+            loop.hooks.nan_guard.check()  # the last step's flag, before anything is saved at the end
+        except hooks_lib.Rollback as rollback:
+            # Back to the newest good checkpoint (or the init), with the data after the bad step.
+            data_state = loop.train_iter.get_state()
+            loop.hooks.checkpoint.wait()  # a save still in flight is the newest good checkpoint
+            restored = loop.checkpointer.restore_latest(loop.trainer.abstract_state)
+            loop.step, state = restored[:2] if restored else (0, loop.fresh_state())
+            loop.train_iter.set_state(data_state)
+            for hook in loop.hooks.all:
+                hook.rewind(loop.step)
+            loop.say(f"{rollback}: rolled back to step {loop.step}, skipping the batches up to step {rollback.step}")
+    return state
 
-        # ===== Sample ======================================================================================
-        text = ""
-        if config.sample.max_new_tokens:
-            ids = sampling.sample(trainer.graphdef, state["params"], tok.encode(config.sample.prompt),
-                                   window=train_cfg.seq_len, max_new_tokens=config.sample.max_new_tokens,
-                                   temperature=config.sample.temperature, top_k=config.sample.top_k,
-                                   seed=train_cfg.seed, stop_id=tok.eos_id)
-            text = config.sample.prompt + tok.decode(ids)
-            say(f"sample: {text}")
 
-        evals = eval_hook.history
-        # One digest of every array in the state (sharding-independent): equal digests = bit-identical runs.
-        state_checksum = hashlib.sha256(json.dumps(ckpt_lib.checksums(state), sort_keys=True).encode()).hexdigest()[:16]
-        summary = {"finished": step >= train_cfg.steps, "step": step, "resumed": bool(start), "eval": evals,
-                   "eval_sets": eval_hook.set_history,
-                   "wall_s": time.perf_counter() - t_start, "data_dir": ddir, "sample": text,
-                   "state_checksum": state_checksum}
-        if is_main:
-            records = goodput.read_records(workdir / "goodput.jsonl")
-            if records:  # over every invocation of this workdir, from the first one's start
-                summary["goodput"] = goodput.goodput(records, time.time() - records[0]["t"])
-                say(f"goodput {100 * summary['goodput']['goodput']:.1f}% over {len(summary['goodput']['attempts'])} "
-                    f"attempt(s), {summary['goodput']['steps_lost']} step(s) recomputed")
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-        # For notebooks and tests; not part of summary.json. The stacked layers are in the order the run kept them
-        # (a circular pipeline's: stage-major); pipeline_parallel.reorder_layers(params, order, None) gives the model's.
-        summary["state"] = state
-        say(f"done: {step} steps in {summary['wall_s']:.0f}s" +
-            (f", eval_loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else ""))
-        return summary
+def finish(loop: Loop, writer, record, total_steps: int) -> None:
+    """The loop's teardown, whatever ended it: the watchdog and signal handlers stop, the writers and the data
+    iterator close, pending saves complete, and run.json records the end. A failed save surfacing here is raised
+    unless another error is already in flight (that one is the one to report)."""
+    loop.hooks.close()
+    writer.close()
+    loop.train_iter.close()  # its prefetch thread or data.num_workers processes
+    error = sys.exc_info()[1]
+    close_error = None
+    try:
+        loop.checkpointer.close()
+    except ckpt_lib.CheckpointError as e:
+        close_error = e
+    if record:
+        failure = error or close_error
+        record.end(tracking.status_of(failure, loop.step >= total_steps), loop.step, failure)
+    if close_error and not error:
+        raise close_error
+
+
+# ===== Summary ====================================================================================================
+
+def summarize(config, trainer, state, start: int, step: int, eval_hook, data: Data, workdir, say, is_main: bool,
+              t_start: float) -> dict:
+    """The end of a run: a sample of text (sample.max_new_tokens), the goodput over every invocation, and the
+    summary (summary.json on process 0; returned, with the final state under "state" for notebooks and tests)."""
+    text = ""
+    if config.sample.max_new_tokens:
+        ids = sampling.sample(trainer.graphdef, state["params"], data.tokenizer.encode(config.sample.prompt),
+                               window=config.train.seq_len, max_new_tokens=config.sample.max_new_tokens,
+                               temperature=config.sample.temperature, top_k=config.sample.top_k,
+                               seed=config.train.seed, stop_id=data.tokenizer.eos_id)
+        text = config.sample.prompt + data.tokenizer.decode(ids)
+        say(f"sample: {text}")
+    evals = eval_hook.history
+    # One digest of every array in the state (sharding-independent): equal digests = bit-identical runs.
+    state_checksum = hashlib.sha256(json.dumps(ckpt_lib.checksums(state), sort_keys=True).encode()).hexdigest()[:16]
+    summary = {"finished": step >= config.train.steps, "step": step, "resumed": bool(start), "eval": evals,
+               "eval_sets": eval_hook.set_history, "wall_s": time.perf_counter() - t_start, "data_dir": data.dir,
+               "sample": text, "state_checksum": state_checksum}
+    if is_main:
+        records = goodput.read_records(workdir / "goodput.jsonl")
+        if records:  # over every invocation of this workdir, from the first one's start
+            summary["goodput"] = goodput.goodput(records, time.time() - records[0]["t"])
+            say(f"goodput {100 * summary['goodput']['goodput']:.1f}% over {len(summary['goodput']['attempts'])} "
+                f"attempt(s), {summary['goodput']['steps_lost']} step(s) recomputed")
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    # Not part of summary.json. The stacked layers are in the order the run kept them (a circular pipeline's:
+    # stage-major); pipeline_parallel.reorder_layers(params, order, None) gives the model's.
+    summary["state"] = state
+    say(f"done: {step} steps in {summary['wall_s']:.0f}s" +
+        (f", eval_loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else ""))
+    return summary

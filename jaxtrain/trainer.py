@@ -1,7 +1,8 @@
 """What a run compiles, and what a tool needs to rebuild a run's model from its workdir.
 
-`build_trainer` makes the mesh, the abstract sharded train state and the jitted steps for a config (no parameter
-is allocated); `restore_params` reads a workdir's checkpoint back for tools (generation, export).
+`build_trainer` makes the mesh, the abstract sharded train state and the jitted steps from a config and what
+`jaxtrain.config.validate` resolved of it (no parameter is allocated); `restore_params` reads a workdir's
+checkpoint back for tools (generation, export).
 """
 
 from __future__ import annotations
@@ -21,38 +22,42 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import optim, step as step_lib
+from jaxtrain import objectives, optim, step as step_lib
 from jaxtrain import workdir as workdir_lib
 from jaxtrain.errors import CheckpointError
 from jaxtrain.models import lora, transformer
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import Layout, ModelConfig
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
 
 
-def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int, reference: bool = False):
+def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, seed: int, reference: bool = False,
+                         layout: Layout = Layout()):
     """(graphdef, abstract state, state shardings, init function, optimizer), all without allocating a parameter.
+    ConfigError naming optim.groups if a rule matches no parameter of the model.
     `reference`: the state also keeps a frozen copy of the starting trained weights (DPO's reference model): every
     parameter, or under LoRA the starting adapters only (over the frozen base they give the starting model).
     Under optim.grad_reduce_error_feedback the state's "grad_residual" (step.RESIDUAL) holds each data-parallel
     replica's rounding error (f32, [replicas, *shape] of each trained parameter, split over the replicas like the
     per-replica weight copies of jaxtrain.step and otherwise like its parameter)."""
-    abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed))
+    abstract_model = nnx.eval_shape(lambda: transformer.build(model_cfg, seed, layout))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+    if optim_cfg.groups:  # a typo would otherwise change nothing, silently
+        optim.check_groups(optim_cfg.groups, param_paths(param_names))
     trained = trained_params(model_cfg)
     optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names), model_cfg.dtype)
     replicas = mesh_lib.replica_axes(mesh.shape, rules) if optim_cfg.grad_reduce_error_feedback else ()
     n_replicas = math.prod(mesh.shape[a] for a in replicas)
 
     def init(params=None):  # given params (e.g. a Hugging Face checkpoint's) get a fresh optimizer state
-        fresh = lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed)))  # noqa: E731
+        fresh = lambda: nnx.to_pure_dict(nnx.state(transformer.build(model_cfg, seed, layout)))  # noqa: E731
         if params is None:
             params = fresh()
         elif model_cfg.lora_rank and not lora.split(params)[0]:  # a base model's weights: fresh adapters beside
             params = lora.join(lora.split(fresh())[0], params)
         # The stacked layers in the order the pipeline keeps them (the model's, unless circular).
-        params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg))
+        params = pipeline_parallel.reorder_layers(params, None, transformer.layer_order(model_cfg, layout))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trained(params))}
         if replicas:
             state[step_lib.RESIDUAL] = jax.tree.map(lambda w: jnp.zeros((n_replicas, *w.shape), jnp.float32),
@@ -78,6 +83,12 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
     if optim_cfg.offload:  # same layout, in pinned host memory (the step brings it to the device for the update)
         shardings["opt_state"] = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings["opt_state"])
     return graphdef, abstract_state, shardings, init, optimizer
+
+
+def param_paths(params: dict) -> list[str]:
+    """Every parameter's path in a pure dict of params (or their names), as optim.groups matches it."""
+    return [optim.param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: isinstance(x, P))]
 
 
 def trained_params(model_cfg: ModelConfig) -> Callable[[dict], dict]:
@@ -129,8 +140,7 @@ class Trainer:
 
 def compiled_to_run_once(jitted, mesh):
     """`jitted`, compiled on CPU without XLA's backend optimizations: for a function that runs once per run
-    (the init), they cost most of startup (default model, 2 cores: init compile 7.5 s -> 0.8 s) and save
-    nothing. Its values then differ from an optimized compile's by float rounding (a few ulps); every run
+    (the init), they cost most of startup and save nothing (docs/performance.md, "Compile time and startup"). Its values then differ from an optimized compile's by float rounding (a few ulps); every run
     and every process compiles it the same way, so runs stay bit-identical to each other."""
     if mesh.devices.flat[0].platform != "cpu":
         return jitted
@@ -146,27 +156,30 @@ def compiled_to_run_once(jitted, mesh):
     return call
 
 
-def build_trainer(config, mesh_shape: dict, rules: dict, devices=None, dcn=None) -> Trainer:
-    """Mesh, model, optimizer and the jitted steps; `devices` defaults to all of them, `dcn` (validate's
-    facts["dcn"]) lays the mesh out across slices or nodes."""
+def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Trainer:
+    """Mesh, model, optimizer and the jitted steps for `config`, from what `config_lib.validate` resolved of it
+    (its mesh shape, rules and dcn layout, the model for its backend, the layout, the objective); `devices`
+    defaults to all of them, and must be of the backend `resolved` was resolved for."""
     platform = (devices or jax.devices())[0].platform  # a deviceless GPU topology's too (jaxtrain.tools.plan)
-    config_lib.check_backend(config, platform)
-    mesh = mesh_lib.make_mesh(mesh_shape, devices, dcn)
-    model_cfg = config_lib.model_config(config, platform)
-    objective = step_lib.objective(config)
+    if platform != resolved.backend:
+        raise ValueError(f"the config was resolved for {resolved.backend}, the devices are {platform}")
+    rules, model_cfg, objective = resolved.rules, resolved.model, resolved.objective
+    mesh = mesh_lib.make_mesh(resolved.mesh_shape, devices, resolved.dcn)
     lora_run = bool(model_cfg.lora_rank)
     graphdef, abstract_state, shardings, init, optimizer = abstract_train_state(
-        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed, reference=objective.reference)
+        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed, reference=objective.reference,
+        layout=resolved.layout)
+    loss = objectives.loss_of(config)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     replicated = NamedSharding(mesh, P())
     train_step = jax.jit(
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
-                                 offload=config.optim.offload, lora=lora_run, objective=objective,
+                                 offload=config.optim.offload, lora=lora_run, loss=loss, reference=objective.reference,
                                  dropout_seed=config.train.seed if model_cfg.lora_dropout else None),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora_run),
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, loss, lora_run, objective.reference),
                         in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),
                         out_shardings=replicated)
     return Trainer(mesh=mesh, rules=rules, model_cfg=model_cfg, graphdef=graphdef,
@@ -215,8 +228,11 @@ def restore_params(workdir, step: int | None = None, devices=None):
         config.model.attention_impl = "xla"
     # How training ran the layers, not what they are; restoring converts a pipeline's layer order to the model's.
     config.pipeline.update(stages=1, microbatches=1, schedule="gpipe", repeats=1)
-    mesh_shape = {"data": len(devices), "fsdp": 1, "tensor": 1}
-    trainer = build_trainer(config, mesh_shape, mesh_lib.resolve_rules("dp"), devices=devices)
+    # Not config_lib.validate: the workdir's config passed it when the run started, and what it names (data dirs,
+    # Hugging Face weights) need not exist any more.
+    resolved = config_lib.resolve(config, {"data": len(devices), "fsdp": 1, "tensor": 1},
+                                  mesh_lib.resolve_rules("dp"), devices[0].platform)
+    trainer = build_trainer(config, resolved, devices=devices)
     checkpointer = make_checkpointer(config, Path(workdir), print_fn=lambda *a, **k: None)
     try:
         if step is None:

@@ -38,7 +38,7 @@ def compile_seconds(cfg) -> tuple[float, float]:
     from jaxtrain import config as config_lib
 
     facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), jnp.int32,
                                      sharding=trainer.batch_sharding) for k in ("tokens", "segment_ids", "positions")}
     t = time.perf_counter()

@@ -35,12 +35,12 @@ def warm_trainer(cfg):
     compiled and run once warm."""
     import jax
 
-    from jaxtrain import config as config_lib, host_memory
+    from jaxtrain import compat, config as config_lib
 
-    host_memory.keep_freed_memory()  # as train.run does (CPU runs); a no-op once jax has started
+    compat.install()  # as train.run does; the CPU malloc settings only apply before jax starts
     t = time.perf_counter()
     facts = config_lib.validate(cfg, jax.device_count(), jax.process_count())
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     state = trainer.init()
     batch = trainer_lib.global_batch(synthetic_batch(cfg), trainer.batch_sharding)
     for _ in range(2):  # compile + one warm step
@@ -98,7 +98,7 @@ def main(argv):
                                                                                _STEPS.value)}))
         return
 
-    from jaxtrain import host_memory
+    from jaxtrain.compat import glibc_malloc
     from jaxtrain.observe import metrics
     from jaxtrain.models import transformer
 
@@ -122,14 +122,14 @@ def main(argv):
               "tokens_per_sec": tok_s, "model_gflops_per_sec": model_flops / 1e9,
               "peak_gflops": peak / 1e9, "peak_source": peak_source, "mfu": model_flops / peak,
               "measured_matmul_gflops": measured / 1e9, "mfu_vs_measured": model_flops / measured,
-              "startup_to_warm_s": startup_s, "loss": float(m["loss"]), "host_memory": host_memory.status,
+              "startup_to_warm_s": startup_s, "loss": float(m["loss"]), "host_memory": glibc_malloc.status,
               "peak_bytes_in_use": mem_peak}
     print(f"step {1e3 * step_s:.1f} ms (median of {_STEPS.value}) | {tok_s:,.0f} tok/s | "
           f"{model_flops / 1e9:,.1f} model GFLOP/s | peak {peak / 1e9:,.0f} GFLOP/s ({peak_source}) | "
           f"MFU {100 * result['mfu']:.1f}%" + ("" if on_cpu else f" ({100 * result['mfu_vs_measured']:.1f}% of a "
                                                f"measured {trainer.model_cfg.dtype} matmul)")
           + ("" if mem_peak is None else f" | memory peak {mem_peak / 2**30:.1f} GiB")
-          + f" | host memory: {host_memory.status}", file=sys.stderr)
+          + f" | host memory: {glibc_malloc.status}", file=sys.stderr)
     print(json.dumps(result))
 
 

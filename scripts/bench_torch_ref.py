@@ -9,7 +9,7 @@ scripts/bench_step.py's synthetic batch, all from jaxtrain's initial params. Aft
 rounds time one step of each in turn and each figure is the median over the rounds: interleaved, so a shared
 machine that speeds up or slows down moves all three alike; the per-round ratio's spread says how steady it was.
 The first-step losses are printed side by side. torch uses os.cpu_count() threads; jaxtrain's host malloc settings
-(jaxtrain/host_memory.py) apply to the whole process, torch included, and the header says which were used.
+(jaxtrain/compat/glibc_malloc.py) apply to the whole process, torch included, and the header says which were used.
 Prints a table (step ms, tokens/s, jaxtrain / max(eager, compile) against the 1.2x target) on stderr, then one
 JSON line on stdout, e.g. {"jax_tokens_per_sec": ..., "torch_eager_tokens_per_sec": ..., "ratio": ..., ...}
 """
@@ -28,7 +28,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (scripts/ is not a package)
-from jaxtrain import host_memory  # noqa: E402
+from jaxtrain.compat import glibc_malloc  # noqa: E402
 from jaxtrain import trainer as trainer_lib
 
 TARGET = 1.2
@@ -140,8 +140,8 @@ def _main():
     log(f"jax {jax.__version__} ({jax.devices()[0].device_kind} x {jax.device_count()}) | torch {torch.__version__}, "
         f"torch.set_num_threads(os.cpu_count()) = {threads} threads, AdamW fused={fused} | "
         f"load avg {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
-    log(f"host memory (jaxtrain.host_memory; one process, so glibc's settings hold for torch too): "
-        f"{host_memory.status}")
+    log(f"host memory (jaxtrain.compat.glibc_malloc; one process, so glibc's settings hold for torch too): "
+        f"{glibc_malloc.status}")
     log(f"model: {n_params / 1e6:.2f}M params, vocab {model_cfg.vocab_size}, d_model {model_cfg.d_model}, "
         f"{model_cfg.n_layers} layers, {model_cfg.n_heads} heads / {model_cfg.n_kv_heads} kv of {model_cfg.head_dim}, "
         f"d_ff {model_cfg.d_ff}, {'tied' if model_cfg.tie_embeddings else 'untied'}, {model_cfg.dtype}, "
@@ -173,7 +173,7 @@ def _main():
               "best_torch": best_torch, "ratio": ratio, "target": TARGET, "meets_target": ratio >= TARGET,
               "jax_first_loss": jax_loss0, "torch_eager_first_loss": eager["first_loss"],
               "torch_compile_first_loss": compiled["first_loss"] if compiled else None,
-              "load_avg_start": load_start[0], "load_avg_end": load_end[0], "host_memory": host_memory.status}
+              "load_avg_start": load_start[0], "load_avg_end": load_end[0], "host_memory": glibc_malloc.status}
     print(json.dumps(result))
 
 

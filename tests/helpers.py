@@ -26,16 +26,16 @@ def tree_digest(directory):
 def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
     """Makes the batch of `bad_step` turn the loss (and every gradient) NaN, as a corrupt record would.
 
-    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); loss_terms turns it
+    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); objectives.loss_terms turns it
     into NaN inside the jitted step. `setattr_fn` is pytest's monkeypatch.setattr, or plain setattr in a
     subprocess."""
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain import step as step_lib
+    from jaxtrain import objectives
     from jaxtrain.data import pipeline
 
-    original_next, original_loss = pipeline.TrainIterator.__next__, step_lib.loss_terms
+    original_next, original_loss = pipeline.TrainIterator.__next__, objectives.loss_terms
 
     def poisoned_next(self):
         bad = self.next_token == (bad_step - 1) * self.global_batch * self.seq_len
@@ -50,7 +50,7 @@ def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
         return total * jnp.where(jnp.any(batch["positions"] < 0), jnp.nan, 1.0), count, aux
 
     setattr_fn(pipeline.TrainIterator, "__next__", poisoned_next)
-    setattr_fn(step_lib, "loss_terms", poisoned_loss)
+    setattr_fn(objectives, "loss_terms", poisoned_loss)
 
 
 def train_on_stream(trainer, data_dir, steps: int, seq_len: int = 32, batch: int = 8):
@@ -95,3 +95,12 @@ def chat_tokenizer_dir(path, words):
         {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
+
+
+def trainer_on(cfg, mesh_shape: dict, rules: dict, devices=None):
+    """trainer.build_trainer for `cfg` on a mesh of the test's choosing (e.g. one device, as the reference of a
+    sharded run), with config.resolve in place of validate's checks of the config's own mesh."""
+    from jaxtrain import config as config_lib
+    from jaxtrain import trainer as trainer_lib
+
+    return trainer_lib.build_trainer(cfg, config_lib.resolve(cfg, mesh_shape, rules), devices=devices)

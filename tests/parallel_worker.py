@@ -36,7 +36,7 @@ def train_steps(cfg, batches, devices=None):
     """{metric: [per step]} of one train step per batch, from the seed's init."""
     devices = devices or jax.devices()
     facts = config_lib.validate(cfg, len(devices))
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=devices)
     state = trainer.init()
     history = {}
     for batch in batches:

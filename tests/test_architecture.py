@@ -8,6 +8,8 @@ from pathlib import Path
 import grimp
 import pytest
 
+import jaxtrain
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -74,8 +76,16 @@ def test_old_commands_run_the_new_one(old, command, args):
 
 
 def test_old_modules_name_their_new_place():
+    """`from jaxtrain import mesh` names the new place (jaxtrain.__getattr__). `import jaxtrain.mesh` does too
+    where an old command runs (compat.old_paths' finder); elsewhere no finder is installed (test_compat)."""
     with pytest.raises(ImportError, match=r"jaxtrain\.mesh has moved to jaxtrain\.parallel\.mesh"):
-        import jaxtrain.mesh  # noqa: F401
+        from jaxtrain import mesh  # noqa: F401
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        jaxtrain.nope  # noqa: B018
+    from jaxtrain.compat import old_paths
+
+    with pytest.raises(ImportError, match=r"jaxtrain\.metrics has moved to jaxtrain\.observe\.metrics"):
+        old_paths._Moved().exec_module(type(sys)("jaxtrain.metrics"))
 
 
 def test_the_jaxtrain_command_lists_and_dispatches():

@@ -253,12 +253,22 @@ def test_bucket_checkpoint_dirs_name_what_they_lack_before_anything_starts(monke
     from ml_collections import ConfigDict
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
+    from jaxtrain.compat import orbax_s3
     from jaxtrain.errors import ConfigError
 
     c = ConfigDict(dict(checkpoint.CONFIG, dir="s3://b/ckpt"))
-    checkpoint.check_config(c)
-    with monkeypatch.context() as m:  # an Orbax whose spec helpers moved
+    with monkeypatch.context() as m:  # a process where no entry point installed the s3:// support
+        m.setattr(checkpoint, "s3_problem", checkpoint.S3_NEEDS_INSTALL)
+        with pytest.raises(ConfigError, match=r"^checkpoint.dir: s3://b/ckpt: s3:// checkpoints need "
+                                              r"jaxtrain\.compat\.install\(\) in this process first"):
+            checkpoint.check_config(c)
+        m.setattr(checkpoint, "s3_problem", None)  # what compat.orbax_s3.install() leaves where it works
+        checkpoint.check_config(c)
+    with monkeypatch.context() as m:  # an Orbax whose spec helpers moved: install leaves the reason
+        m.setattr(orbax_s3, "_installed", False)
+        m.setattr(checkpoint, "s3_problem", None)
         m.delattr(tensorstore_utils, "_use_gcs_driver")
+        orbax_s3.install()
         with pytest.raises(ConfigError, match=r"checkpoint.dir: s3://b/ckpt: this orbax-checkpoint lacks "
                                               r"orbax\.checkpoint\._src\.serialization\.tensorstore_utils\."
                                               r"_use_gcs_driver, which s3:// checkpoints build on"):

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import checkpoint
+from jaxtrain.compat import orbax_noise
 
 # The failure paths provoked here leave Orbax coroutines and event loops behind; their complaints are noise.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -426,7 +427,7 @@ def test_reports_of_orbax_reads_abandoned_by_a_failed_restore_are_dropped(caplog
         err = capsys.readouterr().err
         assert "Event loop is closed" in err and "corrupt index" in err
         caplog.clear()
-        checkpoint._quiet_abandoned_reads()
+        orbax_noise.install()
         abandon(scope["read"])
         tensorstore_future()
         abandon(ours)

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import chat_tokenizer_dir, train_on_stream
+from helpers import chat_tokenizer_dir, train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import train
@@ -70,13 +70,13 @@ def test_dpo_on_eight_devices_equals_one_device(tiny_config, pairs_data, mesh):
     adapters = "model.lora_rank" in settings
     lora = {"model.lora_rank": 4} if adapters else {}
     cfg = _dpo(tiny_config, pairs_data, **settings)
-    one = trainer_lib.build_trainer(_dpo(tiny_config, pairs_data, **lora), {"data": 1, "fsdp": 1, "tensor": 1},
+    one = trainer_on(_dpo(tiny_config, pairs_data, **lora), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     # The frozen reference: a copy of every weight, or under LoRA of the (fresh: B = 0) adapters over the base.
     copied = [str(p[-1].key) for p, _ in jax.tree_util.tree_leaves_with_path(one.abstract_state["reference"])]
     assert copied and all(lora_lib.is_adapter(k) for k in copied) == adapters
     facts = config_lib.validate(cfg, 8)
-    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    eight = trainer_lib.build_trainer(cfg, facts)
     before, after, history = train_on_stream(one, pairs_data, 3, seq_len=128)
     # The policy starts as the reference: every margin is 0, held out and in the first step.
     assert before == pytest.approx(np.log(2), rel=1e-6) and history[0, 0] == pytest.approx(np.log(2), rel=1e-6)
@@ -96,7 +96,7 @@ def test_dpo_resumes_bit_exactly_with_the_reference_unchanged(tiny_config, pairs
     # The reference is the weights the run started from, bit for bit, after training and a restore.
     cfg = _dpo(tiny_config, pairs_data, **run)
     facts = config_lib.validate(cfg, 1)
-    one = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    one = trainer_lib.build_trainer(cfg, facts, devices=jax.devices()[:1])
     start = one.init()["params"]
     for a, b in zip(jax.tree.leaves(resumed["state"]["reference"]), jax.tree.leaves(start)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

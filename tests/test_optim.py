@@ -13,11 +13,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import config as config_lib
+from jaxtrain import memory
 from jaxtrain import optim
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import mesh as mesh_lib
-from helpers import train_on_stream
+from helpers import train_on_stream, trainer_on
 
 # Each optimizer's learning rate for the tiny model (Lion's sign updates want a smaller one, SGD a larger one).
 LRS = {"adamw": 1e-2, "muon": 1e-2, "adafactor": 1e-2, "lion": 3e-3, "sgd": 0.3}
@@ -125,10 +126,10 @@ def test_optimizer_trains_and_runs_on_fsdp_x_tensor_like_one_device(tiny_config,
     data 2 give the same losses and gradient norms; the optimizer state is split like its parameters."""
     cfg = tiny_config(**{"optim.name": name, "optim.lr": LRS[name], "optim.warmup_steps": 3,
                          "mesh.fsdp": 2, "mesh.tensor": 2, "train.steps": 30})
-    one = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
+    one = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
                                     devices=jax.devices()[:1])
     facts = config_lib.validate(cfg, 8)
-    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    eight = trainer_lib.build_trainer(cfg, facts)
     before, after, history = train_on_stream(one, tiny_data_dir, 30)
     assert after < before - 0.5, name
     np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history[:3], rtol=1e-5, atol=1e-7)
@@ -159,9 +160,9 @@ def test_adafactor_factored_statistics_split_over_fsdp_like_unannotated_paramete
     largest divisible dimension."""
     cfg = tiny_config(**{"optim.name": "adafactor", "model.d_model": 128, "model.d_ff": 256, "mesh.fsdp": 4})
     facts = config_lib.validate(cfg, 8)
-    mesh = mesh_lib.make_mesh(facts["mesh_shape"])
+    mesh = mesh_lib.make_mesh(facts.mesh_shape)
     _, abstract, shardings, _, _ = trainer_lib.abstract_train_state(
-        config_lib.model_config(cfg, "cpu"), cfg.optim, 10, mesh, facts["rules"], 0)
+        config_lib.model_config(cfg, "cpu"), cfg.optim, 10, mesh, facts.rules, 0)
     leaves = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in zip(
         jax.tree_util.tree_leaves_with_path(abstract["opt_state"]), jax.tree.leaves(shardings["opt_state"]))}
     row = next(v for k, v in leaves.items() if k.endswith(".v_row['blocks']['mlp']['w_up']"))
@@ -231,8 +232,11 @@ def test_bf16_moments_halve_the_state_and_track_float32(name):
     ({"optim.groups": "[: wd=0"}, r"^optim.groups: '\[' is not a regular expression"),
 ], ids=["name", "moments_dtype", "syntax", "number", "key", "typo", "regex"])
 def test_bad_optimizer_settings_name_the_field(tiny_config, settings, message):
+    """Each is refused before anything compiles: by validate, or (a pattern that matches no parameter of the
+    model) as the trainer builds the abstract model, which a run does before its workdir."""
+    cfg = tiny_config(**settings)
     with pytest.raises(ConfigError, match=message):
-        config_lib.validate(tiny_config(**settings), 1)
+        trainer_lib.build_trainer(cfg, config_lib.validate(cfg, 1), devices=jax.devices()[:1])
 
 
 def test_a_workdir_resumes_only_with_its_optimizer_and_moment_dtype(tiny_config):
@@ -252,9 +256,9 @@ def test_offload_keeps_the_optimizer_state_in_host_memory_and_changes_no_number(
     offloaded restores into a run without offload (and back) with its checksums verified."""
     cfg = tiny_config(**{"mesh.fsdp": 2, "mesh.tensor": 2})
     facts = config_lib.validate(cfg, 8)
-    plain = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    plain = trainer_lib.build_trainer(cfg, facts)
     cfg.optim.offload = True
-    off = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    off = trainer_lib.build_trainer(cfg, facts)
     kinds = lambda tree: {getattr(x, "sharding", x).memory_kind for x in jax.tree.leaves(tree)}  # noqa: E731
     assert kinds(off.shardings["opt_state"]) == {"pinned_host"} and kinds(off.shardings["params"]) == {"device"}
     assert jax.tree.map(lambda s: s.spec, off.shardings["opt_state"]) == jax.tree.map(
@@ -287,7 +291,7 @@ def test_remat_offload_dots_gives_the_same_gradients_as_keeping_them(tiny_config
     runs = {}
     for remat in ("dots_with_no_batch_dims_saveable", "offload_dots"):
         cfg = tiny_config(**{"model.remat": remat})
-        one = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
+        one = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
                                         mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
         runs[remat] = train_on_stream(one, tiny_data_dir, 3)[2]
     np.testing.assert_array_equal(runs["offload_dots"], runs["dots_with_no_batch_dims_saveable"])
@@ -307,7 +311,7 @@ def test_bf16_gradient_reduction_tracks_f32_within_1e_3_over_20_steps(tiny_confi
         cfg = tiny_config(**settings, **{"mesh.data": 2, "mesh.fsdp": 4, "train.microbatches": 2,
                                          "train.batch_size": 16, "train.steps": 20})
         facts = config_lib.validate(cfg, 8)
-        runs[name] = train_on_stream(trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]),
+        runs[name] = train_on_stream(trainer_lib.build_trainer(cfg, facts),
                                      tiny_data_dir, 20, batch=16)[2][:, 0]
     for name in ("bfloat16", "feedback"):
         np.testing.assert_allclose(runs[name], runs["float32"], rtol=1e-3)
@@ -330,7 +334,7 @@ def test_error_feedback_residual_is_split_per_replica_checkpointed_and_reset_on_
     def build(data, fsdp, **settings):
         cfg = tiny_config(**settings, **{"mesh.data": data, "mesh.fsdp": fsdp, "train.batch_size": 16})
         facts = config_lib.validate(cfg, 8)
-        return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+        return trainer_lib.build_trainer(cfg, facts)
 
     ef, plain, wider = build(2, 4, **FEEDBACK), build(2, 4), build(4, 2, **FEEDBACK)
     stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=16, seed=0)
@@ -438,7 +442,7 @@ def test_weight_grad_in_gives_the_matmul_gradient_from_a_matmul_with_that_dtype(
 
 
 def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(tiny_config):
-    """config.step_bytes_floor (what check_fits refuses a run by): AdamW's two f32 moments are 8 bytes per matmul
+    """memory.step_bytes_floor (what check_fits refuses a run by): AdamW's two f32 moments are 8 bytes per matmul
     parameter, bf16 moments 4, another optimizer's or an offloaded state's none; under LoRA the frozen weights
     alone count (4 bytes), and DPO's reference copy 4 more; of a mixture of experts, every expert."""
     from jaxtrain.models import transformer
@@ -449,7 +453,7 @@ def test_the_memory_floor_counts_adam_moments_only_where_the_device_holds_them(t
     for key, settings in {"adamw": {}, "bf16": {"optim.moments_dtype": "bfloat16"}, "offload": {"optim.offload": True},
                           "lion": {"optim.name": "lion"}, "lora": {"model.lora_rank": 4},
                           "dpo": {"train.objective": "dpo"}, "moe": {"model.n_experts": 4}}.items():
-        floors[key] = config_lib.step_bytes_floor(tiny_config(**settings), 8)
+        floors[key] = memory.step_bytes_floor(tiny_config(**settings), 8)
     # A mixture's state holds every expert, not only the top-k a token uses.
     moe = config_lib.model_config(tiny_config(**{"model.n_experts": 4}), "cpu")
     assert floors["moe"] - floors["adamw"] == pytest.approx(16 * (transformer.matmul_params(moe, stored=True) - n) / 8)

@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import chat_tokenizer_dir, train_on_stream
+from helpers import chat_tokenizer_dir, train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import train
@@ -46,11 +46,11 @@ def chat_data(tmp_path_factory):
 def test_sft_on_eight_devices_with_accumulation_equals_one_device(tiny_config, chat_data):
     cfg = tiny_config(**{"data.dir": chat_data, "train.seq_len": 64, "mesh.data": 2, "mesh.fsdp": 2,
                          "mesh.tensor": 2, "train.microbatches": 2})
-    one = trainer_lib.build_trainer(tiny_config(**{"data.dir": chat_data, "train.seq_len": 64}),
+    one = trainer_on(tiny_config(**{"data.dir": chat_data, "train.seq_len": 64}),
                                     {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     facts = config_lib.validate(cfg, 8)
-    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    eight = trainer_lib.build_trainer(cfg, facts)
     before, after, history = train_on_stream(one, chat_data, 3, seq_len=64)
     assert after < before
     np.testing.assert_allclose(train_on_stream(eight, chat_data, 3, seq_len=64)[2], history, rtol=1e-5, atol=1e-7)

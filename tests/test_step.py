@@ -20,6 +20,7 @@ from jaxtrain.data import pipeline
 from jaxtrain.models import transformer
 from jaxtrain.models.config import ModelConfig
 from jaxtrain import trainer as trainer_lib
+from helpers import trainer_on
 
 
 def by_path(tree):
@@ -40,7 +41,7 @@ def adam_mu(opt_state):
 
 def build(cfg, devices=None):
     facts = config_lib.validate(cfg, jax.device_count())
-    return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    return trainer_lib.build_trainer(cfg, facts, devices=devices)
 
 
 # --- Gradient accumulation --------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_overfits_one_batch(tiny_config, tiny_data_dir):
         **{"train.steps": steps, "optim.lr": 1e-2, "optim.warmup_steps": 10, "optim.schedule": "constant"}
     )
     # One device: the fastest way to run 80 steps of a 40k-parameter model on 2 cores.
-    trainer = trainer_lib.build_trainer(
+    trainer = trainer_on(
         cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1]
     )
     state = trainer.init()

@@ -9,7 +9,6 @@ and Spark workers over a shared file system. `pip install 'jaxtrain[beam]'`.
 
 from __future__ import annotations
 
-import logging
 import shlex
 
 from jaxtrain.errors import DataError
@@ -18,15 +17,11 @@ from jaxtrain.errors import DataError
 def pipeline(runner: str, options: str = ""):
     """A Beam pipeline on `runner` with extra pipeline `options` ("--flag=value ..."); DataError if Beam is
     missing or refuses them (prepare calls this first, before any work)."""
-    root = logging.getLogger()
-    level, _ = root.level, root.setLevel(logging.ERROR)  # Beam warns at import about GCP clients it won't use
-    try:
+    try:  # its import-time warning about GCP clients is filtered by the prepare command (jaxtrain.compat.beam)
         import apache_beam as beam
         from apache_beam.options.pipeline_options import PipelineOptions
     except ImportError:
         raise DataError(f"--runner {runner}: needs Apache Beam (pip install 'jaxtrain[beam]')") from None
-    finally:
-        root.setLevel(level)
     try:
         return beam.Pipeline(options=PipelineOptions([f"--runner={runner}", *shlex.split(options)]))
     except (ValueError, SystemExit) as e:  # an unknown runner, or options Beam's own parser refuses

@@ -516,16 +516,25 @@ def check_conversations_fit(data_dir: str, seq_len: int) -> None:
                           f"({chat['longest']} tokens); prepare it with --max_len {seq_len}")
 
 
-def check_objective(data_dir: str, objective: str, mixture: str = "", eval_sets: str = "") -> None:
-    """ConfigError unless train.objective suits every dir's data: "dpo" needs preference pairs (prepare
-    --preference), and pairs need "dpo" (as language-model data they would train on the rejected responses)."""
+def data_kind(data_dir: str) -> str:
+    """What a prepared dir holds: "pairs" (prepare --preference) or "documents" (jaxtrain.objectives.DATA_KINDS)."""
+    return "pairs" if load_manifest(data_dir).get("pairs") else "documents"
+
+
+def check_data_kind(data_dir: str, objective: str, kind: str, suits: dict, mixture: str = "",
+                    eval_sets: str = "") -> None:
+    """ConfigError naming train.objective unless every dir's data is of the `kind` the objective trains on: a
+    preference objective needs preference pairs (prepare --preference), and pairs need one (as language-model
+    data they would train on the rejected responses). `suits`: kind -> the objectives that train on it."""
     dirs = [data_dir, *(path for path, _ in parse_mixture(mixture))] if mixture else [data_dir]
     dirs += [path for _, path in parse_eval_sets(eval_sets)]
     for path in dirs:
-        pairs = bool(load_manifest(path).get("pairs"))
-        if pairs != (objective == "dpo"):
-            what = "preference pairs (prepare --preference)" if pairs else "not preference pairs"
-            fix = "dpo" if pairs else "lm, or prepare the data with --preference"
+        held = data_kind(path)
+        if held != kind:
+            what = "preference pairs (prepare --preference)" if held == "pairs" else "not preference pairs"
+            fix = " or ".join(suits.get(held, ())) or "another objective"
+            if held == "documents":
+                fix += ", or prepare the data with --preference"
             raise ConfigError("train.objective", f"{objective!r}, but {path} holds {what}; set it to {fix}")
 
 

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from jaxtrain import files
-from jaxtrain.data import beam_runner, corpus, encode, layout, writer
+from jaxtrain.data import beam_runner, encode, layout, writer
 from jaxtrain.data import sources as sources_lib
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import DataError, SourceError, TokenizerError
@@ -35,9 +35,6 @@ SOURCES_FORMAT = 2  # layout of a `prepare --input` dir (inputs identified by co
 SHARD_BYTES = 256 << 20  # default text per train shard
 TOKENIZER_SAMPLE_BYTES = 1 << 30  # at most this much train text teaches a new BPE
 MAX_BAD_FRACTION = 0.001  # of the records read, malformed JSONL lines skipped before prepare gives up
-
-# train.py reaches the default corpus through this module; the alias goes once it calls corpus.prepare_default_corpus.
-prepare_default_corpus = corpus.prepare_default_corpus
 
 
 @dataclasses.dataclass
@@ -449,6 +446,6 @@ def _quiet_worker():
 
 
 if __name__ == "__main__":  # the command moved to `jaxtrain prepare`
-    from jaxtrain import moved
+    from jaxtrain.compat import old_paths
 
-    moved.run("jaxtrain.data.prepare")
+    old_paths.run("jaxtrain.data.prepare")

@@ -1,8 +1,10 @@
-"""The model's configuration: `ModelConfig` is the one source of the model's defaults.
+"""The model's configuration: `ModelConfig` is the one source of the model's defaults, `Layout` of how it runs.
 
-The config schema's `model` group is built from its fields (`config_defaults`), and `check_config` is that
-group's validation. Sizes, layout and numerics are the model; `pipeline_*` come from the `pipeline` group
-and say how the layer stack runs, not what it is.
+The config schema's `model` group is built from ModelConfig's fields and Layout's `remat` (`config_defaults`),
+and `check_config` is that group's validation. Sizes, numerics and kernels are the model: what checkpoints and
+Hugging Face exports describe. The layout (pipeline stages and schedule, remat, the gradients' reduction dtype)
+is how a run executes it, from the `pipeline` group, model.remat and optim.grad_reduce_dtype; it travels beside
+the ModelConfig into the model (jaxtrain.models.transformer.build) and changes no parameter.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from jaxtrain.fields import Group
 WEIGHT_MATMUL = "weight_matmul"
 
 # cuDNN's attention forward (jax.nn.dot_product_attention with implementation="cudnn") binds a primitive of this
-# name. Saving its outputs (the attention output and the softmax statistics: 65 MB a layer for bench_gpu) spares
-# the backward a second forward kernel: 246.0 -> 240.0 ms a step and 26.5 -> 27.7 GiB on an H100
-# (docs/performance.md). Nothing else binds it, and XLA's attention is still recomputed from the saved matmuls.
+# name. Saving its outputs (the attention output and the softmax statistics) spares the backward a second forward
+# kernel, for their memory (docs/performance.md, "GPU: one H100"). Nothing else binds it, and XLA's attention is still recomputed from the saved matmuls.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 _SAVE_WEIGHT_MATMULS = jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL)
 
@@ -57,8 +58,6 @@ MOE_ROUTINGS = ("capacity", "dropless")
 MOE_KERNELS = ("xla", "tokamax")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# How the layer stack runs, set from the config's `pipeline` group (jaxtrain.parallel.pipeline).
-PIPELINE_FIELDS = ("pipeline_stages", "pipeline_microbatches", "pipeline_schedule", "pipeline_repeats")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
 # model.lora_targets' names (jaxtrain.models.lora): the attention projections, a dense MLP's, and a mixture of
 # experts' experts (their gate and up projections together, as Hugging Face stores them, and down).
@@ -87,7 +86,6 @@ class ModelConfig:
     head_dim: int = 32
     d_ff: int = 768
     tie_embeddings: bool = True
-    remat: str = "none"
     # Layers per iteration of the layer loop (lax.scan's `unroll`): 1 compiles in the same time at any depth;
     # n_layers removes the loop, which saves the stacked per-layer buffers (faster steps on CPU, slower compiles).
     scan_unroll: int = 1
@@ -156,15 +154,6 @@ class ModelConfig:
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
     moe_kernel: str = "xla"
-    # Pipeline parallelism (jaxtrain.parallel.pipeline): how the layer stack runs, not what the model is. 1 stage = a
-    # plain scan over the layers.
-    pipeline_stages: int = 1
-    pipeline_microbatches: int = 1
-    pipeline_schedule: str = "gpipe"
-    pipeline_repeats: int = 1
-    # The dtype the weight matmuls' gradients are reduced over the batch axes in (layers.weight_grad_in): how the
-    # step runs, set from the config's `optim` group (optim.grad_reduce_dtype).
-    grad_reduce_dtype: str = "float32"
     # The layers' weight matmuls in "fp8" or "int8" (jaxtrain.models.quant), or "none": a compute choice, the
     # weights stay in param_dtype.
     quant: str = "none"
@@ -186,30 +175,45 @@ class ModelConfig:
             object.__setattr__(self, "param_dtype", resolved[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a run executes the model, not what it is (no parameter depends on it). `remat`: the layers'
+    rematerialization policy (REMAT_POLICIES). `pipeline_*`: the layer stack's pipeline (jaxtrain.parallel.pipeline;
+    1 stage = a plain scan over the layers). `grad_reduce_dtype`: the dtype the weight matmuls' gradients are
+    reduced over the batch axes in (layers.weight_grad_in). The defaults run the model plainly; a run's come from
+    its config (jaxtrain.config.layout)."""
+    remat: str = "none"
+    pipeline_stages: int = 1
+    pipeline_microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    pipeline_repeats: int = 1
+    grad_reduce_dtype: str = "float32"
+
+
 def resolve_dtypes(dtype: str, param_dtype: str, platform: str) -> tuple[str, str]:
     """`auto` dtypes for `platform`: float32 on CPU, bf16 compute + f32 params elsewhere."""
     return ("float32" if platform == "cpu" else "bfloat16") if dtype == "auto" else dtype, \
         "float32" if param_dtype == "auto" else param_dtype
 
 
+# Keys of the config's `model` group that are not ModelConfig fields: where the weights come from, and the layout.
+NOT_MODEL_FIELDS = ("init_from", "init_adapters", "remat")
+
+
 def config_defaults() -> dict:
-    """The config schema's `model` group: every ModelConfig field but the pipeline's, `init_from` and
+    """The config schema's `model` group: every ModelConfig field, Layout's `remat`, `init_from` and
     `init_adapters`."""
-    group = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-             if f.name not in (*PIPELINE_FIELDS, "grad_reduce_dtype")}
+    group = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     # A Hugging Face directory whose weights start a fresh run (jaxtrain.models.hf): where the weights come from,
     # not what the model is. `init_adapters`: a PEFT LoRA directory whose adapters start the run over that base.
-    return {**group, "init_from": "", "init_adapters": ""}
+    return {**group, "remat": Layout.remat, "init_from": "", "init_adapters": ""}
 
 
-def from_config(model, pipeline, platform: str, grad_reduce_dtype: str = "float32") -> ModelConfig:
-    """The ModelConfig of the config's `model` and `pipeline` groups (and optim.grad_reduce_dtype), its dtypes
-    resolved for `platform`."""
-    m = {k: v for k, v in dict(model).items() if k not in ("init_from", "init_adapters")}
+def from_config(model, platform: str) -> ModelConfig:
+    """The ModelConfig of the config's `model` group, its dtypes resolved for `platform`."""
+    m = {k: v for k, v in dict(model).items() if k not in NOT_MODEL_FIELDS}
     m["dtype"], m["param_dtype"] = resolve_dtypes(m["dtype"], m["param_dtype"], platform)
-    return ModelConfig(**m, pipeline_stages=pipeline.stages, pipeline_microbatches=pipeline.microbatches,
-                       pipeline_schedule=pipeline.schedule, pipeline_repeats=pipeline.repeats,
-                       grad_reduce_dtype=grad_reduce_dtype)
+    return ModelConfig(**m)
 
 
 def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:

@@ -149,13 +149,8 @@ _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), 
 def _kernel_ops(name: str):
     """(ragged_dot, ragged_dot_general) of the library `model.moe_kernel` names (tokamax imported only then)."""
     if name == "tokamax":
-        import tokamax  # optional: jaxtrain[kernels]
-        from absl import flags
+        import tokamax  # optional: jaxtrain[kernels]; its absl flags: jaxtrain.compat.tokamax
 
-        # tokamax reads its options from absl flags, parsing sys.argv first if no one has: a notebook's or
-        # pytest's arguments then fail as unknown flags. Its defaults are what we want.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
         return tokamax.ragged_dot, tokamax.ragged_dot_general
     return jax.lax.ragged_dot, jax.lax.ragged_dot_general
 

@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.fields import Group
-from jaxtrain.models import transformer
 
 # The config's `sample` group: a sample of text printed at the end of a run (max_new_tokens 0 = none).
 CONFIG = dict(prompt="And God said", max_new_tokens=40, temperature=0.8, top_k=40)
@@ -55,7 +54,7 @@ def prefill(graphdef, params, tokens, prompt_len):
     Returns (logits after the prompt [B, V], cache). The padding's K/V land in slots that decoding
     overwrites before any query can see them."""
     model = nnx.merge(graphdef, params)
-    cache = transformer.init_cache(model.cfg, *tokens.shape)
+    cache = model.init_cache(*tokens.shape)
     return model.decode(tokens, cache, 0, last_index=prompt_len - 1)
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxtrain.models import lora, moe
 from jaxtrain.models.attention import attention_mask, causal_attention
-from jaxtrain.models.config import REMAT_POLICIES, ModelConfig
+from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
     RMSNorm,
     activation,
@@ -42,8 +42,10 @@ from jaxtrain.parallel.mesh import constrain, split_ways
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
+    """`grad_dtype`: Layout.grad_reduce_dtype, what its weights' gradients are reduced in."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
+        self.cfg, self.grad_dtype = cfg, grad_dtype
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = param(rngs, (d, h, hd), ("embed", "q_heads", "head_dim"), cfg)
         self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), cfg)
@@ -67,11 +69,11 @@ class Attention(nnx.Module):
         """Q [B, T, heads, hd], K and V [B, T, kv_heads, hd]: one matmul when the heads split alike; then the
         biases and q/k norms where the family has them (before RoPE). `keys`: LoRA dropout's (lora.dropout)."""
         if split_ways("kv_heads") != split_ways("q_heads"):
-            q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
+            q, k, v = [project(x, weight(w, x.dtype), quant=self.cfg.quant, grad_dtype=self.grad_dtype)
                        for w in (self.wq, self.wk, self.wv)]
         else:
             q, k, v = project_fused(x, [weight(w, x.dtype) for w in (self.wq, self.wk, self.wv)], "q_heads",
-                                    "act_heads", quant=self.cfg.quant, grad_dtype=self.cfg.grad_reduce_dtype)
+                                    "act_heads", quant=self.cfg.quant, grad_dtype=self.grad_dtype)
         q, k, v = (adapted(self, name, x, y, keys=keys) for name, y in (("wq", q), ("wk", k), ("wv", v)))
         if self.cfg.qkv_bias:
             q, k, v = (y + weight(b, x.dtype) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
@@ -96,7 +98,7 @@ class Attention(nnx.Module):
         out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
-                                                grad_dtype=self.cfg.grad_reduce_dtype), contract=2, keys=keys)
+                                                grad_dtype=self.grad_dtype), contract=2, keys=keys)
 
     def decode(self, x, tables, mask, cache_k, cache_v, slots, ring_from=None):
         """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
@@ -120,7 +122,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
         d, f = cfg.d_model, cfg.d_ff
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
@@ -129,7 +131,7 @@ class MLP(nnx.Module):
             w = getattr(self, name)
             lora.add(self, name, name[2:], w.shape, w.get_metadata()["out_sharding"], 1, cfg, rngs)
         self.act = activation(cfg.mlp_activation)
-        self.cfg, self.quant, self.grad_dtype = cfg, cfg.quant, cfg.grad_reduce_dtype
+        self.cfg, self.quant, self.grad_dtype = cfg, cfg.quant, grad_dtype
 
     def __call__(self, x, keys=None):
         dt = x.dtype
@@ -149,11 +151,11 @@ def adapted(module, name: str, x, y, contract: int = 1, keys=None):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
         self.attn_norm = RMSNorm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, grad_dtype)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = moe.MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs)
+        self.mlp = moe.MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs, grad_dtype)
         if cfg.post_norms:  # Gemma: each sublayer's output is normed before the residual add
             self.attn_post_norm = RMSNorm(cfg, rngs)
             self.mlp_post_norm = RMSNorm(cfg, rngs)
@@ -186,14 +188,16 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
+    """The decoder `cfg` describes, run as `layout` says (pipeline, remat, gradient-reduction dtype)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout = Layout()):
+        self.cfg, self.layout = cfg, layout
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs):
-            return Block(cfg, rngs)
+            return Block(cfg, rngs, layout.grad_reduce_dtype)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg, rngs)
@@ -209,7 +213,7 @@ class Transformer(nnx.Module):
         """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
         model). dropout_keys: uint32 key data [B, ...], one per row, which turn LoRA's dropout on (training)."""
         x, aux = self.hidden(tokens, positions, segment_ids, dropout_keys)
-        logits = self.cap(project(x, self.head().astype(x.dtype), grad_dtype=self.cfg.grad_reduce_dtype))
+        logits = self.cap(project(x, self.head().astype(x.dtype), grad_dtype=self.layout.grad_reduce_dtype))
         return constrain(logits, ("batch", "seq", "act_vocab")), aux
 
     def cap(self, logits):
@@ -234,16 +238,16 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions, segment_ids, dropout_keys=None):
         """-> (final-normed hidden states [B, T, d_model] in the compute dtype, aux): `forward` before the head."""
-        cfg = self.cfg
+        cfg, run = self.cfg, self.layout
         dt = jnp.dtype(cfg.dtype)
         x = constrain(self.embed_tokens(tokens).astype(dt), ("batch", "seq", "act_embed"))
         block_def, block_state = nnx.split(self.blocks)
         local = local_layers(cfg)
-        policy = REMAT_POLICIES[cfg.remat]
-        remat = (lambda f: f) if cfg.remat == "none" else (
+        policy = REMAT_POLICIES[run.remat]
+        remat = (lambda f: f) if run.remat == "none" else (
             lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False))
 
-        if cfg.pipeline_stages == 1:
+        if run.pipeline_stages == 1:
             if local is None or local.all():  # every layer alike
                 uniform = local is not None
                 mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
@@ -293,12 +297,16 @@ class Transformer(nnx.Module):
             if dropout_keys is not None:
                 carry["dropout"] = dropout_keys
             carry = pipeline_parallel.run(remat(pipelined_layer), block_state, carry,
-                                          stages=cfg.pipeline_stages, microbatches=cfg.pipeline_microbatches,
-                                          schedule=cfg.pipeline_schedule, repeats=cfg.pipeline_repeats)
+                                          stages=run.pipeline_stages, microbatches=run.pipeline_microbatches,
+                                          schedule=run.pipeline_schedule, repeats=run.pipeline_repeats)
             x = constrain(carry["x"], ("batch", "seq", "act_embed"))
             stats = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), carry["moe"])
 
         return self.final_norm(x), layer_means(stats)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty K/V cache for `decode` (the module-level `init_cache` for this model's config)."""
+        return init_cache(self.cfg, batch, length)
 
     def decode(self, tokens, cache, start, last_index=None):
         """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
@@ -324,7 +332,7 @@ class Transformer(nnx.Module):
         block_def, block_state = nnx.split(self.blocks)
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
         # each read from where it is stored, and the cache holds them in the model's order.
-        stored_at = np.argsort(layer_order(cfg)).astype(np.int32)
+        stored_at = np.argsort(layer_order(cfg, self.layout)).astype(np.int32)
         block = lambda at: nnx.merge(block_def, jax.tree.map(
             lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state))
         local = local_layers(cfg)
@@ -406,10 +414,10 @@ def layer_means(stats) -> dict:
     return jax.tree.map(jnp.mean, jax.vmap(moe.summarize)(stats))
 
 
-def layer_order(cfg: ModelConfig) -> tuple[int, ...]:
-    """The model's layer at each position of the stacked blocks in a training state for `cfg`: its own order,
-    unless the pipeline is circular (jaxtrain.parallel.pipeline.layer_order)."""
-    return pipeline_parallel.layer_order(cfg.n_layers, cfg.pipeline_stages, cfg.pipeline_repeats)
+def layer_order(cfg: ModelConfig, layout: Layout = Layout()) -> tuple[int, ...]:
+    """The model's layer at each position of the stacked blocks in a training state for `cfg` run as `layout`: its
+    own order, unless the pipeline is circular (jaxtrain.parallel.pipeline.layer_order)."""
+    return pipeline_parallel.layer_order(cfg.n_layers, layout.pipeline_stages, layout.pipeline_repeats)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
@@ -428,15 +436,15 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
     return {f"{kv}{kind}": jnp.zeros(shape, cfg.dtype) for kind, shape in shapes.items() for kv in "kv"}
 
 
-def build(cfg: ModelConfig, seed: int) -> Transformer:
+def build(cfg: ModelConfig, seed: int, layout: Layout = Layout()) -> Transformer:
     with nnx.use_eager_sharding(False):
-        return Transformer(cfg, nnx.Rngs(params=seed))
+        return Transformer(cfg, nnx.Rngs(params=seed), layout)
 
 
-def from_params(cfg: ModelConfig, params: dict):
-    """(graphdef, state) of the model holding `params` (a pure dict, e.g. imported weights); the initializers
-    never run."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg, 0)))
+def from_params(cfg: ModelConfig, params: dict, layout: Layout = Layout()):
+    """(graphdef, state) of the model holding `params` (a pure dict, e.g. imported weights), run as `layout`; the
+    initializers never run."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(cfg, 0, layout)))
     nnx.replace_by_pure_dict(state, params)
     return graphdef, state
 

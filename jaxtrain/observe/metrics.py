@@ -64,24 +64,12 @@ class JsonlWriter(MetricWriter):
         self._file.close()
 
 
-def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported lazily (only process 0 writes). tensorboardX imports torch
-    when it is installed, only to accept torch tensors: 1.5-2 s of every startup. We log floats, so a torch
-    not imported yet is hidden from that one import."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError; tensorboardX then goes without it
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
-
-
 class TensorBoardWriter(MetricWriter):
     def __init__(self, logdir: str | os.PathLike):
-        self._writer = _summary_writer_class()(str(logdir))
+        # Imported here: only process 0 writes. Entry points import it first without torch (jaxtrain.compat).
+        from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+        self._writer = SummaryWriter(str(logdir))
 
     def write_scalars(self, step, scalars):
         for k, v in scalars.items():
@@ -339,9 +327,9 @@ def _plain(v):
 
 def measure_matmul_flops(n: int = 2048, reps: int = 9, dtype=jnp.float32) -> float:
     """Median FLOP/s of an n x n matmul in `dtype` on the default device, accumulated in f32 (as the model's
-    matmuls are; XLA:CPU runs a bf16 matmul with a bf16 result at f32 speed). On the 2-core dev machines
-    n=2048 reads the same peak as 4096 (f32 190-194 vs 183-187 GFLOP/s, bf16 339-377 vs 352-357) in 0.4-0.9 s
-    instead of 2.5-5 s, which a first run on a new machine spent before its first step."""
+    matmuls are; XLA:CPU runs a bf16 matmul with a bf16 result at f32 speed). n=2048 reads the same peak as
+    4096 in a fraction of the time, which a first run on a new machine spends before its first step
+    (docs/performance.md, "MFU")."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     mm(a).block_until_ready()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain import trainer
+from jaxtrain import compat, trainer
 from jaxtrain.data import chat, layout
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import CheckpointError, HFError, TokenizerError
@@ -158,6 +158,7 @@ def _generate(argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compat.install()  # it restores checkpoints: Orbax's workarounds, s3:// (jaxtrain.compat)
     # No checkpoint (or not that step) is bad input for this command, not a failed write. HFError and
     # TokenizerError are bad input everywhere (jaxtrain.errors).
     return common.run(_generate, argv, bad_input=(CheckpointError,))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from jaxtrain import trainer
+from jaxtrain import compat, trainer
 from jaxtrain.data import layout
 from jaxtrain.errors import CheckpointError
 from jaxtrain.models import hf
@@ -58,5 +58,6 @@ def _hf(argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compat.install()  # it restores checkpoints: Orbax's workarounds, s3:// (jaxtrain.compat)
     # No checkpoint, or not that step: bad input for this command.
     return common.run(_hf, argv, bad_input=(CheckpointError,))

@@ -12,7 +12,7 @@ Usage:
 
 from __future__ import annotations
 
-from jaxtrain import storage
+from jaxtrain import compat, storage
 from jaxtrain.data import corpus, encode, prepare, sources, writer
 from jaxtrain.tools import common
 
@@ -92,4 +92,5 @@ def _prepare(argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compat.beam.install()  # --runner imports Beam, which warns about Google Cloud clients it will not use
     return common.run(_prepare, argv)

@@ -21,22 +21,28 @@ import json
 import math
 from pathlib import Path
 
-from jaxtrain import files
+from jaxtrain import files, objectives
 from jaxtrain.errors import ReportError
 from jaxtrain.observe import goodput as goodput_lib
 from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.tools import common
 
-# metric -> (y-axis label, multiplier); "eval_loss" also draws every "eval_loss/<set>", dashed.
+# metric -> (y-axis label, multiplier); "eval_loss" also draws every "eval_loss/<set>", dashed. Then the metrics
+# each objective declares (`curves`).
 CURVES = {
     "loss": ("train loss", 1.0),
     "eval_loss": ("eval loss", 1.0),
     "lr": ("learning rate", 1.0),
     "tokens_per_sec": ("tokens/s", 1.0),
     "mfu": ("MFU (%)", 100.0),
-    "dpo/accuracy": ("preference accuracy (%)", 100.0),  # DPO runs (train.objective=dpo)
-    "dpo/margin": ("reward margin", 1.0),
 }
+
+
+def curves() -> dict[str, tuple[str, float]]:
+    """CURVES, then every registered objective's metrics (jaxtrain.objectives: DPO's accuracy and margin)."""
+    declared = {name: (m.label, m.scale) for o in map(objectives.get, objectives.names())
+                for name, m in o.metrics.items()}
+    return {**CURVES, **declared}
 
 # The table: row key -> markdown header. CSV uses the keys and raw numbers (fractions, seconds).
 COLUMNS = {
@@ -245,16 +251,16 @@ def load_runs(workdirs, names=None) -> list[Run]:
 # ===== Curves =============================================================================================
 
 def available_curves(runs: list[Run]) -> list[str]:
-    """The metrics of CURVES that at least one run has a value for."""
+    """The metrics of `curves()` that at least one run has a value for."""
     def has(run, metric):
         sets = [f"eval_loss/{s}" for s in run.eval_sets()] if metric == "eval_loss" else []
         return any(run.series(m)[0] for m in [metric, *sets])
-    return [m for m in CURVES if any(has(run, m) for run in runs)]
+    return [m for m in curves() if any(has(run, m) for run in runs)]
 
 
 def plot_metric(ax, runs: list[Run], metric: str) -> None:
     """One line per run on `ax` (a run keeps its colour across plots); eval sets are dashed."""
-    label, scale = CURVES.get(metric, (metric, 1.0))
+    label, scale = curves().get(metric, (metric, 1.0))
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         steps, values = run.series(metric)

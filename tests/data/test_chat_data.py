@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import chat_tokenizer_dir
-from jaxtrain import step as step_lib
+from jaxtrain import objectives
 from jaxtrain.data import layout, pipeline, prepare
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.models import transformer
@@ -200,7 +200,7 @@ def test_sft_loss_is_the_mean_over_assistant_tokens(chat_dir):
     batch = {k: jnp.asarray(v) for k, v in
              pipeline.eval_batches(str(out), seq_len=48, global_batch=2, num_batches=1)[0].items()}
     graphdef, params, model = _tiny_model()
-    ce_sum, count, _ = step_lib.loss_terms(graphdef, params, batch)
+    ce_sum, count, _ = objectives.loss_terms(graphdef, params, batch)
     logits = np.asarray(model.forward(batch["tokens"], batch["positions"], batch["segment_ids"])[0], np.float64)
     tokens, seg, w = (np.asarray(batch[k]) for k in ("tokens", "segment_ids", "loss_weights"))
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
@@ -224,7 +224,7 @@ def test_prompt_positions_get_exactly_zero_gradient(chat_dir):
     out, _ = chat_dir
     batch = {k: jnp.asarray(v) for k, v in
              pipeline.eval_batches(str(out), seq_len=48, global_batch=2, num_batches=1)[0].items()}
-    targets, weights = step_lib.next_token_targets(batch)
+    targets, weights = objectives.next_token_targets(batch)
     x = jax.random.normal(jax.random.key(0), (*batch["tokens"].shape, 32))
     head = jax.random.normal(jax.random.key(1), (32, 304))
     grad = np.asarray(jax.grad(lambda x: linear_cross_entropy(x, head, targets, weights, 16, jnp.float32))(x))

@@ -56,7 +56,7 @@ def test_each_eval_set_reports_its_heldout_loss(tiny_config, tiny_data_dir, eval
 
     # The number is the model's loss on that dir's held-out split: recompute it from the final params.
     facts = config_lib.validate(cfg, jax.device_count())
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     batches = pipeline.eval_batches(verse, seq_len=cfg.train.seq_len, global_batch=cfg.train.batch_size,
                                     num_batches=cfg.eval.batches)
     assert trainer.evaluate(summary["state"]["params"], batches) == sets["verse"][-1][1]

@@ -86,7 +86,7 @@ def test_nan_rollback_restores_and_skips_the_bad_window(tiny_config, poison_step
     assert [f for _, f in seen[BAD_STEP:]] == batches[8:13]
     # Every checkpoint is finite.
     facts = config_lib.validate(cfg, jax.device_count())
-    abstract = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).abstract_state
+    abstract = trainer_lib.build_trainer(cfg, facts).abstract_state
     ckpt = checkpoint.Checkpointer(Path(cfg.workdir) / "checkpoints", keep=3)
     for s in (5, 10):
         state, _ = ckpt.restore(s, abstract)

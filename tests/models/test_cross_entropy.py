@@ -116,9 +116,9 @@ def compiled_text(tiny_config, chunk_tokens, mesh=None, **overrides):
                                             **overrides})
     devices = jax.devices() if mesh else jax.devices()[:1]
     facts = config_lib.validate(cfg, len(devices))
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=devices)
     batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
-    return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text(), facts["mesh_shape"]
+    return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text(), facts.mesh_shape
 
 
 def test_chunks_do_not_multiply_the_gradient_traffic(tiny_config):

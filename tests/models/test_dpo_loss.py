@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import step as step_lib
+from jaxtrain import objectives, step as step_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import cross_entropy, dpo, lora, transformer
 from jaxtrain.models.config import ModelConfig
@@ -178,8 +178,8 @@ def test_step_loss_equals_numpy_over_sequences_run_alone(chunk, adapters):
 
     mesh = mesh_lib.make_mesh({"data": 1}, jax.devices()[:1])
     rules = mesh_lib.resolve_rules("dp")
-    objective = step_lib.dpo(beta, smoothing)
-    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, objective, lora=adapters))
+    loss = objectives.dpo_loss(beta, smoothing)
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, loss, lora=adapters, reference=True))
     loss_sum, count, metrics = eval_step(moved, lora.split(start)[0] if adapters else start, batch)
     assert float(count) == 3
     np.testing.assert_allclose(float(loss_sum) / 3, expected, rtol=2e-5)

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import train_on_stream
+from helpers import train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import optim
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import lora, transformer
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import Layout, ModelConfig
 from jaxtrain.parallel import mesh as mesh_lib
 
 CFG = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32, dtype="float32",
@@ -68,7 +68,7 @@ def test_adapted_forward_equals_the_merged_weights(tokens):
 
 def test_training_moves_only_the_adapters(tiny_config, tiny_data_dir):
     cfg = tiny_config(**{"model.lora_rank": 4, "optim.lr": 1e-2})
-    one = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
+    one = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
                                     devices=jax.devices()[:1])
     # the optimizer state holds the adapters' moments only
     paths = {optim.param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(one.abstract_state["opt_state"])}
@@ -99,18 +99,18 @@ def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_conf
     lora_cfg = {"model.lora_rank": 4, "optim.lr": 1e-2, "model.lora_dropout": 0.3}
     cfg = tiny_config(**lora_cfg, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2})
     facts = config_lib.validate(cfg, 8)
-    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    eight = trainer_lib.build_trainer(cfg, facts)
     attn = eight.shardings["params"]["blocks"]["attn"]
     mlp = eight.shardings["params"]["blocks"]["mlp"]
     # wq [layers 2, embed 32, heads 8, head_dim 8]: A [2, 32, r] splits embed over fsdp; B [2, r, 8, 8] the heads
     assert attn["wq_lora_a"].shard_shape((2, 32, 4)) == (2, 16, 4)
     assert attn["wq_lora_b"].shard_shape((2, 4, 8, 8)) == (2, 4, 4, 8)
     assert mlp["w_down_lora_a"].shard_shape((2, 64, 4)) == (2, 32, 4)  # d_ff over tensor, as w_down's
-    one = trainer_lib.build_trainer(tiny_config(**lora_cfg), {"data": 1, "fsdp": 1, "tensor": 1},
+    one = trainer_on(tiny_config(**lora_cfg), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     history = train_on_stream(one, tiny_data_dir, 3)[2]
     np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-7)
-    undropped = trainer_lib.build_trainer(tiny_config(**{**lora_cfg, "model.lora_dropout": 0.0}),
+    undropped = trainer_on(tiny_config(**{**lora_cfg, "model.lora_dropout": 0.0}),
                                           {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
                                           devices=jax.devices()[:1])
     without = train_on_stream(undropped, tiny_data_dir, 3)[2]
@@ -160,19 +160,18 @@ def test_dropout_under_a_pipeline_equals_one_stage():
     cfg = ModelConfig(**{**CFG, "n_layers": 4}, lora_rank=4, lora_dropout=0.5)
     adapters, base = lora.split(_params(cfg))
     params = lora.join(jax.tree.map(lambda x: x + 0.1, adapters), base)
-    staged = ModelConfig(**{**CFG, "n_layers": 4}, lora_rank=4, lora_dropout=0.5, pipeline_stages=2,
-                         pipeline_microbatches=2)
+    staged = Layout(pipeline_stages=2, pipeline_microbatches=2)
     tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 64)
     positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
 
-    def hidden(cfg, keys):
-        graphdef, state = transformer.from_params(cfg, params)
+    def hidden(layout, keys):
+        graphdef, state = transformer.from_params(cfg, params, layout)
         return nnx.merge(graphdef, state).hidden(tokens, positions, jnp.ones_like(tokens), keys)[0]
 
     keys = dropout_keys(0, 0, 4)
-    plain = hidden(cfg, keys)
+    plain = hidden(Layout(), keys)
     np.testing.assert_allclose(hidden(staged, keys), plain, rtol=1e-5, atol=1e-5)
-    assert not np.allclose(plain, hidden(cfg, None), atol=1e-3)
+    assert not np.allclose(plain, hidden(Layout(), None), atol=1e-3)
 
 
 @pytest.mark.parametrize("override, field", [
@@ -215,7 +214,7 @@ def test_hf_export_folds_the_adapters_in_and_init_from_starts_at_the_base(tmp_pa
     # model.init_from's path: the directory's weights, fresh adapters beside them, step 0 = that model
     sizes = {f"model.{k}": v for k, v in CFG.items() if k != "dtype"}
     run = tiny_config(**sizes, **{"model.tie_embeddings": False, "model.lora_rank": 4})
-    trainer = trainer_lib.build_trainer(run, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp"),
+    trainer = trainer_on(run, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp"),
                                         devices=jax.devices()[:1])
     state = trainer.init_from_host(imported)
     started = jax.device_get(state["params"])
@@ -309,5 +308,5 @@ def test_a_run_starts_from_a_peft_adapter_directory(tmp_path, tiny_config):
     merged = train.run(tiny_config(**sizes, **{"model.init_from": str(merged_dir), "train.steps": 2}), **quiet)["eval"][0]
     assert started[0] == merged[0] == 0 and started[1] == pytest.approx(merged[1], rel=1e-5)
     for bad, field in (({"model.init_from": ""}, "model.init_adapters"), ({"model.lora_alpha": 16.0}, "model.init_adapters")):
-        with pytest.raises(ConfigError, match=field):
-            config_lib.validate(tiny_config(**{**lora_run, **bad}), 8)
+        with pytest.raises(ConfigError, match=field):  # the run's input checks, before its workdir exists
+            train.check_inputs(tiny_config(**{**lora_run, **bad}))

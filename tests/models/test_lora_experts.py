@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as T
 from flax import nnx
-from helpers import train_on_stream
+from helpers import train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import trainer as trainer_lib
@@ -78,7 +78,7 @@ def test_expert_adapters_shard_like_the_experts_and_eight_devices_equal_one(tiny
            "optim.lr": 1e-2}
     cfg = tiny_config(**moe, **{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     facts = config_lib.validate(cfg, 8)
-    eight = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    eight = trainer_lib.build_trainer(cfg, facts)
     mlp = eight.shardings["params"]["blocks"]["mlp"]
     d, f = cfg.model.d_model, cfg.model.d_ff
     # [layers, experts, embed, r] / [layers, experts, r, 2, mlp]: experts over `expert`, and each weight's own axes
@@ -86,7 +86,7 @@ def test_expert_adapters_shard_like_the_experts_and_eight_devices_equal_one(tiny
     assert mlp["w_gate_up_lora_b"].shard_shape((2, 4, 4, 2, f)) == (2, 2, 4, 2, f // 2)
     assert mlp["w_down_lora_b"].shard_shape((2, 4, 4, d)) == (2, 2, 4, d // 2)
     assert mlp["w_gate"].shard_shape((2, 4, d, f)) == (2, 2, d // 2, f // 2)
-    one = trainer_lib.build_trainer(tiny_config(**moe), {"data": 1, "fsdp": 1, "tensor": 1},
+    one = trainer_on(tiny_config(**moe), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     before, after, history = train_on_stream(one, tiny_data_dir, 3)
     assert after < before

@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.models import moe
 from jaxtrain.models.transformer import ModelConfig
+from helpers import trainer_on
 
 SMALL = {"vocab_size": 64, "d_model": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "head_dim": 4, "d_ff": 12,
          "n_experts": 4, "moe_top_k": 2}
@@ -442,7 +443,7 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
     the routing scalars and every gradient as on one device."""
     from parallel_worker import leaf_errors, synthetic_batches
 
-    from jaxtrain import config as config_lib, step as step_lib, trainer as trainer_lib
+    from jaxtrain import config as config_lib, objectives, trainer as trainer_lib
 
     cfg = tiny_config(**{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()},
                       **{"mesh.rules": "fsdp" if "fsdp" in mesh else "dp", "model.n_experts": 4, "model.moe_top_k": 2,
@@ -450,15 +451,15 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
     facts = config_lib.validate(cfg, 8)
     one = cfg.copy_and_resolve_references()
     one.mesh.update({a: 1 for a in mesh})
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    reference = trainer_lib.build_trainer(one, {}, facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts)
+    reference = trainer_on(one, {}, facts.rules, devices=jax.devices()[:1])
     params = trainer.init()["params"]
     batch = synthetic_batches(1, 8, 32, 512)[0]
 
     def loss_and_grads(t, p):
         def f(p, b):
             with mesh_lib.activation_sharding(t.mesh, t.rules):
-                total, count, aux = step_lib.loss_terms(t.graphdef, p, b)
+                total, count, aux = objectives.loss_terms(t.graphdef, p, b)
                 return total / count + aux["load_balance_loss"], aux
         return jax.jit(jax.value_and_grad(f, has_aux=True))(p, trainer_lib.global_batch(batch, t.batch_sharding))
 
@@ -478,6 +479,10 @@ def test_tokamax_kernel_equals_xla_ragged_dot_alone_on_a_mesh_and_under_nested_v
     gradients included: outputs and gradients equal jax.lax.ragged_dot's on one device, on data 2 x fsdp 4
     (each shard's rows through the kernel inside the shard_map) and under a pipeline's two vmaps."""
     import tokamax
+
+    from jaxtrain.compat import tokamax as tokamax_flags
+
+    tokamax_flags.install()  # as an entry point does: tokamax would take pytest's arguments for its absl flags
 
     calls = []
     original = tokamax.ragged_dot, tokamax.ragged_dot_general
@@ -555,16 +560,17 @@ def test_tokamax_on_gpus_needs_widths_its_kernel_tiles():
     """Its Mosaic GPU kernel fails to lower rows narrower than 64 bf16 (the base config's d_model 256 and d_ff 768
     are multiples); the CPU runs XLA's ragged_dot behind it, which takes any width."""
     from jaxtrain import config as config_lib
+    from jaxtrain.models import config as model_config
 
     cfg = config_lib.base_config()
     cfg.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax")
-    config_lib.check_backend(cfg, "gpu")
+    model_config.check_backend(cfg.model, "gpu")
     for field, value in (("d_model", 96), ("d_ff", 32)):
         bad = config_lib.base_config()
         bad.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax", **{field: value})
-        config_lib.check_backend(bad, "cpu")
+        model_config.check_backend(bad.model, "cpu")
         with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: {value} is not a multiple of 64"):
-            config_lib.check_backend(bad, "gpu")
+            model_config.check_backend(bad.model, "gpu")
 
 
 @pytest.mark.parametrize("jax_version, tokamax_version, refused", [
@@ -577,16 +583,17 @@ def test_tokamax_on_gpus_refuses_a_release_older_than_jax_s_mosaic_gpu_api(monke
     import importlib.metadata
 
     from jaxtrain import config as config_lib
+    from jaxtrain.models import config as model_config
 
     cfg = config_lib.base_config()
     cfg.model.update(n_experts=4, moe_routing="dropless", moe_kernel="tokamax")
     monkeypatch.setattr(jax, "__version_info__", jax_version)
     monkeypatch.setattr(jax, "__version__", ".".join(map(str, jax_version)))
     monkeypatch.setattr(importlib.metadata, "version", lambda name: tokamax_version if name == "tokamax" else None)
-    config_lib.check_backend(cfg, "cpu")
+    model_config.check_backend(cfg.model, "cpu")
     if not refused:
-        config_lib.check_backend(cfg, "gpu")
+        model_config.check_backend(cfg.model, "gpu")
         return
     with pytest.raises(config_lib.ConfigError, match=r"^model.moe_kernel: tokamax 0.0.12 predates jax 0.11.2's "
                        r"Mosaic GPU API; install tokamax>=0.0.13 \(or use 'xla'\)$"):
-        config_lib.check_backend(cfg, "gpu")
+        model_config.check_backend(cfg.model, "gpu")

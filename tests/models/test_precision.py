@@ -46,7 +46,7 @@ def test_bf16_compute_keeps_f32_master_weights_and_tracks_f32(tiny_config):
     def step(dtype):
         cfg = tiny_config(**{"model.dtype": dtype, "mesh.data": 1})
         facts = config_lib.validate(cfg, 1)
-        trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+        trainer = trainer_lib.build_trainer(cfg, facts, devices=jax.devices()[:1])
         logits = jax.jit(lambda p: nnx.merge(trainer.graphdef, p)(
             jnp.asarray(local["tokens"]), jnp.asarray(local["positions"]), jnp.asarray(local["segment_ids"])))
         state = trainer.init()
@@ -201,7 +201,7 @@ def test_cpu_bf16_train_step_matmuls_are_bf16_and_shard_alike(tiny_config):
                                       **{f"mesh.{a}": n for a, n in mesh.items()}})
     one = cfg({"data": 1})
     facts = config_lib.validate(one, 1)
-    trainer = trainer_lib.build_trainer(one, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(one, facts, devices=jax.devices()[:1])
     batches = synthetic_batches(1, 8, 32, 512) * 3
     batch = trainer_lib.global_batch(batches[0], trainer.batch_sharding)
     module = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import train_on_stream
+from helpers import train_on_stream, trainer_on
 from jaxtrain.models.layers import project
 
 F32 = np.float32
@@ -83,13 +83,12 @@ def test_the_train_step_carries_fp8_operands_forward_and_e5m2_gradients_over_the
     """The lowered step holds e4m3 and e5m2 arrays (XLA:CPU then computes them in f32; XLA:GPU runs fp8 GEMMs,
     which tests/tools/test_plan_gpu.py checks in the compiled H100 program)."""
     from jaxtrain import config as config_lib
-    from jaxtrain import trainer as trainer_lib
     from jaxtrain.parallel import mesh as mesh_lib
 
     text, states = {}, {}
     for mode in ("none", "fp8", "int8"):
         cfg = tiny_config(**{"model.quant": mode})
-        trainer = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
+        trainer = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
                                             mesh_lib.resolve_rules("dp"), devices=jax.devices()[:1])
         batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=trainer.batch_sharding)
                  for k in ("tokens", "positions", "segment_ids")}
@@ -107,13 +106,12 @@ def test_the_train_step_carries_fp8_operands_forward_and_e5m2_gradients_over_the
 def test_quantized_training_tracks_bf16(tiny_config, tiny_data_dir):
     """30 steps in bf16, fp8 and int8 end within 3% of each other's held-out loss (a larger model over 200 steps:
     docs/quantization.md)."""
-    from jaxtrain import trainer as trainer_lib
     from jaxtrain.parallel import mesh as mesh_lib
 
     final = {}
     for mode in ("none", "fp8", "int8"):
         cfg = tiny_config(**{"model.dtype": "bfloat16", "model.quant": mode, "optim.lr": 1e-2})
-        trainer = trainer_lib.build_trainer(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
+        trainer = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
                                             mesh_lib.resolve_rules("dp"), devices=jax.devices()[:1])
         before, final[mode], _ = train_on_stream(trainer, tiny_data_dir, 30)
         assert final[mode] < before - 0.5, mode  # the runs do train

@@ -19,7 +19,7 @@ def batch(tiny_config):
 
 def _one_step(cfg, local):
     facts = config_lib.validate(cfg, 1)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=jax.devices()[:1])
     state, metrics = trainer.train_step(trainer.init(), trainer_lib.global_batch(local, trainer.batch_sharding))
     return jax.device_get((metrics["loss"], metrics["grad_norm"], state["params"]))
 

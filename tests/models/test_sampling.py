@@ -16,7 +16,7 @@ from flax import nnx
 from jaxtrain.models import sampling
 from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.models import layers, transformer
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import Layout, ModelConfig
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.tools import generate as generate_cli
 
@@ -199,15 +199,14 @@ def test_decoding_reads_a_circular_pipelines_layer_order():
     """A circular pipeline's training state keeps its stacked layers stage-major (the end-of-run sample decodes
     from it): decoding reads each layer from where it is stored, so it equals the model-order weights."""
     plain = dataclasses.replace(CFG, n_layers=4)
-    circular = dataclasses.replace(plain, pipeline_stages=2, pipeline_microbatches=2, pipeline_schedule="circular",
-                                   pipeline_repeats=2)
-    order = transformer.layer_order(circular)
+    circular = Layout(pipeline_stages=2, pipeline_microbatches=2, pipeline_schedule="circular", pipeline_repeats=2)
+    order = transformer.layer_order(plain, circular)
     assert order == (0, 2, 1, 3)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(plain, seed=0)))
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), nnx.to_pure_dict(abstract))
     stored = pipeline_parallel.reorder_layers(params, None, order)
-    circular_def = nnx.split(nnx.eval_shape(lambda: transformer.build(circular, seed=0)))[0]
+    circular_def = nnx.split(nnx.eval_shape(lambda: transformer.build(plain, seed=0, layout=circular)))[0]
     window, prompt = CASES["within_window"]
     tokens = np.zeros((1, window), np.int32)
     tokens[0, :len(prompt)] = prompt

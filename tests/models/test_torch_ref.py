@@ -60,7 +60,7 @@ def test_torch_reference_trains_like_jaxtrain(tie):
     cfg = tiny(tie)
     devices = jax.devices()[:1]  # one device compiles faster; sharding is not what is compared here
     facts = config_lib.validate(cfg, len(devices))
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=devices)
     state = trainer.init()
     init = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))
     ref = torch_llama.TorchTrainer(cfg, trainer.model_cfg, init)
@@ -98,7 +98,7 @@ def test_torch_reference_in_bf16_is_autocast_and_tracks_jaxtrain_bf16():
     cfg.model.dtype = "bfloat16"
     devices = jax.devices()[:1]
     facts = config_lib.validate(cfg, len(devices))
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=devices)
     state = trainer.init()
     init = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(state["params"]))
     ref = torch_llama.TorchTrainer(cfg, trainer.model_cfg, init)

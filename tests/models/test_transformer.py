@@ -283,8 +283,7 @@ def test_attention_impl_is_checked_before_anything_compiles(setting, backend, re
     cfg.model.update(**setting)
 
     def check():
-        config_lib.validate(cfg, 1)
-        config_lib.check_backend(cfg, backend)
+        config_lib.validate(cfg, 1, backend=backend)
 
     if reason is None:
         check()

@@ -3,6 +3,7 @@ FSDP memory, the unannotated-parameter fallback, explicit rule tables, and numer
 few training steps across meshes."""
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.data import pipeline
 from jaxtrain import trainer as trainer_lib
+from helpers import trainer_on
 
 # The tiny config (conftest): vocab 512, d_model 32, 2 layers, 8 query heads, 4 kv heads, head_dim 8, d_ff 64.
 FULL = {
@@ -105,7 +107,7 @@ def mesh_config(tiny_config, rules, shape, **overrides):
 
 def build(cfg, devices=None):
     facts = config_lib.validate(cfg, jax.device_count())
-    return trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], devices=devices)
+    return trainer_lib.build_trainer(cfg, facts, devices=devices)
 
 
 def by_path(tree):
@@ -271,7 +273,7 @@ def test_loss_and_grad_norm_agree_across_meshes(tiny_config, tiny_data_dir):
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
     batches = [next(it) for _ in range(3)]
 
-    single = trainer_lib.build_trainer(
+    single = trainer_on(
         cfg_for((8, 1, 1)),
         {"data": 1, "fsdp": 1, "tensor": 1},
         mesh_lib.resolve_rules("dp_fsdp_tp"),
@@ -332,10 +334,10 @@ def test_bad_dcn_sizes_name_the_field(tiny_config, override, field):
 def test_hybrid_mesh_trains_like_the_plain_one(tiny_config, tiny_data_dir):
     cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 4, 1), **{"optim.warmup_steps": 0, "mesh.dcn_fsdp": 2})
     facts = config_lib.validate(cfg, 8)
-    assert facts["dcn"] == {**dict.fromkeys(mesh_lib.AXES, 1), "fsdp": 2}
+    assert facts.dcn == {**dict.fromkeys(mesh_lib.AXES, 1), "fsdp": 2}
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
     batches = [next(it) for _ in range(3)]
-    hybrid = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"], dcn=facts["dcn"])
-    plain = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    hybrid = trainer_lib.build_trainer(cfg, facts)
+    plain = trainer_lib.build_trainer(cfg, dataclasses.replace(facts, dcn={}))
     assert granule_of(hybrid.mesh).tolist() != granule_of(plain.mesh).tolist()  # a different device layout
     np.testing.assert_allclose(three_steps(hybrid, batches), three_steps(plain, batches), rtol=1e-6, atol=0)

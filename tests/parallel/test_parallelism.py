@@ -17,12 +17,12 @@ from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.tools.plan.collectives import collectives
 from jaxtrain.tools.plan.planner import per_device_bytes
-from jaxtrain import step as step_lib
+from jaxtrain import objectives
 from jaxtrain import train
 from jaxtrain.models import transformer
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.observe import hlo as hlo_lib
-from helpers import read_jsonl
+from helpers import read_jsonl, trainer_on
 from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,8 +66,8 @@ def forward_fn(trainer):
 def test_sequence_parallel_splits_activations_and_keeps_attention_exact(tiny_config):
     cfg = configure(tiny_config, {"data": 2, "sequence": 4})
     facts = config_lib.validate(cfg, 8)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    reference = trainer_lib.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts)
+    reference = trainer_on(single_device(cfg), {}, facts.rules, devices=jax.devices()[:1])
     state = trainer.init()
     batch = synthetic_batches(1, 8, 32, 512)[0]
     logits = forward_fn(trainer)(state["params"], trainer_lib.global_batch(batch, trainer.batch_sharding))
@@ -95,13 +95,13 @@ def test_sequence_parallel_splits_the_matmuls_and_moves_only_keys_and_values(tin
     gathers each layer's K and V and nothing else (the gradients come back as reduce-scatters)."""
     cfg = configure(tiny_config, {"data": 2, "sequence": 4}, **{"model.loss_chunk_tokens": chunk_tokens})
     facts = config_lib.validate(cfg, 8)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     m = trainer.model_cfg
     model_flops = transformer.train_flops_per_token(m, 32) * 8 * 32
     assert hlo_lib.dot_flops(text) * 8 < 1.3 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
-    gathers = [op for op in collectives(text, facts["mesh_shape"]) if op["kind"] == "all-gather"]
+    gathers = [op for op in collectives(text, facts.mesh_shape) if op["kind"] == "all-gather"]
     assert {op["axes"] for op in gathers} == {("sequence",)}
     rows = 8 // 2  # per data shard
     kv_bytes = m.n_layers * 2 * rows * 32 * m.n_kv_heads * m.head_dim * 4  # f32 K and V of every layer, whole
@@ -137,11 +137,11 @@ def pipelined_config(tiny_config, name):
 def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, name):
     cfg = pipelined_config(tiny_config, name)
     facts = config_lib.validate(cfg, 8)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
-    reference = trainer_lib.build_trainer(single_device(cfg), {}, facts["rules"], devices=jax.devices()[:1])
+    trainer = trainer_lib.build_trainer(cfg, facts)
+    reference = trainer_on(single_device(cfg), {}, facts.rules, devices=jax.devices()[:1])
     state = trainer.init()
     # The state keeps the stacked layers in the pipeline's order (circular: stage-major); the reference the model's.
-    order = transformer.layer_order(trainer.model_cfg)
+    order = transformer.layer_order(trainer.model_cfg, config_lib.layout(cfg))
     assert (order != tuple(range(4))) == (cfg.pipeline.schedule == "circular")
     params = pipeline_parallel.reorder_layers(jax.device_get(state["params"]), order, None)
     if order != tuple(range(4)):  # weights given in the model's order (model.init_from) land in the same order
@@ -156,7 +156,7 @@ def test_pipeline_loss_and_gradients_equal_the_unpipelined_model(tiny_config, na
     def loss_and_grads(t, p):
         def f(p, b):  # the cross-entropy, plus a mixture of experts' balancing loss (the whole batch's)
             with mesh_lib.activation_sharding(t.mesh, t.rules):
-                total, count, aux = step_lib.loss_terms(t.graphdef, p, b)
+                total, count, aux = objectives.loss_terms(t.graphdef, p, b)
                 return total / count + aux.get("load_balance_loss", 0.0), aux
         return jax.jit(jax.value_and_grad(f, has_aux=True))(p, trainer_lib.global_batch(batch, t.batch_sharding))
 
@@ -180,7 +180,7 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     cfg = pipelined_config(tiny_config, "gpipe4")
     cfg.model.vocab_size = 4096  # the head dominates, as in configs/bench_cpu.py
     facts = config_lib.validate(cfg, 8)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     state = trainer.abstract_state
     for tree in (state["params"]["embed"], state["opt_state"]):
         tables = [x for x in jax.tree.leaves(tree) if x.shape == (4096, 32)]
@@ -190,7 +190,7 @@ def test_pipeline_splits_the_vocabulary_table_and_reduces_gradients_over_data_on
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
     # The layers' share runs 7 ticks for 4 microbatches (the bubble); the head's is done once.
     assert hlo_lib.dot_flops(text) * 8 < 1.5 * model_flops, hlo_lib.dot_flops(text) * 8 / model_flops
-    over_data = [op for op in collectives(text, facts["mesh_shape"]) if "data" in op["axes"]]
+    over_data = [op for op in collectives(text, facts.mesh_shape) if "data" in op["axes"]]
     assert {(op["kind"], op["axes"]) for op in over_data} == {("all-reduce", ("data",))}
     # Every gradient shard once; the tied table twice (XLA reduces its lookup and head parts one after the other).
     once = per_device_bytes(state["params"]) + 1024 * 32 * 4
@@ -261,7 +261,7 @@ def test_expert_parallel_with_sequence_shards_routes_within_them(tiny_config):
     got = assert_same_training(cfg, single_device(cfg), synthetic_batches(1, 8, 32, 512) * 3)
     assert 0 < got["moe/dropped_fraction"][0] < 0.5
     facts = config_lib.validate(cfg, 8)
-    trainer = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"])
+    trainer = trainer_lib.build_trainer(cfg, facts)
     batch = trainer_lib.global_batch(synthetic_batches(1, 8, 32, 512)[0], trainer.batch_sharding)
     text = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
     model_flops = transformer.train_flops_per_token(trainer.model_cfg, 32) * 8 * 32
@@ -271,7 +271,7 @@ def test_expert_parallel_with_sequence_shards_routes_within_them(tiny_config):
 def test_expert_weights_live_on_the_expert_axis(tiny_config):
     cfg = configure(tiny_config, {"expert": 4, "data": 2}, **MOE)
     facts = config_lib.validate(cfg, 8)
-    state = trainer_lib.build_trainer(cfg, facts["mesh_shape"], facts["rules"]).init()
+    state = trainer_lib.build_trainer(cfg, facts).init()
     w_gate = state["params"]["blocks"]["mlp"]["w_gate"]  # [layers, experts, embed, mlp]
     assert w_gate.shape == (2, 4, 32, 64)
     assert {s.data.shape for s in w_gate.addressable_shards} == {(2, 1, 32, 64)}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain import config as config_lib
+from jaxtrain import memory
 from jaxtrain.tools.plan.collectives import collectives
 from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.replica_groups import groups_to_axes, parse_replica_groups
@@ -192,17 +193,17 @@ def test_the_optimizer_estimate_follows_the_optimizer_state(tiny_config, setting
 
 @pytest.mark.parametrize("seq_len", [32, 512])
 def test_the_memory_floor_a_run_checks_is_under_every_compiled_step(plans, tiny_config, seq_len):
-    """config.check_fits refuses what cannot fit: its floor must never exceed what a step really holds, or it would
+    """memory.check_fits refuses what cannot fit: its floor must never exceed what a step really holds, or it would
     refuse runs that fit. Checked against the compiled steps of the presets (and a longer sequence)."""
     for name, mesh in PRESETS.items():
         config = tiny_config(**{f"mesh.{k}": v for k, v in mesh.items()}, **{"model.tie_embeddings": False,
                                                                              "train.seq_len": seq_len})
         compiled = (plans[name] if seq_len == 32 else plan(config, 8, "cpu", peak_flops=1e12))["memory"]["compiled"]
-        floor = config_lib.step_bytes_floor(config, 8)
+        floor = memory.step_bytes_floor(config, 8)
         assert floor <= compiled["argument"] + compiled["temp"], name
-        config_lib.check_fits(config, 8, floor)  # exactly enough: accepted
+        memory.check_fits(config, 8, floor)  # exactly enough: accepted
         with pytest.raises(config_lib.ConfigError, match=r"^train\.seq_len: .* needs at least"):
-            config_lib.check_fits(config, 8, floor * 0.99)
+            memory.check_fits(config, 8, floor * 0.99)
 
 
 def test_plan_refuses_what_cannot_fit_the_target_unless_forced(tiny_config):

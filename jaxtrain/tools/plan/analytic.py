@@ -48,10 +48,10 @@ def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> 
     return none
 
 
-def _host_activation_bytes_per_token(cfg, tensor: int, seq_len: int) -> float:
+def _host_activation_bytes_per_token(cfg, remat: str, tensor: int, seq_len: int) -> float:
     """What remat "offload_dots" keeps per token and layer in host memory: the weight matmuls' outputs."""
     dots = _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len)
-    return dots - _activation_bytes_per_token(cfg, "full", tensor, seq_len) if cfg.remat == "offload_dots" else 0.0
+    return dots - _activation_bytes_per_token(cfg, "full", tensor, seq_len) if remat == "offload_dots" else 0.0
 
 
 def _active_axes(name: str, mesh_shape: dict, rules: dict) -> tuple[str, ...]:
@@ -62,7 +62,10 @@ def _active_axes(name: str, mesh_shape: dict, rules: dict) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """One device's share of a step: the mesh axes that split the batch, sequence, experts, vocabulary and pipeline,
-    and the sizes that follow. Every memory and traffic term below reads it."""
+    the sizes that follow, and how the model runs (remat, the gradients' reduction dtype: models.config.Layout).
+    Every memory and traffic term below reads it."""
+    remat: str
+    grad_reduce_dtype: str
     mesh_shape: dict
     batch_axes: tuple[str, ...]
     seq_axes: tuple[str, ...]
@@ -87,9 +90,9 @@ class _Layout:
     kv_whole: float  # one layer's K and V, the whole sequence
 
 
-def _layout(model_cfg, mesh_shape: dict, rules: dict, pipeline: dict | None, *, batch: int, seq_len: int,
+def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
             microbatches: int) -> _Layout:
-    """The step's layout from the mesh, its rules and the config's sizes."""
+    """The step's layout from the model run as `run` (models.config.Layout), the mesh, its rules and the sizes."""
     from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
     batch_axes = _active_axes("batch", mesh_shape, rules)
     seq_axes = _active_axes("seq", mesh_shape, rules)
@@ -97,14 +100,14 @@ def _layout(model_cfg, mesh_shape: dict, rules: dict, pipeline: dict | None, *, 
     seq_ways = math.prod(mesh_shape[a] for a in seq_axes)
     tensor = mesh_shape.get("tensor", 1) if any("tensor" in v for v in rules.values()) else 1
     a = 2 if model_cfg.dtype in ("bfloat16", "float16") else 4
-    stages = pipeline["stages"] if pipeline else 1
-    repeats, pipe_microbatches = (pipeline["repeats"], pipeline["microbatches"]) if stages > 1 else (1, 1)
+    stages = run.pipeline_stages
+    repeats, pipe_microbatches = (run.pipeline_repeats, run.pipeline_microbatches) if stages > 1 else (1, 1)
     ticks = repeats * pipe_microbatches + stages - 1 if stages > 1 else 1
     rows = batch // (microbatches * dp)
     vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
     kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
     return _Layout(
-        mesh_shape=mesh_shape, batch_axes=batch_axes, seq_axes=seq_axes,
+        remat=run.remat, grad_reduce_dtype=run.grad_reduce_dtype, mesh_shape=mesh_shape, batch_axes=batch_axes, seq_axes=seq_axes,
         expert_axes=_active_axes("experts", mesh_shape, rules),
         pipeline_axes=_active_axes("stages", mesh_shape, rules) if stages > 1 else (),
         vocab_axes=vocab_axes, replicas=mesh_lib.replica_axes(mesh_shape, rules), dp=dp, seq_ways=seq_ways,
@@ -126,13 +129,13 @@ def _param_memory(placed: list[tuple]) -> tuple[float, float]:
     return param_bytes, trained_bytes
 
 
-def _grad_scales(model_cfg) -> tuple[float, float, float]:
+def _grad_scales(model_cfg, grad_reduce_dtype: str) -> tuple[float, float, float]:
     """Gradient bytes per param byte as reduced: (the per-replica sums', a weight matmul's, the head's). A weight
     matmul's gradient comes out of its matmul in the compute dtype, or narrower where optim.grad_reduce_dtype asks
     (layers.weight_grad_in); the fused loss's head in f32 or that dtype; lookup tables, norms and biases in the param
     dtype; the per-replica sums in that dtype."""
     size = {"float32": 4, "bfloat16": 2, "float16": 2}
-    g_size, p_size = size[model_cfg.grad_reduce_dtype], size[model_cfg.param_dtype]
+    g_size, p_size = size[grad_reduce_dtype], size[model_cfg.param_dtype]
     matmul_scale = min(g_size, size[model_cfg.dtype]) / p_size
     head_scale = g_size / p_size if model_cfg.loss_chunk_tokens and not model_cfg.final_softcap else matmul_scale
     return g_size / p_size, matmul_scale, head_scale
@@ -168,13 +171,13 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     # The fused loss (model.loss_chunk_tokens) uses the head once, for the logits and dx alike, gathered before
     # its chunk loop (cross_entropy._gathered_once).
     fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
-    passes = 1 if lookup or fused_head or ("layers" in names and model_cfg.remat == "none") else 2
+    passes = 1 if lookup or fused_head or ("layers" in names and lay.remat == "none") else 2
     copies = pipelined or bool(lay.replicas) and (per_replica or step_lib.accumulates_per_replica(model_cfg,
                                                                                                  microbatches))
     yield "all-gather", gather, passes * (1 if copies else microbatches) * gathered
     if not p.get("trained", True):  # a frozen weight (LoRA's base): gathered, never reduced
         return
-    reduced_scale, matmul_scale, head_scale = _grad_scales(model_cfg)
+    reduced_scale, matmul_scale, head_scale = _grad_scales(model_cfg, lay.grad_reduce_dtype)
     matmul = len(p["shape"]) - ("layers" in names) >= 2 and "experts" not in names and not lookup
     scale = 1 if lookup else head_scale if "vocab" in names else matmul_scale if matmul else 1
     parts = (scale + 1) if tied else scale  # a tied table: the head's part and the lookup's
@@ -189,7 +192,7 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
 def _tensor_terms(model_cfg, lay: _Layout):
     """Megatron's activation all-reduces over `tensor`."""
     if lay.tensor > 1:
-        per_layer = 6 if model_cfg.remat == "full" else 4
+        per_layer = 6 if lay.remat == "full" else 4
         yield "all-reduce", ("tensor",), (lay.microbatches * per_layer * lay.layer_runs * lay.tokens_dev
                                           * model_cfg.d_model * lay.act_size)
 
@@ -206,7 +209,7 @@ def _sequence_terms(model_cfg, lay: _Layout):
     if lay.seq_axes:
         # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
         again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
-                 "offload_dots": 0.5}.get(model_cfg.remat, 0.0)
+                 "offload_dots": 0.5}.get(lay.remat, 0.0)
         yield "all-gather", lay.seq_axes, lay.microbatches * lay.layer_runs * (1 + again) * lay.kv_whole
         yield "reduce-scatter", lay.seq_axes, lay.microbatches * lay.layer_runs * lay.kv_whole
 
@@ -219,7 +222,7 @@ def _expert_terms(model_cfg, lay: _Layout):
         # experts on them and the partial outputs are summed; the backward does the same with the gradients.
         ways = math.prod(lay.mesh_shape[x] for x in expert_axes if x in lay.batch_axes)
         rows_bytes = lay.tokens_dev * ways * model_cfg.moe_top_k * model_cfg.d_model * a
-        passes = 3 if model_cfg.remat == "full" else 2  # remat=full runs the forward's again
+        passes = 3 if lay.remat == "full" else 2  # remat=full runs the forward's again
         if ways > 1:
             yield "all-gather", expert_axes, microbatches * lay.layer_runs * passes * rows_bytes
         yield "all-reduce", expert_axes, microbatches * lay.layer_runs * passes * rows_bytes
@@ -230,7 +233,7 @@ def _expert_terms(model_cfg, lay: _Layout):
         local_groups = seq_len // group // lay.seq_ways if group < seq_len else 1  # groups sit on one sequence shard
         slots = moe.capacity(model_cfg.moe_capacity_factor, group, model_cfg.moe_top_k, model_cfg.n_experts)
         buffer = model_cfg.n_experts * lay.rows * local_groups * slots * model_cfg.d_model * a
-        passes = 6 if model_cfg.remat == "full" else 4  # remat=full runs the forward's two again
+        passes = 6 if lay.remat == "full" else 4  # remat=full runs the forward's two again
         yield "all-to-all", expert_axes, microbatches * lay.layer_runs * passes * buffer
 
 
@@ -263,13 +266,13 @@ def _activations(cfg, lay: _Layout) -> tuple[float, float]:
     brought back, the logits), and one layer's share."""
     act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     tensor, seq_len, tokens_dev = lay.tensor, lay.seq_len, lay.tokens_dev
-    per_layer = _activation_bytes_per_token(cfg, cfg.remat, tensor, seq_len) * tokens_dev
-    if lay.seq_axes and cfg.remat != "full":  # the gathered K and V (the local slice is counted per token)
+    per_layer = _activation_bytes_per_token(cfg, lay.remat, tensor, seq_len) * tokens_dev
+    if lay.seq_axes and lay.remat != "full":  # the gathered K and V (the local slice is counted per token)
         per_layer += lay.kv_whole / lay.act_size * act_bytes * (1 - 1 / lay.seq_ways)
     total = lay.layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
-    if cfg.remat == "offload_dots":  # one layer's, back from the host, during its backward
+    if lay.remat == "offload_dots":  # one layer's, back from the host, during its backward
         total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
-    if cfg.remat == "full":  # one layer is recomputed at a time during backward
+    if lay.remat == "full":  # one layer is recomputed at a time during backward
         total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
     if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
         from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
@@ -281,15 +284,17 @@ def _activations(cfg, lay: _Layout) -> tuple[float, float]:
 
 
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
-             microbatches: int, opt_counters: int, opt_moments: float = 2.0,
-             pipeline: dict | None = None, offload: bool = False, per_replica: bool = False) -> dict:
+             microbatches: int, opt_counters: int, opt_moments: float = 2.0, layout=None, offload: bool = False,
+             per_replica: bool = False) -> dict:
     """The ZeRO-style estimate. `params`: [{"shape", "names", "bytes", "trained"}] (bytes = unsharded; trained: has a
     gradient and optimizer state, false for LoRA's frozen base, default true). `opt_moments`: the
-    optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `pipeline`: the
-    config's pipeline group (stages, microbatches, repeats) when the layers are pipelined. `offload`
+    optimizer state's bytes per parameter byte (AdamW in f32: 2; bf16 moments: 1; Muon: fewer). `layout`: how the
+    model runs (models.config.Layout: pipeline, remat, gradient-reduction dtype; default plain). `offload`
     (optim.offload): the optimizer state is counted in host memory, as remat offload_dots' activations are.
     `per_replica`: the step differentiates per-replica weight copies even without accumulation (error feedback)."""
-    lay = _layout(model_cfg, mesh_shape, rules, pipeline, batch=batch, seq_len=seq_len, microbatches=microbatches)
+    from jaxtrain.models.config import Layout  # noqa: PLC0415 (imports jax)
+    lay = _layout(model_cfg, layout or Layout(), mesh_shape, rules, batch=batch, seq_len=seq_len,
+                  microbatches=microbatches)
     placed = [(p, *_param_shards(p["shape"], p["names"], mesh_shape, rules)) for p in params]
     param_bytes, trained_bytes = _param_memory(placed)
     collectives = _sum_collectives(itertools.chain(
@@ -299,7 +304,8 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     opt = opt_moments * trained_bytes + 4 * opt_counters
     act, per_layer = _activations(model_cfg, lay)
     act_f32, _ = _activations(dataclasses.replace(model_cfg, dtype="float32"), lay)
-    host_act = lay.layer_runs * _host_activation_bytes_per_token(model_cfg, lay.tensor, seq_len) * lay.tokens_dev
+    host_act = lay.layer_runs * _host_activation_bytes_per_token(model_cfg, lay.remat, lay.tensor, seq_len) \
+        * lay.tokens_dev
     batch_bytes = 3 * 4 * batch * seq_len / lay.dp
     return {
         "params": param_bytes, "gradients": trained_bytes, "optimizer": 0.0 if offload else opt,

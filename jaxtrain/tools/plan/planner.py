@@ -124,33 +124,34 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
 
     _check_request(num_devices, backend, mfu)
     devices, compiled_on = _target_devices(compiler, backend, device_kind, num_devices)
-    facts, model_cfg = _check_config(config, num_devices, backend, device_kind, force)
+    resolved = _check_config(config, num_devices, backend, device_kind, force)
+    model_cfg, objective = resolved.model, resolved.objective
     if peak_flops is None:  # an unknown device kind fails before the compile
         peak_dev, peak_source = peak_per_device(backend, device_kind, num_devices, model_cfg.dtype)
     else:
         peak_dev, peak_source = float(peak_flops), "--peak_tflops"
-    mesh_shape, rules = facts["mesh_shape"], facts["rules"]
+    mesh_shape, rules = resolved.mesh_shape, resolved.rules
 
-    config, trainer = _build_for_target(config, model_cfg, compiler, mesh_shape, rules, devices)
+    config, trainer = _build_for_target(config, resolved, compiler, devices)
     t = config.train
-    abstract_batch = _abstract_batch(t, trainer.batch_sharding)
+    abstract_batch = _abstract_batch(t, objective, trainer.batch_sharding)
     compiled, compile_s = _compile(trainer, abstract_batch, compiler, devices[0], compiled_on)
 
     state = trainer.abstract_state
     reference, feedback = "reference" in state, step_lib.RESIDUAL in state  # DPO's; error feedback's
     sharded = _sharded_bytes(state, abstract_batch, model_cfg, config.optim.offload)
-    est, inventory = _estimate(config, model_cfg, mesh_shape, rules, reference=reference, feedback=feedback)
+    est, inventory = _estimate(config, resolved, reference=reference, feedback=feedback)
     memory = _memory_analysis(compiled)
     module = _compiled_hlo(compiled, hlo_path)
     collective_rows = _collective_rows(module, mesh_shape, rules, est["collectives"])
 
     tokens = t.batch_size * t.seq_len
-    model_flops = _model_flops(model_cfg, t)
+    model_flops = _model_flops(model_cfg, objective, t)
     flops = _flop_counts(compiled, module, model_flops, num_devices)
     roof = _roofline(module, compiler, device_kind, peak_dev, model_flops / num_devices)
     step_s = model_flops / (peak_dev * num_devices * mfu)
     return {
-        "config": _config_summary(config, model_cfg, mesh_shape),
+        "config": _config_summary(config, resolved),
         "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
                    "num_devices": num_devices, "compiler": compiler, "compiled_on": compiled_on,
                    "peak_flops_per_device": peak_dev, "peak_source": peak_source,
@@ -198,38 +199,43 @@ def _target_devices(compiler: str, backend: str, device_kind: str | None, num_de
     raise ConfigError("compiler", f"unknown {compiler!r}; choose cpu or gpu")
 
 
-def _check_config(config, num_devices: int, backend: str, device_kind: str | None, force: bool) -> tuple:
-    """The config's mesh facts (config.validate) and its model config for the target, or a ConfigError."""
-    from jaxtrain import config as config_lib  # noqa: PLC0415
-    facts = config_lib.validate(config, num_devices)
-    config_lib.check_backend(config, backend)  # the target's: e.g. cuDNN attention needs a gpu target
-    if not force:  # the run's own floor, against the target's memory: refused before a long compile
-        config_lib.check_fits(config, num_devices, device_memory(backend, device_kind))
-    return facts, config_lib.model_config(config, backend)
+def _check_config(config, num_devices: int, backend: str, device_kind: str | None, force: bool):
+    """What config.validate resolves of the config for the target (its mesh, its model in the target's dtypes),
+    or a ConfigError: the target's checks too (e.g. cuDNN attention needs a gpu target), and the run's own memory
+    floor against the target's memory, refused before a long compile unless forced."""
+    from jaxtrain import config as config_lib, memory  # noqa: PLC0415
+    resolved = config_lib.validate(config, num_devices, backend=backend)
+    if not force:
+        memory.check_fits(config, num_devices, device_memory(backend, device_kind))
+    return resolved
 
 
-def _build_for_target(config, model_cfg, compiler: str, mesh_shape: dict, rules: dict, devices: list) -> tuple:
+def _build_for_target(config, resolved, compiler: str, devices: list) -> tuple:
     """(the config as compiled, the trainer a run would build from it: shapes only, nothing allocated).
 
-    The target's dtypes are written into the config so that build_trainer (which resolves `auto` by the platform it
-    compiles for) builds exactly them. The CPU compiler has no cuDNN: its attention is XLA's (the analytic counts
-    the target's kernel)."""
+    The target's dtypes are written into the config, and it is resolved again for the platform it compiles on
+    (fake CPU devices for a GPU target, say), so that build_trainer builds exactly them. The CPU compiler has no
+    cuDNN: its attention is XLA's (the analytic counts the target's kernel)."""
+    from jaxtrain import config as config_lib  # noqa: PLC0415
     from jaxtrain.trainer import build_trainer  # noqa: PLC0415
+    model_cfg = resolved.model
     config = copy.deepcopy(config)
     config.model.dtype, config.model.param_dtype = model_cfg.dtype, model_cfg.param_dtype
     if compiler == "cpu":
         config.model.attention_impl = "xla"
-    trainer = build_trainer(config, mesh_shape, rules, devices=devices)
+    on_target = config_lib.resolve(config, resolved.mesh_shape, resolved.rules, devices[0].platform, resolved.dcn)
+    trainer = build_trainer(config, on_target, devices=devices)
     assert trainer.model_cfg == dataclasses.replace(model_cfg, attention_impl=config.model.attention_impl), \
         (trainer.model_cfg, model_cfg)
     return config, trainer
 
 
-def _abstract_batch(t, sharding) -> dict:
-    """The step's batch as shapes (`t`: the config's train group), placed like a run's."""
+def _abstract_batch(t, objective, sharding) -> dict:
+    """The step's batch as shapes (`t`: the config's train group), with what `objective` needs, placed like a
+    run's."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    keys = ("tokens", "segment_ids", "positions") + (("loss_weights",) if t.objective == "dpo" else ())
+    keys = ("tokens", "segment_ids", "positions") + objective.batch_keys
     return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=sharding) for k in keys}
 
 
@@ -304,19 +310,18 @@ def _optimizer_size(config, model_cfg, names: dict, shapes: dict, inventory: lis
     return counters, moments
 
 
-def _estimate(config, model_cfg, mesh_shape: dict, rules: dict, *, reference: bool,
-              feedback: bool) -> tuple[dict, list[dict]]:
+def _estimate(config, resolved, *, reference: bool, feedback: bool) -> tuple[dict, list[dict]]:
     """The analytic estimate of the step (analytic.py) with the state's extra arguments, and the parameter
     inventory it counted."""
     import jax.numpy as jnp  # noqa: PLC0415
-    t = config.train
+    t, model_cfg = config.train, resolved.model
     inventory, names, shapes = _param_inventory(model_cfg, t.seed)
     counters, moments = _optimizer_size(config, model_cfg, names, shapes, inventory)
-    est = analytic(model_cfg, inventory, mesh_shape, rules, batch=t.batch_size, seq_len=t.seq_len,
+    est = analytic(model_cfg, inventory, resolved.mesh_shape, resolved.rules, batch=t.batch_size, seq_len=t.seq_len,
                    microbatches=t.microbatches, opt_counters=counters, opt_moments=moments,
-                   pipeline=dict(config.pipeline), offload=config.optim.offload,
+                   layout=resolved.layout, offload=config.optim.offload,
                    per_replica=config.optim.grad_reduce_error_feedback)
-    # DPO's frozen reference: a copy of the trained params (all, or LoRA's adapters), an argument of the step.
+    # An objective's frozen reference (DPO's): a copy of the trained params (all, or LoRA's adapters), an argument.
     est["reference"] = est["gradients"] if reference else 0.0
     est["arguments"] += est["reference"]
     # Error feedback's residual: each replica's is f32 and split like its trained params, one copy per device.
@@ -349,12 +354,12 @@ def _collective_rows(module: dict | None, mesh_shape: dict, rules: dict, predict
     return [dict(r, axes=list(r["axes"]), ratio=_ratio(r.get("analytic_bytes"), r["bytes"])) for r in rows]
 
 
-def _model_flops(model_cfg, t) -> float:
+def _model_flops(model_cfg, objective, t) -> float:
     """The step's model FLOPs over all devices (`t`: the config's train group)."""
     from jaxtrain.models import transformer  # noqa: PLC0415
     tokens = t.batch_size * t.seq_len
     model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
-    if t.objective == "dpo":  # the reference model's forward, a third of a train step's FLOPs
+    if objective.reference:  # the reference model's forward, a third of a train step's FLOPs
         model_flops *= 4 / 3
     return model_flops
 
@@ -398,10 +403,10 @@ def _memory_rows(sharded: dict, memory: dict | None, est: dict, *, reference: bo
     return [{"name": n, "compiled": c, "analytic": a, "ratio": _ratio(a, c)} for n, c, a in rows]
 
 
-def _config_summary(config, model_cfg, mesh_shape: dict) -> dict:
-    t = config.train
-    return {"mesh": mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size, "seq_len": t.seq_len,
-            "microbatches": t.microbatches, "remat": model_cfg.remat, "dtype": model_cfg.dtype,
+def _config_summary(config, resolved) -> dict:
+    t, model_cfg = config.train, resolved.model
+    return {"mesh": resolved.mesh_shape, "rules": config.mesh.rules, "batch_size": t.batch_size, "seq_len": t.seq_len,
+            "microbatches": t.microbatches, "remat": resolved.layout.remat, "dtype": model_cfg.dtype,
             "param_dtype": model_cfg.param_dtype, "attention_impl": model_cfg.attention_impl,
             "compiled_attention": config.model.attention_impl}
 

@@ -1,6 +1,11 @@
-"""Old module paths, from before the package was split into layers. `python -m jaxtrain.<tool> ARGS` still
-runs: it is `jaxtrain <command> ARGS`, with one line on stderr naming that command. An import of an old module
-raises ImportError naming the new one. Installed by `jaxtrain/__init__.py`."""
+"""Old module paths, from before the package was split into layers (a workaround for our own users' scripts).
+
+`python -m jaxtrain.<tool> ARGS` still runs: it is `jaxtrain <command> ARGS`, with one line on stderr naming that
+command. For that, `jaxtrain/__init__.py` installs a finder on sys.meta_path, but only in a process started as
+`python -m <an old path>` (`old_command`), so an ordinary `import jaxtrain` changes nothing. `from jaxtrain
+import <old module>` raises ImportError naming the new place (`jaxtrain.__getattr__` uses `moved_to`).
+It can go once the old paths have been documented as gone for a release.
+"""
 
 from __future__ import annotations
 
@@ -42,10 +47,25 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        raise ImportError(f"{module.__name__} has moved to {MODULES[module.__name__]}", name=module.__name__)
+        raise moved_to(module.__name__)
 
     def get_code(self, name):  # what `python -m <old path>` runs
-        return compile(f"from jaxtrain import moved\nmoved.run({name!r})", name, "exec")
+        return compile(f"from jaxtrain.compat import old_paths\nold_paths.run({name!r})", name, "exec")
+
+
+def old_command(orig_argv: list[str]) -> str | None:
+    """The old path `python -m` runs in a process started with `orig_argv` (sys.orig_argv), or None."""
+    for i, arg in enumerate(orig_argv[1:-1], 1):
+        if arg == "-m" or (arg.startswith("-") and not arg.startswith("--") and arg.endswith("m")):  # -m, -um
+            return orig_argv[i + 1] if orig_argv[i + 1] in COMMANDS else None
+        if not arg.startswith("-"):  # a script or `-c`'s code: no module run
+            return None
+    return None
+
+
+def moved_to(name: str) -> ImportError | None:
+    """The ImportError for importing `name` (a module path), if that module has moved."""
+    return ImportError(f"{name} has moved to {MODULES[name]}", name=name) if name in MODULES else None
 
 
 def install() -> None:

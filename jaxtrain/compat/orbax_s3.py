@@ -1,14 +1,15 @@
 """Orbax checkpoints in s3:// buckets.
 
 Orbax 0.12 builds tensorstore specs for local paths and gs:// only (google/orbax#359; the PR that adds S3 is not
-merged). Tensorstore has its own s3 driver, and etils.epath reaches s3:// through s3fs for the small files, so the
+merged: this module can go when it is). Tensorstore has its own s3 driver, and etils.epath reaches s3:// through s3fs for the small files, so the
 only gap is that spec: `install()` wraps Orbax's three spec helpers so an s3:// path gets the s3 driver and every
 other path exactly what Orbax gives it. Every process writes its own shards straight to the bucket, as on gs://.
 The endpoint and region come from the variables boto3 reads (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION
 or AWS_DEFAULT_REGION); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY when set, else tensorstore's
 AWS chain (profile, instance metadata). S3 has no atomic rename, so a step commits by writing Orbax's
 commit_success.txt last (checkpoint.py sets CommitFileTemporaryPath), as on GCS.
-`problem()` says why the helpers cannot be wrapped, should a later Orbax rename them.
+`problem()` says why the helpers cannot be wrapped, should a later Orbax rename them; `install()` records it in
+`jaxtrain.checkpoint.s3_problem`, which refuses s3:// checkpoint dirs naming the field.
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ def kvstore_spec(url: str) -> dict:
 
 
 def install() -> None:
-    """Makes Orbax write and read s3:// paths through tensorstore's s3 driver (idempotent)."""
+    """Makes Orbax write and read s3:// paths through tensorstore's s3 driver (idempotent). Where the installed
+    Orbax lacks the helpers, changes nothing and leaves the reason in `jaxtrain.checkpoint.s3_problem`."""
     global _installed
+    from jaxtrain import checkpoint  # noqa: PLC0415 - where s3:// dirs are checked
+
     with _lock:
         if _installed:
             return
-        if (why := problem()) is not None:
-            raise RuntimeError(why)
+        checkpoint.s3_problem = problem()
+        if checkpoint.s3_problem is not None:
+            return
         gcs_utils, ts_utils = _modules()
         kvstore, use_driver, normalize = (gcs_utils.get_kvstore_for_gcs, ts_utils._use_gcs_driver,
                                           ts_utils._normalize_path)

@@ -1,13 +1,14 @@
-"""Host memory on CPU runs: keep freed heap memory in the process so XLA:CPU stops page-faulting its buffers in
-again on every step.
+"""glibc malloc on CPU runs: keep freed heap memory in the process so XLA:CPU stops page-faulting its buffers in
+again on every step (workaround for XLA:CPU freeing a step's buffers to glibc, which unmaps large blocks).
 
 XLA:CPU allocates a step's buffers and frees them after it; with glibc's defaults blocks that large are mmap'd
-and unmapped again, so the kernel zero-fills fresh pages every step. `keep_freed_memory` stops that for the main
+and unmapped again, so the kernel zero-fills fresh pages every step. `install` stops that for the main
 malloc arena and makes jax run CPU computations on the calling thread (an async worker's own arena would mmap
-large blocks whatever the settings); the step is ~12% faster and the process keeps its high-water mark of
-memory (docs/performance.md). Call it before jax starts its backend. Only for CPU runs, decided without
+large blocks whatever the settings); the step is faster and the process keeps its high-water mark of memory
+(docs/performance.md has the figure). Call it before jax starts its backend. Only for CPU runs, decided without
 starting jax: JAX_PLATFORMS / JAX_PLATFORM_NAME if set, else whether a GPU or TPU plugin is installed.
 JAXTRAIN_KEEP_FREED_MEMORY=1 forces it, =0 leaves the defaults. The malloc settings need glibc.
+It can go when XLA:CPU keeps its own buffer pool between executions (no upstream issue tracks it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 64 << 20))
 ACCELERATOR_MODULES = ("jax_cuda", "jax_rocm", "libtpu")  # name prefixes of jax's GPU/TPU plugin packages
 
-status = "not applied"  # what keep_freed_memory() last did; scripts print it next to their figures
+NOT_APPLIED = "not applied"
+status = NOT_APPLIED  # what install() did; scripts print it next to their figures
 
 
 def cpu_run(environ=os.environ, installed=None) -> bool:
@@ -38,10 +40,12 @@ def cpu_run(environ=os.environ, installed=None) -> bool:
     return not any(name.startswith(ACCELERATOR_MODULES) for name in names)
 
 
-def keep_freed_memory(environ=os.environ) -> str:
-    """Applies the settings where wanted (see the module doc); returns and records in `status` what it did."""
+def install(environ=os.environ) -> str:
+    """Applies the settings where wanted (see the module doc), once per process; returns and records in `status`
+    what it did."""
     global status
-    status = _apply(environ)
+    if status == NOT_APPLIED:
+        status = _apply(environ)
     return status
 
 
@@ -58,7 +62,7 @@ def _apply(environ) -> str:
     if wanted == "" and not cpu_run(environ):
         return "defaults (accelerator run)"
     if xla_bridge.backends_are_initialized():
-        return "defaults (jax had already started; call keep_freed_memory before the first jax computation)"
+        return "defaults (jax had already started; call jaxtrain.compat.install() before the first jax computation)"
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "steps on the calling thread; system malloc defaults (not glibc)"
@@ -66,19 +70,3 @@ def _apply(environ) -> str:
     if all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
         return "kept (glibc main arena: no mmap, no trim; steps on the calling thread)"
     return "steps on the calling thread; glibc malloc defaults (mallopt refused)"
-
-
-def device_bytes(devices) -> float | None:
-    """Memory one of these (local) devices can hold: an accelerator's own limit, or for CPU devices the host's
-    physical memory shared among them; None if unknown."""
-    device = devices[0]
-    if device.platform != "cpu":
-        try:
-            return float((device.memory_stats() or {}).get("bytes_limit") or 0) or None
-        except Exception:  # noqa: BLE001 - a backend without memory stats
-            return None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
-    return total / sum(d.platform == "cpu" for d in devices)

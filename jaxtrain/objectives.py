@@ -1,0 +1,190 @@
+"""Training objectives: what a step minimises, and what each objective needs from the rest of the run.
+
+An `Objective` declares its name (`train.objective`), its config group (named after it), the data it trains on,
+its extra state, its memory beyond the model's, and its metrics. `register` adds one and `get` finds it: config
+validation, the data checks, the step, the fit check, the planner and the logs read these declarations, and
+none of them compares an objective's name. Built in: "lm" (next-token cross-entropy: pretraining, and SFT
+through chat data's loss weights) and "dpo" (preference pairs against the frozen starting model).
+A new objective is one `register` call with a loss function; tests/test_objectives.py adds one from a test file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import cross_entropy
+from jaxtrain.models import dpo as dpo_lib
+from jaxtrain.models.cross_entropy import linear_cross_entropy
+
+# What a prepared data dir holds (its manifest says which): token streams of documents (chat data adds loss
+# weights), or preference pairs (`prepare --preference`).
+DATA_KINDS = ("documents", "pairs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """What a step minimises, for one config. terms(graphdef, params, batch) -> (summed loss, summed metrics,
+    the model's aux scalars); the step divides both sums by count(batch) over the whole batch (scored tokens, or
+    pairs), so that gradient accumulation equals one big step."""
+    terms: Callable
+    count: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """A metric an objective adds to the step's: `label` (with `scale`, e.g. 100 for a percent) names its plot in
+    `jaxtrain report`; `progress` (a format of the scaled value, e.g. "pref acc {:.1f}%") puts it on the
+    progress line."""
+    label: str
+    scale: float = 1.0
+    progress: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """`loss(group)`: the Loss for the objective's config group (`cfg.<name>`, or None without one).
+    `config`: that group's defaults ({}: no group); `check_config(group)` raises ConfigError naming a bad field.
+    `data`: the kind of data dir it trains on (DATA_KINDS); `batch_keys`: what its batches need beyond tokens,
+    positions and segment ids. `reference`: its extra state, the frozen starting trained weights (the state's
+    "reference"; under LoRA the starting adapters only), whose log-probs the step adds to each batch.
+    `extra_bytes_per_param`: its memory per matmul parameter beyond the model's and the optimizer's, when every
+    parameter trains (the fit check, `jaxtrain.memory`). `metrics`: what its loss reports besides the loss."""
+    name: str
+    loss: Callable[..., Loss]
+    config: dict = dataclasses.field(default_factory=dict)
+    check_config: Callable | None = None
+    data: str = "documents"
+    batch_keys: tuple[str, ...] = ()
+    reference: bool = False
+    extra_bytes_per_param: int = 0
+    metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)
+
+
+_REGISTRY: dict[str, Objective] = {}
+
+
+def register(objective: Objective) -> Objective:
+    """Makes `objective` available as train.objective=<its name> (and its config group in the schema)."""
+    if objective.data not in DATA_KINDS:
+        raise ValueError(f"objective {objective.name!r}: data must be one of {DATA_KINDS}, got {objective.data!r}")
+    _REGISTRY[objective.name] = objective
+    return objective
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Objective:
+    """The objective named `name`; ConfigError naming train.objective if there is none."""
+    if name not in _REGISTRY:
+        raise ConfigError("train.objective", f"{name!r} is not one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def loss_of(config) -> Loss:
+    """The run's Loss: train.objective's, from its config group."""
+    objective = get(config.train.objective)
+    return objective.loss(config[objective.name] if objective.config else None)
+
+
+# ===== What objectives share: the model's outputs on a batch ==========================================================
+
+def next_token_targets(batch):
+    """Targets are the next token; a position counts only if the next token is in the same document, and, with
+    chat data's "loss_weights", by the weight of the token it predicts (1 on assistant tokens, 0 elsewhere)."""
+    def shifted(x):
+        return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    targets = shifted(tokens)
+    weights = ((seg != 0) & (shifted(seg) == seg)).astype(jnp.float32)
+    if "loss_weights" in batch:
+        weights = weights * shifted(batch["loss_weights"]).astype(jnp.float32)
+    return targets, weights
+
+
+def model_inputs(batch):
+    """The model's inputs in `batch`; its "dropout_keys" are there in training steps only."""
+    return batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("dropout_keys")
+
+
+def _fused_head(model) -> bool:
+    # The head fused with the loss, chunk by chunk: no [B, T, vocab] logits. Not with a final soft-cap (Gemma 2),
+    # which the fused kernel does not apply.
+    return bool(model.cfg.loss_chunk_tokens) and not model.cfg.final_softcap
+
+
+def logits(graphdef, params, batch):
+    """(logits [B, T, vocab] in f32, the model's aux scalars): for a loss that needs the whole distribution."""
+    out, aux = nnx.merge(graphdef, params).forward(*model_inputs(batch))
+    return out.astype(jnp.float32), aux
+
+
+def loss_terms(graphdef, params, batch):
+    """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
+    model = nnx.merge(graphdef, params)
+    targets, weights = next_token_targets(batch)
+    if _fused_head(model):
+        x, aux = model.hidden(*model_inputs(batch))
+        ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
+                                      model.layout.grad_reduce_dtype)
+        return ce_sum, jnp.sum(weights), aux
+    out, aux = model.forward(*model_inputs(batch))
+    ce = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), targets)
+    return jnp.sum(ce * weights), jnp.sum(weights), aux
+
+
+def token_log_probs(graphdef, params, batch):
+    """(each scored token's log-probability times its weight, f32 [B, T]; the model's aux scalars)."""
+    model = nnx.merge(graphdef, params)
+    targets, weights = next_token_targets(batch)
+    if _fused_head(model):
+        x, aux = model.hidden(*model_inputs(batch))
+        log_probs = cross_entropy.token_log_probs(x, model.head(), targets, model.cfg.loss_chunk_tokens, x.dtype)
+    else:
+        out, aux = model.forward(*model_inputs(batch))
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(out.astype(jnp.float32)), targets[..., None], -1)[..., 0]
+    return log_probs * weights, aux
+
+
+# ===== The built-in objectives =======================================================================================
+
+def _language_model(_) -> Loss:
+    def terms(graphdef, params, batch):
+        ce_sum, _, aux = loss_terms(graphdef, params, batch)  # looked up at trace time (tests wrap it)
+        return ce_sum, {}, aux
+
+    return Loss(terms, lambda batch: next_token_targets(batch)[1].sum())
+
+
+def dpo_loss(beta: float, label_smoothing: float = 0.0) -> Loss:
+    """DPO's pair loss (jaxtrain.models.dpo) over batches that carry "reference_log_probs"."""
+    def terms(graphdef, params, batch):
+        policy, aux = token_log_probs(graphdef, params, batch)
+        loss, metrics = dpo_lib.batch_terms(policy, batch["reference_log_probs"], batch["segment_ids"], beta,
+                                            label_smoothing)
+        return loss, metrics, aux
+
+    return Loss(terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]))
+
+
+LANGUAGE_MODEL = register(Objective("lm", _language_model))
+DPO = register(Objective(
+    "dpo", lambda group: dpo_loss(group.beta, group.label_smoothing), config=dpo_lib.CONFIG,
+    check_config=dpo_lib.check_config, data="pairs", batch_keys=("loss_weights",), reference=True,
+    # Without LoRA the reference is a second copy of the weights, in f32.
+    extra_bytes_per_param=4,
+    metrics={"dpo/accuracy": Metric("preference accuracy (%)", 100.0, "pref acc {:.1f}%"),
+             "dpo/margin": Metric("reward margin", 1.0, "margin {:.3f}")}))
