@@ -24,7 +24,8 @@ WHEELS="grain==0.2.18 array_record==0.8.6 ml_collections==1.1.0 portpicker==1.6.
 # tokamax (model.moe_kernel=tokamax) and what it imports; each name here is also its import name. The image's
 # jax 0.11 needs tokamax >= 0.0.13 (0.0.12's Mosaic GPU kernels call the API jax 0.11 renamed); 0.0.17 imports xprof.
 KERNEL_WHEELS="tokamax==0.0.17 xprof==2.24.2 einshape==1.0 immutabledict==4.3.1 jaxtyping==0.3.11 wadler_lindig==0.1.8
-pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 tqdm==4.70.1"
+pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 tqdm==4.70.1 fire==0.7.1
+termcolor==3.3.0"
 if [[ "${1:-}" == "--download" ]]; then
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
