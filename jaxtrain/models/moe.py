@@ -147,11 +147,14 @@ _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), 
 
 
 def _kernel_ops(name: str):
-    """(ragged_dot, ragged_dot_general) of the library `model.moe_kernel` names (tokamax imported only then)."""
+    """(ragged_dot, the weight gradient's ragged_dot_general) of the library `model.moe_kernel` names (tokamax
+    imported only then). tokamax's forward and input gradient, and XLA's weight gradient: tokamax 0.0.17's
+    ragged-contracting kernel gave weight gradients off by 14-34% of their largest entry on an H200 with jax 0.11.2,
+    where its other two equal XLA's (docs/performance.md; `scripts/bench_ragged_dot.py` checks it again)."""
     if name == "tokamax":
         import tokamax  # optional: jaxtrain[kernels]; its absl flags: jaxtrain.compat.tokamax
 
-        return tokamax.ragged_dot, tokamax.ragged_dot_general
+        return tokamax.ragged_dot, jax.lax.ragged_dot_general
     return jax.lax.ragged_dot, jax.lax.ragged_dot_general
 
 

@@ -98,22 +98,32 @@ def test_gpu_bench_moe_times_both_ragged_dots_and_trains_tokamax_like_xla(tmp_pa
     assert moe_run["dropless"]["dropped_fraction"] == 0 < moe_run["capacity"]["dropped_fraction"]
 
 
-def test_bench_ragged_dot_exits_1_when_a_kernel_s_gradient_differs_from_xla_s():
-    """The check for what a one-off script found on an H100 (tokamax's weight gradient wrong), with a kernel made
-    wrong here: the script names the output that differs and exits 1 (its timings and JSON line still printed)."""
+def test_bench_ragged_dot_exits_1_when_the_kernel_jaxtrain_runs_differs_from_xla_s():
+    """The GPU check of tokamax, with its kernels made wrong here. Its ragged_dot (what jaxtrain runs forward and
+    for the input gradient) 1.2x wrong: the script names the outputs that differ and exits 1, its timings and JSON
+    line still printed. Its ragged-contracting kernel (the weight gradient, which jaxtrain takes from XLA since an
+    H200 measured it wrong) 1.2x wrong: reported beside the rest, and the path jaxtrain runs still passes."""
     pytest.importorskip("tokamax")
-    wrong = ("import runpy, sys, tokamax; dot_general = tokamax.ragged_dot_general; "
-             "tokamax.ragged_dot_general = lambda *a, **k: dot_general(*a, **k) * 1.2; "
-             "sys.argv = ['bench_ragged_dot.py', '--rows', '64', '--k', '16', '--n', '32', '--steps', '1']; "
-             "runpy.run_path('scripts/bench_ragged_dot.py', run_name='__main__')")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", wrong], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+
+    def run(name):
+        wrong = (f"import runpy, sys, tokamax; kernel = tokamax.{name}; "
+                 f"tokamax.{name} = lambda *a, **k: kernel(*a, **k) * 1.2; "
+                 "sys.argv = ['bench_ragged_dot.py', '--rows', '64', '--k', '16', '--n', '32', '--steps', '1']; "
+                 "runpy.run_path('scripts/bench_ragged_dot.py', run_name='__main__')")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-c", wrong], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    proc = run("ragged_dot")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("tokamax against XLA")]
-    assert len(verdict) == 1 and verdict[0].endswith(": NOT EQUAL (dw)"), proc.stdout
+    assert len(verdict) == 1 and ": NOT EQUAL (" in verdict[0], proc.stdout
     errors = json.loads(proc.stdout.splitlines()[-1])["tokamax"]["vs_xla"]
-    assert errors["fwd"] == errors["dx"] == 0 and 0.15 < errors["dw"] < 0.25  # 1.2x: a fifth of the largest entry
+    assert 0.15 < errors["fwd"] < 0.25 and 0.15 < errors["dx"] < 0.25 and errors["dw"] == 0
+    proc = run("ragged_dot_general")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.splitlines()[-1])["tokamax"]
+    assert result["vs_xla"] == {"fwd": 0, "dx": 0, "dw": 0} and 0.15 < result["own_dw_vs_xla"] < 0.25
 
 
 def test_bench_revs_times_another_commit_and_this_checkout_in_turn(tmp_path):
