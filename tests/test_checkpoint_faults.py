@@ -230,7 +230,9 @@ pid = int(os.environ["CKPT_PID"])
 faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, instead of a bare timeout
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{os.environ['CKPT_PORT']}", num_processes=2, process_id=pid)
-from jaxtrain import checkpoint
+from jaxtrain import checkpoint, compat
+
+compat.install()  # this script is its process's entry point: s3:// checkpoints need Orbax's specs extended
 
 mesh = jax.make_mesh((8,), ("d",), devices=jax.devices())
 def state(step):
