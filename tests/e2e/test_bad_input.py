@@ -236,9 +236,12 @@ def test_prepare_recurses_on_double_star_and_a_failed_prepare_leaves_nothing(tmp
 
 def test_ctrl_c_saves_nothing_new_says_what_was_saved_and_a_rerun_resumes(tiny_config, tmp_path):
     config = tiny_config(tmp_path / "run")
+    # SIGINT's default disposition in the child, whatever this process has: a suite started as a background job
+    # (`nohup make test &`) has it ignored, and the child would inherit that (docs/reliability.md).
     proc = subprocess.Popen([sys.executable, "-m", "jaxtrain", "train", "--config", "configs/tiny.py",
                              *tiny_args(config), "--config.train.steps=100000", "--config.log.every_steps=100"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while not (tmp_path / "run" / "checkpoints" / "10").is_dir() and time.monotonic() < deadline:
         time.sleep(0.2)
