@@ -70,3 +70,29 @@ def tiny_config(tiny_data_dir, tmp_path_factory):
         return c
 
     return make
+
+
+# ===== Time: the suite's budget and each file's (tests/budgets.json), reported at the end, never asserted ======
+# pytest-xdist's controller receives every worker's reports, so the sums cover the whole suite.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    import json
+    from pathlib import Path
+
+    if not _FILE_SECONDS:
+        return
+    budgets = json.loads((Path(__file__).parent / "budgets.json").read_text())
+    over = [(path, s, budgets["files"].get(path)) for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+            if s > budgets["files"].get(path, budgets["default_file_s"])]
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"test time: {total / 60:.1f} min summed over {len(_FILE_SECONDS)} files "
+                                    f"(tests/budgets.json)")
+    for path, s, budget in over:
+        terminalreporter.write_line(f"over budget: {path} {s:.0f} s (budget {budget or budgets['default_file_s']} s)")
