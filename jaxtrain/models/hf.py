@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jax
 import ml_dtypes
@@ -468,6 +468,9 @@ def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HFError(f"{index}: no weight_map")
+        for name in set(weight_map.values()):  # files of this directory only (symlinks in it, as the HF cache has, are)
+            if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts or "\\" in name:
+                raise HFError(f"{index}: weight_map names {name!r}, outside the directory")
         files = [hf_dir / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():

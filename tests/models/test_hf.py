@@ -4,6 +4,7 @@ and the export / overrides CLI on a real workdir."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -234,6 +235,37 @@ def test_unrepresentable_configs_are_refused(exported, changes, named):
     _, _, out = exported
     edit_config(out, **changes)
     with pytest.raises(hf.HFError, match=f"config.json: {named}: "):
+        hf.import_dir(out)
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10**9), ("vocab_size", 2**40),
+                                         ("num_attention_heads", 4096)])
+def test_absurd_sizes_are_refused_before_anything_is_built_from_them(exported, field, value):
+    """A damaged or hostile config.json: refused at read, naming the field, before any tensor name is made (a
+    billion layers' names would exhaust memory first)."""
+    _, _, out = exported
+    edit_config(out, **{field: value})
+    with pytest.raises(hf.HFError, match=rf"config.json: {field}: {value}; more than jaxtrain reads"):
+        hf.read_config(out)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/outside.safetensors", "sub/../../x.safetensors"])
+def test_a_weight_map_stays_inside_its_directory_and_may_follow_symlinks(tmp_path, name):
+    """A sharded index names files of its directory only; a shard that is a symlink (the HF cache's blobs) loads."""
+    cfg = tiny_model(tie=False)
+    params = random_params(cfg)
+    out = hf.export(params, cfg, tmp_path / "hf")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (out / "model.safetensors").rename(blobs / "abc123")
+    (out / "model-00001-of-00001.safetensors").symlink_to(blobs / "abc123")
+    tensors = tensors_of(out / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model-00001-of-00001.safetensors")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_same_tree(params, hf.import_dir(out)[1])
+    index["weight_map"][sorted(tensors)[0]] = name
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hf.HFError, match=rf"weight_map names {re.escape(repr(name))}, outside the directory"):
         hf.import_dir(out)
 
 

@@ -14,6 +14,14 @@ from jaxtrain.errors import HFError
 from jaxtrain.models.config import ModelConfig
 
 
+# The largest value read from a config.json field (SIZE_LIMIT unless listed): far above any released model's, so
+# that a damaged or hostile file is refused before anything is built from it (an absurd num_hidden_layers would
+# exhaust memory building tensor names first).
+SIZE_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "num_local_experts": 4096, "num_experts": 4096, "num_experts_per_tok": 64}
+SIZE_LIMIT = 1 << 24  # vocabularies, widths, windows and positions
+
+
 class HFConfig:
     """A config.json's values, each read with a check; `refuse` is an HFError naming the file and field."""
 
@@ -37,6 +45,8 @@ class HFConfig:
         value = self.get(field, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             self.refuse(field, f"{value!r}; expected a positive integer")
+        if value > (limit := SIZE_LIMITS.get(field, SIZE_LIMIT)):
+            self.refuse(field, f"{value}; more than jaxtrain reads from a config.json ({limit}): a damaged file?")
         return value
 
     def absent(self, *fields, why: str = "the model has no such option"):
