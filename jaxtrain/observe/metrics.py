@@ -110,9 +110,10 @@ class MultiWriter(MetricWriter):
 # ===== Reading metrics.jsonl back ========================================================================
 
 def read_records(metrics: Path) -> list[dict]:
-    """A metrics.jsonl's records with an integer step, in file order (a line a kill cut short is skipped)."""
+    """A metrics.jsonl's records with an integer step, in file order (a line a kill cut short, or damaged so that
+    it does not parse, is skipped)."""
     records = []
-    with open(metrics) as f:
+    with open(metrics, encoding="utf-8", errors="replace") as f:  # a stray byte damages its line only
         for line in f:
             try:
                 r = json.loads(line)

@@ -317,6 +317,7 @@ def _cli(*args):
     (["--devices", "4", "--config.mesh.data=8"], "error: mesh.data:"),  # 8 does not fit in --devices 4
     (["--devices=0"], "error: devices:"),
     (["--devices", "65536"], "error: devices: 65536 fake CPU devices"),
+    (["--json", "configs"], "error: --json: configs: is a directory"),  # refused before the compile
 ])
 def test_cli_bad_flags_exit_2_with_one_line(args, field):
     proc = _cli(*args)

@@ -256,6 +256,16 @@ def test_cli_prints_the_table_and_writes_the_files(tmp_path):
     assert_png(tmp_path / "rep" / "loss.png")
 
 
+def test_a_damaged_byte_in_metrics_jsonl_costs_its_line_only(tmp_path):
+    run = complete_run(tmp_path / "a")
+    metrics = Path(run) / "metrics.jsonl"
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(b"".join(lines[:1] + [b'{"step": 2, "loss": \xff\xfe}\n'] + lines[1:]))
+    proc = cli(run, "--output", tmp_path / "out", cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert report.load_run(run).train == report.load_run(complete_run(tmp_path / "b")).train
+
+
 @pytest.mark.parametrize("case", ["missing_dir", "no_metrics", "names_count"])
 def test_cli_bad_input_exits_2_before_writing(tmp_path, case):
     good = complete_run(tmp_path / "good")

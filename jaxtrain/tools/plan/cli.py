@@ -91,6 +91,8 @@ def _plan(config, devices: int | None, FLAGS) -> int:  # noqa: N803 - absl's fla
 
     for flag in ("json", "hlo"):  # before the compile, which can take minutes
         if FLAGS[flag].value:
+            if Path(FLAGS[flag].value).is_dir():
+                raise ConfigError(f"--{flag}", f"{FLAGS[flag].value}: is a directory; give the file to write")
             files.make_dir(Path(FLAGS[flag].value).parent, f"--{flag}")
     n = devices
     if n is None:
