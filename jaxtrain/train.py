@@ -115,6 +115,7 @@ def check_data(config, resolved: config_lib.Resolved) -> Data:
     """The data dir (the default corpus prepared there if it is not yet) and every dir the config names: each
     holds what the objective trains on, its tokenizer fits the model, and chat data fits a row."""
     ddir = layout.default_dir(config.data)
+    pipeline.check_data_dir(config.data)
     if not storage.is_url(ddir) and not layout.prepared_from_sources(ddir):  # else used as it is
         corpus.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
     tok = layout.load_tokenizer(ddir)  # exit 2 if it is not the shards' tokenizer

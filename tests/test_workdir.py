@@ -124,3 +124,13 @@ def test_config_json_binds_only_a_workdir_with_checkpoints(tiny_config, monkeypa
         train.run(tiny_config(workdir=first.workdir, **longer, **{"model.d_ff": 64}), print_fn=quiet)
     assert not saved.exists()
     assert train.run(tiny_config(workdir=first.workdir, **longer, **{"model.d_ff": 48}), print_fn=quiet)["step"] == 8
+
+
+def test_a_data_dir_that_does_not_exist_is_refused_not_filled_with_the_default_corpus(tiny_config, tmp_path):
+    """Issue 53: a typo in data.dir prepared the Bible there and trained on it. Now it exits 2 naming the field,
+    and nothing is created: neither that dir nor the workdir."""
+    cfg = tiny_config(**{"data.dir": str(tmp_path / "corpsu")})
+    with pytest.raises(errors.ConfigError, match=rf"^data.dir: {tmp_path / 'corpsu'}: no such directory"):
+        train.run(cfg, print_fn=quiet)
+    assert not (tmp_path / "corpsu").exists() and not Path(cfg.workdir).exists()
+

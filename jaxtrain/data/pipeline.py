@@ -508,6 +508,14 @@ def eval_batches(data_dir: str, *, seq_len: int, global_batch: int, num_batches:
             for k in range(num_batches)]
 
 
+def check_data_dir(data) -> None:
+    """ConfigError unless the `data` group's dir exists (or is a URL, or empty: the default corpus's cache, made on
+    first use): a typo in data.dir must not prepare the default corpus there and train on it."""
+    if data.dir and not storage.is_url(data.dir) and not os.path.exists(data.dir):
+        raise ConfigError("data.dir", f"{data.dir}: no such directory; prepare data there (jaxtrain prepare --output "
+                          f"{data.dir} ...), or leave data.dir empty for the default corpus")
+
+
 def check_conversations_fit(data_dir: str, seq_len: int) -> None:
     """Chat data: ConfigError when its longest conversation does not fit a row (cheap: the manifest only)."""
     chat = load_manifest(data_dir).get("chat") or {}

@@ -33,7 +33,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     get_sweep() dict or a Sweep. Raises SweepError/ConfigError/DataError before any trial for bad input.
 
     Returns {"rows", "best" (row or None), "csv", "markdown", "plot", "sweep_dir"}."""
-    from jaxtrain.data import corpus, layout
+    from jaxtrain.data import corpus, layout, pipeline
 
     spec = load(sweep, trials)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -41,6 +41,7 @@ def run(config, sweep, sweep_dir=None, *, workers: int = 1, storage: str | None 
     check(config, spec)
     sweep_dir = Path(sweep_dir) if sweep_dir else default_sweep_dir(config, spec.name)
     # The corpus once, here: N workers' first trials would otherwise all build it; a DataError is bad input.
+    pipeline.check_data_dir(config.data)
     ddir = layout.default_dir(config.data)
     if not layout.prepared_from_sources(ddir):
         corpus.prepare_default_corpus(ddir, config.data.vocab_size, config.data.heldout_docs)
