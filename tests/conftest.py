@@ -92,7 +92,7 @@ def pytest_terminal_summary(terminalreporter):
     over = [(path, s, budgets["files"].get(path)) for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
             if s > budgets["files"].get(path, budgets["default_file_s"])]
     total = sum(_FILE_SECONDS.values())
-    terminalreporter.write_sep("=", f"test time: {total / 60:.1f} min summed over {len(_FILE_SECONDS)} files "
-                                    f"(tests/budgets.json)")
+    terminalreporter.write_sep("=", f"test time: {total / 60:.1f} min summed over {len(_FILE_SECONDS)} files, "
+                                    f"budget {budgets['suite_min']} min (tests/budgets.json)")
     for path, s, budget in over:
         terminalreporter.write_line(f"over budget: {path} {s:.0f} s (budget {budget or budgets['default_file_s']} s)")
