@@ -93,6 +93,14 @@ def get(name: str) -> Objective:
     return _REGISTRY[name]
 
 
+def by_data() -> dict[str, list[str]]:
+    """Each kind of data (DATA_KINDS) -> the names of the objectives that train on it."""
+    kinds: dict[str, list[str]] = {}
+    for objective in _REGISTRY.values():
+        kinds.setdefault(objective.data, []).append(objective.name)
+    return kinds
+
+
 def loss_of(config) -> Loss:
     """The run's Loss: train.objective's, from its config group."""
     objective = get(config.train.objective)

@@ -124,11 +124,8 @@ def check_data(config, resolved: config_lib.Resolved) -> Data:
                           f"({tok.vocab_size}) of the tokenizer in {ddir}")
     pipeline.check_extra_dirs(ddir, config.data.mixture, config.eval.sets)
     pipeline.check_conversations_fit(ddir, config.train.seq_len)
-    suits = {}  # the kind of data -> the objectives that train on it
-    for name in objectives.names():
-        suits.setdefault(objectives.get(name).data, []).append(name)
-    pipeline.check_data_kind(ddir, resolved.objective.name, resolved.objective.data, suits, config.data.mixture,
-                             config.eval.sets)
+    pipeline.check_data_kind(ddir, resolved.objective.name, resolved.objective.data, objectives.by_data(),
+                             config.data.mixture, config.eval.sets)
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, layout.local_tokenizer_dir(ddir) if storage.is_url(ddir) else ddir)
     return Data(ddir, tok)

@@ -96,7 +96,8 @@ def test_its_config_group_and_name_are_validated(smoothed, tiny_config):
 
 def test_the_data_check_reads_the_declaration(smoothed, tiny_data_dir):
     """A documents objective refuses preference pairs and names the objectives for each kind of data."""
-    suits = {"documents": ["lm", NAME], "pairs": ["dpo"]}
+    suits = objectives.by_data()
+    assert suits == {"documents": ["lm", NAME], "pairs": ["dpo"]}
     pipeline.check_data_kind(tiny_data_dir, NAME, "documents", suits)
     with pytest.raises(ConfigError, match=rf"^train\.objective: 'dpo', but {tiny_data_dir} holds not preference "
                                           rf"pairs; set it to lm or {NAME}, or prepare the data with --preference$"):
