@@ -42,8 +42,8 @@ def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
 
 
 def reference_params(state: dict, lora: bool):
-    """An objective's reference model (DPO's), the run's starting weights: the state's frozen copy of them, which under LoRA holds
-    the starting adapters only, over the frozen base. Fresh adapters have B = 0, so that reference is the base
+    """An objective's reference model (DPO's), the run's starting weights: the state's frozen copy of them,
+    which under LoRA holds the starting adapters only, over the frozen base. Fresh adapters have B = 0, so that reference is the base
     with the adapters off, exactly, and the weights are not held twice."""
     if lora:
         return lora_lib.join(state["reference"], lora_lib.split(state["params"])[1])

@@ -140,8 +140,9 @@ class Trainer:
 
 def compiled_to_run_once(jitted, mesh):
     """`jitted`, compiled on CPU without XLA's backend optimizations: for a function that runs once per run
-    (the init), they cost most of startup and save nothing (docs/performance.md, "Compile time and startup"). Its values then differ from an optimized compile's by float rounding (a few ulps); every run
-    and every process compiles it the same way, so runs stay bit-identical to each other."""
+    (the init), they cost most of startup and save nothing (docs/performance.md, "Compile time and startup").
+    Its values then differ from an optimized compile's by float rounding (a few ulps); every run and every
+    process compiles it the same way, so runs stay bit-identical to each other."""
     if mesh.devices.flat[0].platform != "cpu":
         return jitted
     compiled = {}

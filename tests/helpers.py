@@ -26,8 +26,8 @@ def tree_digest(directory):
 def install_poison(setattr_fn, bad_step: int, only_process: int | None = None):
     """Makes the batch of `bad_step` turn the loss (and every gradient) NaN, as a corrupt record would.
 
-    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); objectives.loss_terms turns it
-    into NaN inside the jitted step. `setattr_fn` is pytest's monkeypatch.setattr, or plain setattr in a
+    The marker is a position of -1 in the batch (on `only_process`'s rows only, if given); objectives.loss_terms
+    turns it into NaN inside the jitted step. `setattr_fn` is pytest's monkeypatch.setattr, or plain setattr in a
     subprocess."""
     import jax
     import jax.numpy as jnp

@@ -27,7 +27,8 @@ WEIGHT_MATMUL = "weight_matmul"
 
 # cuDNN's attention forward (jax.nn.dot_product_attention with implementation="cudnn") binds a primitive of this
 # name. Saving its outputs (the attention output and the softmax statistics) spares the backward a second forward
-# kernel, for their memory (docs/performance.md, "GPU: one H100"). Nothing else binds it, and XLA's attention is still recomputed from the saved matmuls.
+# kernel, for their memory (docs/performance.md, "GPU: one H100"). Nothing else binds it, and XLA's attention is
+# still recomputed from the saved matmuls.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 _SAVE_WEIGHT_MATMULS = jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL)
 

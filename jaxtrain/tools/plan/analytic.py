@@ -107,7 +107,8 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
     vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
     kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
     return _Layout(
-        remat=run.remat, grad_reduce_dtype=run.grad_reduce_dtype, mesh_shape=mesh_shape, batch_axes=batch_axes, seq_axes=seq_axes,
+        remat=run.remat, grad_reduce_dtype=run.grad_reduce_dtype, mesh_shape=mesh_shape, batch_axes=batch_axes,
+        seq_axes=seq_axes,
         expert_axes=_active_axes("experts", mesh_shape, rules),
         pipeline_axes=_active_axes("stages", mesh_shape, rules) if stages > 1 else (),
         vocab_axes=vocab_axes, replicas=mesh_lib.replica_axes(mesh_shape, rules), dp=dp, seq_ways=seq_ways,
