@@ -37,9 +37,9 @@ def base_config() -> ml_collections.ConfigDict:
     # objective (jaxtrain.objectives): "lm" (next-token cross-entropy: pretraining, and SFT on chat data) or "dpo"
     # (preference pairs; the `dpo` group).
     c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0, objective="lm")
-    for name in objectives.names():  # each objective's own group, if it has one
-        if objectives.get(name).config:
-            c[name] = dict(objectives.get(name).config)
+    for objective in objectives.registered():  # each objective's own group, if it has one
+        if objective.config:
+            c[objective.name] = dict(objective.config)
     c.mesh = dict(mesh.CONFIG)
     c.model = model_lib.config_defaults()
     c.pipeline = dict(pipeline_parallel.CONFIG)

@@ -86,6 +86,10 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def registered() -> tuple[Objective, ...]:
+    return tuple(_REGISTRY.values())
+
+
 def get(name: str) -> Objective:
     """The objective named `name`; ConfigError naming train.objective if there is none."""
     if name not in _REGISTRY:
@@ -96,7 +100,7 @@ def get(name: str) -> Objective:
 def by_data() -> dict[str, list[str]]:
     """Each kind of data (DATA_KINDS) -> the names of the objectives that train on it."""
     kinds: dict[str, list[str]] = {}
-    for objective in _REGISTRY.values():
+    for objective in registered():
         kinds.setdefault(objective.data, []).append(objective.name)
     return kinds
 

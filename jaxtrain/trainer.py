@@ -44,7 +44,7 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
     graphdef, abstract_params = nnx.split(abstract_model)
     param_names = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     if optim_cfg.groups:  # a typo would otherwise change nothing, silently
-        optim.check_groups(optim_cfg.groups, param_paths(param_names))
+        optim.check_groups(optim_cfg.groups, param_paths(nnx.to_pure_dict(abstract_params)))
     trained = trained_params(model_cfg)
     optimizer = optim.make_optimizer(optim_cfg, total_steps, trained(param_names), model_cfg.dtype)
     replicas = mesh_lib.replica_axes(mesh.shape, rules) if optim_cfg.grad_reduce_error_feedback else ()
@@ -86,9 +86,8 @@ def abstract_train_state(model_cfg, optim_cfg, total_steps: int, mesh, rules, se
 
 
 def param_paths(params: dict) -> list[str]:
-    """Every parameter's path in a pure dict of params (or their names), as optim.groups matches it."""
-    return [optim.param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(
-        params, is_leaf=lambda x: isinstance(x, P))]
+    """Every parameter's path in a pure dict of params (arrays or their shapes), as optim.groups matches it."""
+    return [optim.param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def trained_params(model_cfg: ModelConfig) -> Callable[[dict], dict]:

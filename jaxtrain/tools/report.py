@@ -40,8 +40,7 @@ CURVES = {
 
 def curves() -> dict[str, tuple[str, float]]:
     """CURVES, then every registered objective's metrics (jaxtrain.objectives: DPO's accuracy and margin)."""
-    declared = {name: (m.label, m.scale) for o in map(objectives.get, objectives.names())
-                for name, m in o.metrics.items()}
+    declared = {name: (m.label, m.scale) for o in objectives.registered() for name, m in o.metrics.items()}
     return {**CURVES, **declared}
 
 # The table: row key -> markdown header. CSV uses the keys and raw numbers (fractions, seconds).
