@@ -1,4 +1,4 @@
-"""One process of a multi-process run (spawned by tests/test_multihost.py; not a test module).
+"""One process of a multi-process run (spawned by tests/e2e/test_multihost.py; not a test module).
 
 argv: CONFIG_JSON OUT_NPZ [gloo-coordinator]. jaxtrain.parallel.distributed reads JAXTRAIN_COORDINATOR /
 _NUM_PROCESSES / _PROCESS_ID. With a third argument, a single process joins a 1-process jax.distributed

@@ -227,7 +227,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 pid = int(os.environ["CKPT_PID"])
-faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, instead of a bare timeout
+faulthandler.dump_traceback_later(140, exit=True)  # a hang shows where, instead of a bare timeout
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{os.environ['CKPT_PORT']}", num_processes=2, process_id=pid)
 from jaxtrain import checkpoint, compat
@@ -239,30 +239,32 @@ def state(step):
     x = jax.make_array_from_callback((64,), NamedSharding(mesh, P("d")), lambda i: np.arange(64.0, dtype=np.float32)[i] * step)
     return {"x": x}
 
-# Process 1's clock runs at half speed: by its own reckoning no save would ever be due.
-now = [0.0]
-ckpt = checkpoint.Checkpointer(os.environ["CKPT_ROOT"], keep=5, every_minutes=5, clock=lambda: now[0] / (1 + pid))
-decisions = []
-for step, t in enumerate([100, 400, 500, 800], start=1):
-    now[0] = t
-    decisions.append(ckpt.should_save(step))
-    if decisions[-1]:
-        ckpt.save(step, state(step), {"pos": step})
-ckpt.close()
-
-# Step 4's shards fail to read on process 1 only (a flaky disk on one host): both must skip it together.
 read_items = checkpoint._read_items
-def flaky(path, abstract, *rest):
-    if pid == 1 and path.name == "4":
-        raise OSError("simulated read error on process 1")
-    return read_items(path, abstract, *rest)
-checkpoint._read_items = flaky
-logs = []
-ckpt = checkpoint.Checkpointer(os.environ["CKPT_ROOT"], keep=5, log=logs.append)
-step, restored, data = ckpt.restore_latest({"x": jax.ShapeDtypeStruct((64,), np.float32, sharding=NamedSharding(mesh, P("d")))})
-ckpt.close()
-ok = bool(jax.jit(lambda a, b: (a == b).all())(restored["x"], state(step)["x"]))
-print("RESULT", pid, decisions, step, data, ok, logs, flush=True)
+for where, root in zip(("local", "s3"), os.environ["CKPT_ROOTS"].split(",")):
+    # Process 1's clock runs at half speed: by its own reckoning no save would ever be due.
+    now = [0.0]
+    ckpt = checkpoint.Checkpointer(root, keep=5, every_minutes=5, clock=lambda: now[0] / (1 + pid))
+    decisions = []
+    for step, t in enumerate([100, 400, 500, 800], start=1):
+        now[0] = t
+        decisions.append(ckpt.should_save(step))
+        if decisions[-1]:
+            ckpt.save(step, state(step), {"pos": step})
+    ckpt.close()
+
+    # Step 4's shards fail to read on process 1 only (a flaky disk on one host): both must skip it together.
+    def flaky(path, abstract, *rest):
+        if pid == 1 and path.name == "4":
+            raise OSError("simulated read error on process 1")
+        return read_items(path, abstract, *rest)
+    checkpoint._read_items = flaky
+    logs = []
+    ckpt = checkpoint.Checkpointer(root, keep=5, log=logs.append)
+    step, restored, data = ckpt.restore_latest({"x": jax.ShapeDtypeStruct((64,), np.float32, sharding=NamedSharding(mesh, P("d")))})
+    ckpt.close()
+    checkpoint._read_items = read_items
+    ok = bool(jax.jit(lambda a, b: (a == b).all())(restored["x"], state(step)["x"]))
+    print("RESULT", where, pid, decisions, step, data, ok, logs, flush=True)
 """
 
 
@@ -273,44 +275,40 @@ def free_port():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_two_processes_agree_on_time_saves_and_on_skipping_a_bad_step(where, tmp_path):
-    """In s3:// each process writes its own shards straight to the bucket (tensorstore's s3 driver)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    if where == "s3":
-        import emulators
-        import s3fs
+def test_two_processes_agree_on_time_saves_and_on_skipping_a_bad_step_local_and_in_s3(tmp_path):
+    """In s3:// each process writes its own shards straight to the bucket (tensorstore's s3 driver). One pair of
+    processes runs the drill on a local directory, then in s3://."""
+    import emulators
+    import s3fs
 
-        server = emulators.S3()
-        server.start()
-        env.update(server.env())
-        fs = s3fs.S3FileSystem(endpoint_url=server.url, key="test", secret="test", skip_instance_cache=True)
-        root = "s3://bucket/ckpt"
-        names = lambda: sorted({p.split("/")[2] for p in fs.find("bucket/ckpt")})
-    else:
-        root = tmp_path / "ckpt"
-        names = lambda: sorted(p.name for p in root.iterdir() if p.name[0].isdigit())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    server = emulators.S3()
+    server.start()
+    env.update(server.env())
+    fs = s3fs.S3FileSystem(endpoint_url=server.url, key="test", secret="test", skip_instance_cache=True)
+    local = tmp_path / "ckpt"
+    names = {"local": lambda: sorted(p.name for p in local.iterdir() if p.name[0].isdigit()),
+             "s3": lambda: sorted({p.split("/")[2] for p in fs.find("bucket/ckpt")})}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-               CKPT_ROOT=str(root), CKPT_PORT=str(free_port()))
+               CKPT_ROOTS=f"{local},s3://bucket/ckpt", CKPT_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES], env={**env, "CKPT_PID": str(i)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
     try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-        after = names()
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        after = {where: listing() for where, listing in names.items()}
     finally:
         for p in procs:
             p.kill()
-        if where == "s3":
-            server.stop()
-    results = []
+        server.stop()
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
-        results.append(next(line for line in out.splitlines() if line.startswith("RESULT")))
-    for pid, line in enumerate(results):
-        assert line.startswith(f"RESULT {pid} [False, True, False, True] 2 {{'pos': 2}} True"), line
-    assert "simulated read error on process 1" in results[1] and "failed on another process" in results[0]
-    moved = [name for name in after if name.startswith("4.corrupt-")]
-    assert len(moved) == 1 and after == sorted(["2", *moved])
+    for where in names:
+        results = [next(line for line in out.splitlines() if line.startswith(f"RESULT {where} ")) for out in outputs]
+        for pid, line in enumerate(results):
+            assert line.startswith(f"RESULT {where} {pid} [False, True, False, True] 2 {{'pos': 2}} True"), line
+        assert "simulated read error on process 1" in results[1] and "failed on another process" in results[0]
+        moved = [name for name in after[where] if name.startswith("4.corrupt-")]
+        assert len(moved) == 1 and after[where] == sorted(["2", *moved]), where
 
 
 def failing(monkeypatch, root, method, code):

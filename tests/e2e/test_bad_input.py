@@ -48,8 +48,9 @@ def tiny_args(config):
 
 @pytest.fixture(scope="module")
 def trained(tiny_config, tmp_path_factory):
-    """A finished 10-step tiny run (checkpoints at 5 and 10), to copy."""
-    config = tiny_config(tmp_path_factory.mktemp("trained") / "run")
+    """A 12-step tiny run stopped at 10 (checkpoints at 5 and 10), to copy. 12 steps: the schedule of the reruns
+    below that train on to 12, so that they find its compiled step in the compilation cache."""
+    config = tiny_config(tmp_path_factory.mktemp("trained") / "run", **{"train.steps": 12, "train.stop_at": 10})
     train.run(config, print_fn=lambda *a, **k: None)
     return config
 
@@ -252,5 +253,7 @@ def test_ctrl_c_saves_nothing_new_says_what_was_saved_and_a_rerun_resumes(tiny_c
     saved = int(line.split("the newest checkpoint is step ")[1].split(";")[0])
     assert saved >= 10 and (tmp_path / "run" / "checkpoints" / str(saved)).is_dir()
     assert json.loads((tmp_path / "run" / "run.json").read_text())["attempts"][-1]["status"] == "interrupted"
-    rerun = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config), f"--config.train.steps={saved + 2}")
+    # stop_at, not steps: the same schedule, so the rerun finds its compiled step in the compilation cache.
+    rerun = jaxtrain("train", "--config", "configs/tiny.py", *tiny_args(config), "--config.train.steps=100000",
+                     f"--config.train.stop_at={saved + 2}")
     assert rerun.returncode == 0 and f"resumed from checkpoint at step {saved}" in rerun.stdout, rerun.stderr[-2000:]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import install_poison, read_jsonl, tree_digest
-from jaxtrain import checkpoint, config as config_lib, errors, train
+from jaxtrain import checkpoint, config as config_lib, errors, files, train
 from jaxtrain.data import pipeline
 from jaxtrain import trainer as trainer_lib
 
@@ -96,54 +96,61 @@ def test_nan_rollback_restores_and_skips_the_bad_window(tiny_config, poison_step
 
 
 
-def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identical(tiny_config):
-    """Checkpoints 5, 10, 15; then 10 and 15 swapped and (true) 15 copied to 35, by hand or a sync tool. Each step
-    dir that holds another step's checkpoint is moved aside, not restored and not deleted: the run resumes from 5,
+# One schedule for the set-aside drills, so that one uninterrupted run is the reference of both. Checkpoints every
+# 3 steps: 3, 6, 9 (and 10 at the end); keep=3.
+SET_ASIDE = {"train.steps": 10, "checkpoint.every_steps": 3, "checkpoint.keep": 3, "eval.every_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_config):
+    """The final state checksum of an uninterrupted SET_ASIDE run."""
+    return train.run(tiny_config(**SET_ASIDE), print_fn=quiet)["state_checksum"]
+
+
+def test_swapped_and_copied_step_dirs_are_set_aside_and_the_run_ends_bit_identical(tiny_config, straight):
+    """Checkpoints 3, 6, 9; then 6 and 9 swapped and (true) 9 copied to 21, by hand or a sync tool. Each step
+    dir that holds another step's checkpoint is moved aside, not restored and not deleted: the run resumes from 3,
     the last true step, and ends where an uninterrupted run ends."""
     # keep=3: retention runs (it deleted the true step 20's directory in the original report), and must not touch
     # what was moved aside.
-    steps = {"train.steps": 20, "checkpoint.every_steps": 5, "checkpoint.keep": 3, "eval.every_steps": 0}
-    straight = train.run(tiny_config(**steps), print_fn=quiet)
-    cfg = tiny_config(**steps, **{"train.stop_at": 15})
+    cfg = tiny_config(**SET_ASIDE, **{"train.stop_at": 9})
     train.run(cfg, print_fn=quiet)
     root = Path(cfg.workdir) / "checkpoints"
-    shutil.copytree(root / "15", root / "35")
-    (root / "15").rename(root / "swap")
-    (root / "10").rename(root / "15")
-    (root / "swap").rename(root / "10")
-    misplaced = [tree_digest(root / name) for name in ("10", "15", "35")]
+    shutil.copytree(root / "9", root / "21")
+    (root / "9").rename(root / "swap")
+    (root / "6").rename(root / "9")
+    (root / "swap").rename(root / "6")
+    misplaced = [tree_digest(root / name) for name in ("6", "9", "21")]
 
     lines = []
-    summary = train.run(tiny_config(workdir=cfg.workdir, **steps), print_fn=lines.append)
-    for step, holds in ((10, 15), (15, 10), (35, 15)):
+    summary = train.run(tiny_config(workdir=cfg.workdir, **SET_ASIDE), print_fn=lines.append)
+    for step, holds in ((6, 9), (9, 6), (21, 9)):
         assert any(line.startswith(f"checkpoint step {step} in {root} is not this run's: it holds the checkpoint of "
                                    f"step {holds}, not {step}") and f"moved aside to {root}/{step}.corrupt-" in line
                    for line in lines), lines
-    assert "resumed from checkpoint at step 5" in lines
-    assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
+    assert "resumed from checkpoint at step 3" in lines
+    assert summary["finished"] and summary["state_checksum"] == straight
     kept = [tree_digest(p) for p in root.glob("*.corrupt-*")]  # the moved-aside dirs, every byte of them
     assert len(kept) == 3 and all(digest in kept for digest in misplaced)
-    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == [10, 15, 20]  # 5 retired
+    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == [6, 9, 10]  # 3 retired
 
 
-def test_a_step_dir_copied_from_another_run_is_set_aside_and_the_run_ends_bit_identical(tiny_config):
-    """Another run's step 10 (same model, another seed) copied into a run stopped at 5: its integrity record names
+def test_a_step_dir_copied_from_another_run_is_set_aside_and_the_run_ends_bit_identical(tiny_config, straight):
+    """Another run's step 10 (same model, another seed) copied into a run stopped at 3: its integrity record names
     step 10, as the directory does, but not this workdir's run id. Without that check the run would call itself
     finished at 10 with the other run's weights."""
-    steps = {"train.steps": 10, "checkpoint.every_steps": 5, "eval.every_steps": 0}
-    straight = train.run(tiny_config(**steps), print_fn=quiet)
-    other = tiny_config(**steps, **{"train.seed": 7})
+    other = tiny_config(**SET_ASIDE, **{"train.seed": 7})
     train.run(other, print_fn=quiet)
-    cfg = tiny_config(**steps, **{"train.stop_at": 5})
+    cfg = tiny_config(**SET_ASIDE, **{"train.stop_at": 3})
     train.run(cfg, print_fn=quiet)
     root = Path(cfg.workdir) / "checkpoints"
     shutil.copytree(Path(other.workdir) / "checkpoints" / "10", root / "10")
     lines = []
-    summary = train.run(tiny_config(workdir=cfg.workdir, **steps), print_fn=lines.append)
+    summary = train.run(tiny_config(workdir=cfg.workdir, **SET_ASIDE), print_fn=lines.append)
     assert any(line.startswith(f"checkpoint step 10 in {root} is not this run's: it holds a checkpoint of another "
                                f"run") for line in lines), lines
-    assert "resumed from checkpoint at step 5" in lines
-    assert summary["finished"] and summary["state_checksum"] == straight["state_checksum"]
+    assert "resumed from checkpoint at step 3" in lines
+    assert summary["finished"] and summary["state_checksum"] == straight
     assert [tree_digest(p) for p in root.glob("10.corrupt-*")] == [tree_digest(Path(other.workdir) / "checkpoints" /
                                                                                "10")]
 
@@ -155,26 +162,31 @@ def test_missing_absolute_workdir_parent_is_refused(tiny_config, tmp_path):
     assert not (tmp_path / "not-mounted").exists()
 
 
-@pytest.mark.parametrize("field, value", [("model.d_model", 64), ("train.seed", 1), ("model.n_layers", 3)])
-def test_incompatible_config_change_is_refused_and_nothing_changes(tiny_config, field, value):
+@pytest.fixture(scope="module")
+def stopped_at_5(tiny_config):
+    """The workdir of a 10-step run stopped at 5, to copy: the refusals below each run against their own copy."""
     cfg = tiny_config(**{"train.steps": 10, "train.stop_at": 5})
     train.run(cfg, print_fn=quiet)
-    before = tree_digest(cfg.workdir)
-    changed = tiny_config(workdir=cfg.workdir, **{"train.steps": 10, field: value})
+    return Path(cfg.workdir)
+
+
+@pytest.mark.parametrize("field, value", [("model.d_model", 64), ("train.seed", 1), ("model.n_layers", 3)])
+def test_incompatible_config_change_is_refused_and_nothing_changes(tiny_config, stopped_at_5, tmp_path, field,
+                                                                   value):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_at_5, workdir)
+    before = tree_digest(workdir)
+    changed = tiny_config(workdir=workdir, **{"train.steps": 10, field: value})
     with pytest.raises(config_lib.ConfigError, match=f"^{field}: is {value} but the checkpoints in .* were made "
                        f"with"):
         train.run(changed, print_fn=quiet)
-    assert tree_digest(cfg.workdir) == before
+    assert tree_digest(workdir) == before
 
 
-def test_checkpoint_from_another_model_is_refused_by_name(tiny_config, tmp_path):
-    import shutil
-
-    cfg = tiny_config(**{"train.steps": 10, "train.stop_at": 5})
-    train.run(cfg, print_fn=quiet)
+def test_checkpoint_from_another_model_is_refused_by_name(tiny_config, stopped_at_5, tmp_path):
     copied = tmp_path / "copied"  # checkpoints without the workdir's config.json, e.g. copied by hand
     copied.mkdir()
-    shutil.copytree(Path(cfg.workdir) / "checkpoints", copied / "checkpoints")
+    shutil.copytree(stopped_at_5 / "checkpoints", copied / "checkpoints")
     before = tree_digest(copied)
     other = tiny_config(workdir=copied, **{"train.steps": 10, "model.d_ff": 128})
     with pytest.raises(checkpoint.CheckpointMismatch, match=r"does not match .*mlp.*saved \(\(2, 32, 64\)"):
@@ -237,12 +249,19 @@ def logged_step(workdir):
     return max((json.loads(line)["step"] for line in lines if '"loss"' in line), default=0)
 
 
+# 60 steps, checkpoints every 20, killed at step 27 or later: some steps since the last checkpoint are lost and
+# redone, as at any step but a checkpoint's (13 steps of margin before the next one).
+KILL_STEPS, KILL_EVERY, KILL_AFTER = 60, 20, 27
+
+
 @pytest.mark.slow
 def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny_data_dir, tmp_path):
+    overrides = {"workdir": None, "data.dir": tiny_data_dir, "train.steps": KILL_STEPS,
+                 "checkpoint.every_steps": KILL_EVERY, "eval.every_steps": 0, "log.fingerprints": True}
+
     def command(workdir):
         return [sys.executable, "-m", "jaxtrain.main", "--config", str(REPO / "configs/tiny.py"),
-                f"--config.workdir={workdir}", f"--config.data.dir={tiny_data_dir}", "--config.train.steps=200",
-                "--config.checkpoint.every_steps=20", "--config.eval.every_steps=0", "--config.log.fingerprints=True"]
+                *(f"--config.{k}={workdir if k == 'workdir' else v}" for k, v in overrides.items())]
 
     reference = tmp_path / "reference"
     ref = subprocess.Popen(command(reference), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -265,15 +284,20 @@ def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny
         assert ref.wait(timeout=300) == 0, ref.communicate()[0][-3000:]
     finally:
         ref.kill()
-    again = subprocess.run(command(reference), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "run already finished" in again.stdout  # the lock went with its holder
+    # The lock went with its holder. (In this process: the same config and checks as the command, without
+    # another interpreter's start.)
+    config = files.run_python_file(REPO / "configs/tiny.py", "get_config", field="--config")
+    config.update_from_flattened_dict({**overrides, "workdir": str(reference)})
+    again = []
+    assert train.run(config, print_fn=again.append) == {"finished": True, "step": KILL_STEPS, "resumed": True}
+    assert any("run already finished" in line for line in again), again
 
     workdir = tmp_path / "killed"
     sup = subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir), "--backoff_s",
                             "0.1", "--", *command(workdir)], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: logged_step(workdir) >= 47, sup)
+        wait_for(lambda: logged_step(workdir) >= KILL_AFTER, sup)
         killed_at = logged_step(workdir)
         os.kill(children(sup.pid)[0], signal.SIGKILL)  # the supervisor holds the workdir's lock for the next child
         out = sup.communicate(timeout=300)[0]
@@ -287,14 +311,14 @@ def test_sigkill_at_an_arbitrary_step_under_the_supervisor_is_bit_identical(tiny
     # Data: every batch trained on, before and after the kill, is the one the reference saw at that step.
     ref = {r["step"]: r["fingerprint"] for r in read_jsonl(reference / "data_fingerprints.0.jsonl")}
     seen = read_jsonl(workdir / "data_fingerprints.0.jsonl")
-    assert all(r["fingerprint"] == ref[r["step"]] for r in seen) and len(seen) > 200  # some steps ran twice
-    assert {r["step"] for r in seen} == set(range(1, 201))
+    assert all(r["fingerprint"] == ref[r["step"]] for r in seen) and len(seen) > KILL_STEPS  # some steps ran twice
+    assert {r["step"] for r in seen} == set(range(1, KILL_STEPS + 1))
 
     # The supervisor restarted once after the crash and counted the recomputed steps as badput.
     report = json.loads((workdir / "supervisor.json").read_text())
     assert [a["kind"] for a in report["attempts"]] == ["crash", "done"]
     assert report["restarts"] == {"preempt": 0, "crash": 1}
-    resumed_from = 20 * (killed_at // 20)
+    resumed_from = KILL_EVERY * (killed_at // KILL_EVERY)
     assert report["goodput"]["steps_lost"] >= killed_at - resumed_from
     assert 0 < report["goodput"]["goodput"] < 1
 
