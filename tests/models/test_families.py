@@ -71,9 +71,11 @@ def hf_model(path):
     return T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def hf_logits(path, tokens):
+def hf_logits(model, tokens):
+    """`model`'s logits: a loaded model, or the path of a directory to load."""
+    model = hf_model(model) if not isinstance(model, torch.nn.Module) else model
     with torch.no_grad():
-        return hf_model(path)(torch.tensor(tokens)).logits.numpy()
+        return model(torch.tensor(tokens)).logits.numpy()
 
 
 def our_logits(fields, params, tokens, positions=None, segment_ids=None):
@@ -87,14 +89,14 @@ def our_logits(fields, params, tokens, positions=None, segment_ids=None):
     return np.asarray(nnx.merge(graphdef, state)(tokens, positions, segment_ids))
 
 
-def greedy(path, prompt, n):
+def greedy(model, prompt, n):
     """transformers' n greedy tokens; asserts the reference is worth matching: top-2 logits further apart than
     twice the logits' tolerance (else the comparison tests rounding), and not one token repeated (what a model
     ignoring its context could also produce)."""
     with torch.no_grad():
         mask = torch.ones(1, len(prompt), dtype=torch.long)
-        out = hf_model(path).generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                      output_scores=True, return_dict_in_generate=True)
+        out = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
     ids = out.sequences[0, len(prompt):].tolist()
     gap = min(float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores)
     assert gap > 2e-4 and len(set(ids)) >= 5, f"a degenerate reference: {ids}, smallest top-2 gap {gap:.1e}"
@@ -107,7 +109,8 @@ def test_family_matches_transformers_both_ways(name, tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, T_LEN), dtype=np.int32)
     fields, params = hf.import_dir(src)
     assert fields["family"] == name
-    want = hf_logits(src, tokens)
+    reference = hf_model(src)  # loaded once for every comparison with the source directory
+    want = hf_logits(reference, tokens)
     np.testing.assert_allclose(our_logits(fields, params, tokens), want, atol=1e-4, rtol=1e-4)
 
     # Two documents packed in a row (positions restart at the second, 7 tokens: beyond the window) each equal
@@ -116,8 +119,8 @@ def test_family_matches_transformers_both_ways(name, tmp_path, capsys):
     positions = np.concatenate([np.arange(cut), np.arange(T_LEN - cut)])[None].astype(np.int32)
     segments = np.array([[1] * cut + [2] * (T_LEN - cut)], np.int32)
     packed = our_logits(fields, params, tokens[:1], positions, segments)
-    np.testing.assert_allclose(packed[:, :cut], hf_logits(src, tokens[:1, :cut]), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(packed[:, cut:], hf_logits(src, tokens[:1, cut:]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(packed[:, :cut], hf_logits(reference, tokens[:1, :cut]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(packed[:, cut:], hf_logits(reference, tokens[:1, cut:]), atol=1e-4, rtol=1e-4)
 
     # Export: transformers loads it as it is and computes the same logits; importing it gives the same params.
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32"})
@@ -133,7 +136,7 @@ def test_family_matches_transformers_both_ways(name, tmp_path, capsys):
     assert generate_cli.main(["--hf", str(src), "--prompt_ids", ",".join(map(str, prompt)),
                               "--max_new_tokens", "20", "--temperature", "0"]) == 0
     ids = capsys.readouterr().out.strip().splitlines()[-1]
-    assert ids == ",".join(map(str, greedy(src, prompt, 20)))
+    assert ids == ",".join(map(str, greedy(reference, prompt, 20)))
 
 
 def test_export_refuses_what_the_family_cannot_write(tmp_path):

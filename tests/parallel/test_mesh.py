@@ -291,8 +291,9 @@ def test_loss_and_grad_norm_agree_across_meshes(tiny_config, tiny_data_dir):
 
 
 def granule_of(mesh, granule_size=4):
-    """Which consecutive block of 4 devices (the simulated CPU granule) each (data, fsdp) position holds."""
-    return np.vectorize(lambda d: d.id // granule_size)(mesh.devices).reshape(mesh.shape["data"], mesh.shape["fsdp"])
+    """Which consecutive block of 4 devices (the simulated CPU granule) each (data, fsdp[, tensor]) position holds."""
+    shape = [mesh.shape["data"], mesh.shape["fsdp"]] + ([mesh.shape["tensor"]] if mesh.shape["tensor"] > 1 else [])
+    return np.vectorize(lambda d: d.id // granule_size)(mesh.devices).reshape(shape)
 
 
 def test_hybrid_mesh_puts_dcn_axes_between_granules():
@@ -332,7 +333,8 @@ def test_bad_dcn_sizes_name_the_field(tiny_config, override, field):
 
 
 def test_hybrid_mesh_trains_like_the_plain_one(tiny_config, tiny_data_dir):
-    cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 4, 1), **{"optim.warmup_steps": 0, "mesh.dcn_fsdp": 2})
+    # The plain (2, 2, 2) run is test_loss_and_grad_norm_agree_across_meshes' (the same programs: compiled once).
+    cfg = mesh_config(tiny_config, "dp_fsdp_tp", (2, 2, 2), **{"optim.warmup_steps": 0, "mesh.dcn_fsdp": 2})
     facts = config_lib.validate(cfg, 8)
     assert facts.dcn == {**dict.fromkeys(mesh_lib.AXES, 1), "fsdp": 2}
     it = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
