@@ -15,7 +15,7 @@ from jaxtrain.tools.plan.collectives import collectives
 from jaxtrain.models import cross_entropy
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.observe import hlo as hlo_lib
-from parallel_worker import synthetic_batches, train_steps
+from parallel_worker import synthetic_batches
 
 B, T, D, V = 4, 24, 16, 96
 
@@ -89,22 +89,54 @@ def step_config(tiny_config, mesh=None, **overrides):
     return tiny_config(**{**{f"mesh.{a}": n for a, n in mesh.items()}, "optim.warmup_steps": 0, **overrides})
 
 
+def run_steps(cfg, batches, devices):
+    """(the compiled train step's HLO, {loss, grad_norm: [per step]}) of one step per batch from the seed's init, on
+    the executable whose HLO it returns."""
+    facts = config_lib.validate(cfg, len(devices))
+    trainer = trainer_lib.build_trainer(cfg, facts, devices=devices)
+    global_batch = lambda b: trainer_lib.global_batch(b, trainer.batch_sharding)  # noqa: E731
+    step = trainer.train_step.lower(trainer.abstract_state, global_batch(batches[0])).compile()
+    state, history = trainer.init(), {"loss": [], "grad_norm": []}
+    for batch in batches:
+        state, metrics = step(state, global_batch(batch))
+        for key in history:
+            history[key].append(float(metrics[key]))
+    return step.as_text(), {k: np.array(v) for k, v in history.items()}
+
+
+BATCHES = synthetic_batches(1, 8, 32, 512) * 3  # one batch thrice: the loss must fall
+
+
+def fast_steps(tiny_config, mesh, extra):
+    cfg = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 16,
+                                            "model.attention_block": 8, "model.scan_unroll": 2, **extra})
+    return run_steps(cfg, BATCHES, jax.devices() if mesh else jax.devices()[:1])
+
+
+# Module-scoped: the plain step is every fast path's reference, and both one-device steps' HLO is read below.
+@pytest.fixture(scope="module")
+def plain_one_device(tiny_config):
+    cfg = step_config(tiny_config, None, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 0})
+    return run_steps(cfg, BATCHES, jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def fast_one_device(tiny_config):
+    return fast_steps(tiny_config, None, {})
+
+
 @pytest.mark.parametrize("mesh,extra", [
     (None, {}), ({"data": 2, "tensor": 4}, {}), ({"data": 2, "sequence": 2, "tensor": 2}, {}),
     ({"data": 2, "pipeline": 2, "tensor": 2},
      {"pipeline.stages": 2, "pipeline.microbatches": 2, "model.remat": "full"}),
 ], ids=["one_device", "data2_tensor4", "data2_sequence2_tensor2", "data2_pipeline2_tensor2_remat"])
-def test_fast_paths_train_like_the_plain_step(tiny_config, mesh, extra):
+def test_fast_paths_train_like_the_plain_step(tiny_config, plain_one_device, request, mesh, extra):
     """3 steps with the loss in chunks (16 tokens per device: 16, 8 and 4 chunks on the first three meshes),
     attention in 4 query blocks (its own backward, also under remat and in pipeline stages) and the layer loop
     unrolled (vocab split over tensor, the sequence over sequence, where attention falls back to one block) against
     the plain step on one device: loss and gradient norm of every step."""
-    batches = synthetic_batches(1, 8, 32, 512) * 3  # one batch thrice: the loss must fall
-    fast = step_config(tiny_config, mesh, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 16,
-                                             "model.attention_block": 8, "model.scan_unroll": 2, **extra})
-    plain = step_config(tiny_config, None, **{"model.vocab_size": 512, "model.loss_chunk_tokens": 0})
-    got = train_steps(fast, batches, devices=jax.devices() if mesh else jax.devices()[:1])
-    want = train_steps(plain, batches, devices=jax.devices()[:1])
+    got = (request.getfixturevalue("fast_one_device") if mesh is None else fast_steps(tiny_config, mesh, extra))[1]
+    want = plain_one_device[1]
     assert want["loss"][-1] < want["loss"][0]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
@@ -146,12 +178,13 @@ def test_head_gradient_crosses_sequence_as_its_fsdp_shard(tiny_config):
     assert not any("f32[32,512]" in shape for shape in shapes), shapes
 
 
-def test_full_logits_never_exist_in_the_compiled_step(tiny_config):
+def test_full_logits_never_exist_in_the_compiled_step(plain_one_device, fast_one_device):
+    """The one-device steps above: plain, and in 16 chunks of 2 positions x 8 rows."""
     full = "f32[8,32,512]"  # [B, T, vocab] logits
-    assert full in compiled_text(tiny_config, 0)[0]
-    chunked = compiled_text(tiny_config, 64)[0]  # 8 positions x 8 rows per chunk
+    assert full in plain_one_device[0]
+    chunked = fast_one_device[0]
     assert full not in chunked and "f32[256,512]" not in chunked
-    assert "f32[8,8,512]" in chunked or "f32[64,512]" in chunked
+    assert "f32[8,2,512]" in chunked or "f32[16,512]" in chunked
 
 
 def test_negative_chunk_is_a_config_error(tiny_config):

@@ -47,10 +47,10 @@ def test_bf16_compute_keeps_f32_master_weights_and_tracks_f32(tiny_config):
         cfg = tiny_config(**{"model.dtype": dtype, "mesh.data": 1})
         facts = config_lib.validate(cfg, 1)
         trainer = trainer_lib.build_trainer(cfg, facts, devices=jax.devices()[:1])
-        logits = jax.jit(lambda p: nnx.merge(trainer.graphdef, p)(
-            jnp.asarray(local["tokens"]), jnp.asarray(local["positions"]), jnp.asarray(local["segment_ids"])))
+        logits = lambda p: nnx.merge(trainer.graphdef, p)(  # noqa: E731
+            jnp.asarray(local["tokens"]), jnp.asarray(local["positions"]), jnp.asarray(local["segment_ids"]))
         state = trainer.init()
-        out_dtype = logits(state["params"]).dtype
+        out_dtype = jax.eval_shape(logits, state["params"]).dtype  # traced, not compiled
         state, metrics = trainer.train_step(state, trainer_lib.global_batch(local, trainer.batch_sharding))
         return state, float(metrics["loss"]), out_dtype
 
@@ -77,7 +77,7 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
         return lambda x, w: jnp.sum(project(x, w).astype(jnp.float32) * r)
 
     plain = lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
-    got_fn = jax.jit(jax.value_and_grad(loss(layers.project), argnums=(0, 1)))
+    got_fn = jax.jit(jax.value_and_grad(loss(layers.project), argnums=(0, 1))).lower(x, w).compile()
     got, (got_dx, got_dw) = got_fn(x, w)
     want, (want_dx, want_dw) = jax.jit(jax.value_and_grad(loss(plain), argnums=(0, 1)))(x, w)
     assert got_dx.dtype == got_dw.dtype == jnp.bfloat16
@@ -85,7 +85,7 @@ def test_cpu_bf16_projection_matches_autodiff_and_runs_bf16_dots():
     for g, w_ in ((got_dx, want_dx), (got_dw, want_dw)):  # within one bf16 rounding of the result
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w_, np.float32), rtol=1e-2,
                                    atol=1e-2 * float(jnp.abs(w_.astype(jnp.float32)).max()))
-    dtypes = dot_operand_dtypes(got_fn.lower(x, w).compile().as_text())
+    dtypes = dot_operand_dtypes(got_fn.as_text())
     assert len(dtypes) == 3 and set(dtypes) == {("bf16", "bf16")}, dtypes
     # The plain form's backward (autodiff) is what XLA:CPU ran in f32 before.
     assert ("f32", "f32") in dot_operand_dtypes(jax.jit(jax.grad(loss(plain), argnums=(0, 1))).lower(x, w)
@@ -109,18 +109,18 @@ def test_fused_projection_split_joins_bf16_gradients_in_bf16(monkeypatch):
         return {i["shape"].split("[")[0] for i in hlo_lib.parse_hlo(hlo)["by_name"].values()
                 if i["op"] == "concatenate" and i["shape"].split("[")[1].startswith("2,16,1,48")}
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    got, joins = grad(x, ws), concatenations(grad.lower(x, ws).compile().as_text())
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ws).compile()  # one compile to run and to read
+    got, joins = grad(x, ws), concatenations(grad.as_text())
     monkeypatch.setattr(layers, "split_last", lambda y, cuts: jnp.split(y, cuts, axis=-1))
-    plain = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    want, plain_joins = plain(x, ws), concatenations(plain.lower(x, ws).compile().as_text())
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ws).compile()
+    want, plain_joins = plain(x, ws), concatenations(plain.as_text())
     for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.dtype == jnp.bfloat16 and np.array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32))
     assert joins and joins <= {"bf16", "u16"} and plain_joins == {"f32"}, (joins, plain_joins)
     # Where the mesh splits neither the weights nor the sequence (here: no mesh) nothing is joined.
     alone = jax.jit(jax.grad(functools.partial(loss, project=lambda x, ws: layers.project_fused(x, ws, "mlp", "act")),
-                             argnums=(0, 1)))
-    assert not concatenations(alone.lower(x, ws).compile().as_text())
+                             argnums=(0, 1))).lower(x, ws).compile()
+    assert not concatenations(alone.as_text())
     for g, w_ in zip(jax.tree.leaves(alone(x, ws)), jax.tree.leaves(want)):
         w_ = np.asarray(w_, np.float32)  # the same sums, rounded to bf16 in another order
         np.testing.assert_allclose(np.asarray(g, np.float32), w_, rtol=1e-2, atol=1e-2 * np.abs(w_).max())
@@ -177,15 +177,17 @@ def test_cpu_bf16_blocked_attention_tracks_f32_and_runs_bf16_dots():
     def loss(block):
         return lambda q, k, v: jnp.sum(attention.causal_attention(q, k, v, mask, block).astype(jnp.float32) * probe)
 
-    got_fn = jax.jit(jax.value_and_grad(loss(8), argnums=(0, 1, 2)))
+    got_fn = jax.jit(jax.value_and_grad(loss(8), argnums=(0, 1, 2))).lower(q, k, v).compile()
     got, got_grads = got_fn(q, k, v)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    want, want_grads = jax.value_and_grad(loss(0), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    # jitted: one compile, where eager autodiff dispatches (and compiles) each op
+    want, want_grads = jax.jit(jax.value_and_grad(loss(0), argnums=(0, 1, 2)))(*(x.astype(jnp.float32)
+                                                                                   for x in (q, k, v)))
     np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2)
     for g, w in zip(got_grads, want_grads):
         assert g.dtype == jnp.bfloat16
         np.testing.assert_allclose(f32(g), f32(w), atol=2e-2 * np.abs(f32(w)).max())
-    dtypes = dot_operand_dtypes(got_fn.lower(q, k, v).compile().as_text())
+    dtypes = dot_operand_dtypes(got_fn.as_text())
     assert len(dtypes) == 4 * 2 + 4 * 4 and set(dtypes) == {("bf16", "bf16")}, dtypes  # 2 per block fwd, 4 bwd
     autodiff = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask, q.shape[-1] ** -0.5).astype(jnp.float32)),
                                 argnums=(0, 1, 2)))
@@ -204,10 +206,13 @@ def test_cpu_bf16_train_step_matmuls_are_bf16_and_shard_alike(tiny_config):
     trainer = trainer_lib.build_trainer(one, facts, devices=jax.devices()[:1])
     batches = synthetic_batches(1, 8, 32, 512) * 3
     batch = trainer_lib.global_batch(batches[0], trainer.batch_sharding)
-    module = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
-    dtypes = dot_operand_dtypes(module)
+    step = trainer.train_step.lower(trainer.abstract_state, batch).compile()
+    dtypes = dot_operand_dtypes(step.as_text())
     assert dtypes and set(dtypes) == {("bf16", "bf16")}, dtypes
-    want = train_steps(one, batches, devices=jax.devices()[:1])
+    state, want = trainer.init(), {"loss": []}  # the one-device run on the executable just read
+    for b in batches:
+        state, metrics = step(state, trainer_lib.global_batch(b, trainer.batch_sharding))
+        want["loss"].append(float(metrics["loss"]))
     got = train_steps(cfg({"data": 1, "fsdp": 4, "tensor": 2}), batches, devices=jax.devices())
     assert want["loss"][-1] < want["loss"][0]
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-2)

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import train_on_stream, trainer_on
+from helpers import trainer_on
 from jaxtrain.models.layers import project
 
 F32 = np.float32
@@ -104,16 +104,27 @@ def test_the_train_step_carries_fp8_operands_forward_and_e5m2_gradients_over_the
 
 
 def test_quantized_training_tracks_bf16(tiny_config, tiny_data_dir):
-    """30 steps in bf16, fp8 and int8 end within 3% of each other's held-out loss (a larger model over 200 steps:
-    docs/quantization.md)."""
+    """10 steps in bf16, fp8 and int8 end within 3% of each other's held-out loss (a larger model over 200 steps:
+    docs/quantization.md). Measured: each falls ~0.66 from ~6.25, and the modes end within 0.02% of each other."""
+    from jaxtrain import trainer as trainer_lib
+    from jaxtrain.data import pipeline
     from jaxtrain.parallel import mesh as mesh_lib
 
-    final = {}
-    for mode in ("none", "fp8", "int8"):
-        cfg = tiny_config(**{"model.dtype": "bfloat16", "model.quant": mode, "optim.lr": 1e-2})
-        trainer = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
-                                            mesh_lib.resolve_rules("dp"), devices=jax.devices()[:1])
-        before, final[mode], _ = train_on_stream(trainer, tiny_data_dir, 30)
-        assert final[mode] < before - 0.5, mode  # the runs do train
+    modes = ("none", "fp8", "int8")
+    trainers = {mode: trainer_on(tiny_config(**{"model.dtype": "bfloat16", "model.quant": mode, "optim.lr": 1e-2}),
+                                 {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp"),
+                                 devices=jax.devices()[:1]) for mode in modes}
+    # helpers.train_on_stream's run for each mode, the three steps in one program (one compile instead of three)
+    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
+    held_out = list(pipeline.eval_batches(tiny_data_dir, seq_len=32, global_batch=8, num_batches=2))
+    states = {mode: trainers[mode].init() for mode in modes}
+    before = {mode: trainers[mode].evaluate(states[mode]["params"], held_out) for mode in modes}
+    step = jax.jit(lambda states, batch: {m: trainers[m].train_step(states[m], batch) for m in modes})
+    for _ in range(10):
+        out = step(states, trainer_lib.global_batch(next(stream), trainers["none"].batch_sharding))
+        states = {mode: state for mode, (state, _) in out.items()}
+    final = {mode: trainers[mode].evaluate(states[mode]["params"], held_out) for mode in modes}
+    for mode in modes:
+        assert final[mode] < before[mode] - 0.5, (mode, before, final)  # the runs do train
     for mode in ("fp8", "int8"):
         assert abs(final[mode] / final["none"] - 1) < 0.03, final

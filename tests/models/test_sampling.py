@@ -345,14 +345,18 @@ def test_sliding_window_layers_keep_only_their_window_and_decode_as_with_a_full_
     logits of the same model decoding with every layer's keys kept (the masked full-length cache)."""
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
                       sliding_window=4, global_every=global_every)
-    model, length = transformer.build(cfg, 0), 16
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, 0)))  # as `model`: no eager init
+    rng = np.random.default_rng(global_every)
+    draw = lambda path, x: jnp.asarray(rng.normal(float(str(getattr(path[-1], "key", "")) == "scale"),  # noqa: E731
+                                                  cfg.init_std, x.shape), x.dtype)
+    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract)))
+    length = 16
     rings = transformer.init_cache(cfg, 2, length)
     n_local = 2 if global_every else 4
     assert rings["k_local"].shape == (n_local, 2, 4, 1, 8)
     assert rings["k"].shape == ((2, 2, length, 1, 8) if global_every else (1, 2, 1, 1, 8))  # 1: a placeholder
     full = {name: jnp.zeros((4, 2, length, 1, 8)) for name in ("k", "v")}
     decode = jax.jit(lambda tokens, cache, start, last: model.decode(tokens, cache, start, last))
-    rng = np.random.default_rng(global_every)
     for prompt_len in (3, 9):
         tokens = rng.integers(1, 64, (2, length)).astype(np.int32)
         tokens[:, prompt_len:] = 0  # padded to the cache length, as sampling.prefill does

@@ -1,6 +1,7 @@
 """The Llama-style decoder: causality, packed-document isolation, GQA, a numpy reference, FLOP count."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -10,13 +11,19 @@ from flax import nnx
 from jaxtrain.models import attention, layers, transformer
 from jaxtrain.models.config import ModelConfig
 
-# Small enough to run eagerly in milliseconds; H != KV so that grouped-query attention is exercised.
+# H != KV so that grouped-query attention is exercised.
 SMALL = {"vocab_size": 64, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 24}
 
 
 def build(**overrides):
+    """(cfg, the model's shapes): its initializers do not run (eagerly, each would compile on its own)."""
     cfg = ModelConfig(**{**SMALL, **overrides})
-    return cfg, transformer.build(cfg, seed=0)
+    return cfg, nnx.eval_shape(lambda: transformer.build(cfg, seed=0))
+
+
+def initialized(model):
+    """The model with its real initial weights (eager: jitted, the initializers compile slower)."""
+    return transformer.build(model.cfg, seed=0)
 
 
 def randomized(model, seed=1, std=0.3):
@@ -34,10 +41,16 @@ def randomized(model, seed=1, std=0.3):
     return nnx.merge(graphdef, params), params
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, positions, segment_ids):
+    return nnx.merge(graphdef, state)(tokens, positions, segment_ids)
+
+
 def logits(model, tokens, positions, segment_ids):
-    return np.asarray(
-        model(np.asarray(tokens, np.int32), np.asarray(positions, np.int32), np.asarray(segment_ids, np.int32))
-    )
+    """The forward compiled (one program per model and shape, where eagerly every op compiles on its own)."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward(graphdef, state, np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                               np.asarray(segment_ids, np.int32)))
 
 
 # --- Causality and packing ---------------------------------------------------------------------------
@@ -119,7 +132,7 @@ def test_gqa_param_shapes_tied_and_untied(tie):
     if not tie:
         expected["unembed"] = (D, V)
     assert param_shapes(model) == expected
-    out = logits(model, np.ones((3, 5)), np.broadcast_to(np.arange(5), (3, 5)), np.ones((3, 5)))
+    out = logits(initialized(model), np.ones((3, 5)), np.broadcast_to(np.arange(5), (3, 5)), np.ones((3, 5)))
     assert out.shape == (3, 5, V) and np.isfinite(out).all()
 
 
@@ -244,6 +257,15 @@ def test_compiled_forward_computes_no_sine(monkeypatch):
     assert " sine(" in compiled_text()
 
 
+def _loss_and_out(block, q, k, v, mask, probe):
+    out = attention.causal_attention(q, k, v, mask, block)
+    return jax.numpy.sum(out * probe), out
+
+
+# Compiled once per block size and head count (the reference, block 0, is shared by the three block sizes).
+_attention_grads = jax.jit(jax.value_and_grad(_loss_and_out, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+
+
 @pytest.mark.parametrize("block", [3, 4, 9], ids=["3_blocks", "not_dividing", "one_block"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_written_out_attention_matches_library_call(block, kv_heads):
@@ -257,12 +279,8 @@ def test_written_out_attention_matches_library_call(block, kv_heads):
     real = np.asarray(seg != 0)[:, :, None, None]  # a padded query attends to nothing: its output is unspecified
     probe = jax.numpy.asarray(rng.standard_normal(q.shape), jax.numpy.float32) * real
 
-    def loss_and_out(block, q, k, v):
-        out = attention.causal_attention(q, k, v, mask, block)
-        return jax.numpy.sum(out * probe), out
-
-    (_, want), want_grads = jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True)(0, q, k, v)
-    (_, got), got_grads = jax.value_and_grad(loss_and_out, argnums=(1, 2, 3), has_aux=True)(block, q, k, v)
+    (_, want), want_grads = _attention_grads(0, q, k, v, mask, probe)
+    (_, got), got_grads = _attention_grads(block, q, k, v, mask, probe)
     np.testing.assert_allclose(np.asarray(got) * real, np.asarray(want) * real, rtol=1e-5, atol=1e-6)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
