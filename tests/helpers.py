@@ -71,6 +71,23 @@ def train_on_stream(trainer, data_dir, steps: int, seq_len: int = 32, batch: int
     return before, trainer.evaluate(state["params"], held_out, state.get("reference")), np.array(history)
 
 
+def step_history(trainer, data_dir, steps: int, seq_len: int = 32, batch: int = 8):
+    """[(loss, grad norm) per step] of `steps` train steps from the seed's init on the first batches of `data_dir`'s
+    stream, with no eval (an eval step is another compile): the sharded side of a comparison."""
+    import numpy as np
+
+    from jaxtrain import trainer as trainer_lib
+    from jaxtrain.data import pipeline
+
+    stream = pipeline.train_iterator(data_dir, seq_len=seq_len, global_batch=batch, seed=0)
+    state, history = trainer.init(), []
+    for _ in range(steps):
+        state, m = trainer.train_step(state, trainer_lib.global_batch(next(stream), trainer.batch_sharding))
+        history.append((float(m["loss"]), float(m["grad_norm"])))
+    stream.close()
+    return np.array(history)
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -18,22 +18,10 @@ from jaxtrain import optim
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel import mesh as mesh_lib
-from helpers import train_on_stream, trainer_on
+from helpers import step_history, train_on_stream, trainer_on
 
 # Each optimizer's learning rate for the tiny model (Lion's sign updates want a smaller one, SGD a larger one).
 LRS = {"adamw": 1e-2, "muon": 1e-2, "adafactor": 1e-2, "lion": 3e-3, "sgd": 0.3}
-
-
-def train_history(trainer, data_dir, steps: int, batch: int = 8):
-    """train_on_stream's [(loss, grad norm) per step] without its evals: no eval step to compile."""
-    from jaxtrain.data import pipeline
-
-    stream = pipeline.train_iterator(data_dir, seq_len=32, global_batch=batch, seed=0)
-    state, history = trainer.init(), []
-    for _ in range(steps):
-        state, m = trainer.train_step(state, trainer_lib.global_batch(next(stream), trainer.batch_sharding))
-        history.append((float(m["loss"]), float(m["grad_norm"])))
-    return np.array(history)
 
 
 def optimizer_for(params, names, **settings):
@@ -144,7 +132,7 @@ def test_optimizer_trains_and_runs_on_fsdp_x_tensor_like_one_device(tiny_config,
     eight = trainer_lib.build_trainer(cfg, facts)
     before, after, history = train_on_stream(one, tiny_data_dir, 30)
     assert after < before - 0.5, name
-    np.testing.assert_allclose(train_history(eight, tiny_data_dir, 3), history[:3], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(step_history(eight, tiny_data_dir, 3), history[:3], rtol=1e-5, atol=1e-7)
 
     # Moments of a parameter's rank are split like it (wq's embed over fsdp, its heads over tensor).
     def leaves(group):
@@ -275,7 +263,7 @@ def test_offload_keeps_the_optimizer_state_in_host_memory_and_changes_no_number(
     assert kinds(off.shardings["opt_state"]) == {"pinned_host"} and kinds(off.shardings["params"]) == {"device"}
     assert jax.tree.map(lambda s: s.spec, off.shardings["opt_state"]) == jax.tree.map(
         lambda s: s.spec, plain.shardings["opt_state"])
-    np.testing.assert_array_equal(train_history(off, tiny_data_dir, 3), train_history(plain, tiny_data_dir, 3))
+    np.testing.assert_array_equal(step_history(off, tiny_data_dir, 3), step_history(plain, tiny_data_dir, 3))
 
     from jaxtrain import checkpoint as ckpt_lib
     from jaxtrain.data import pipeline
@@ -304,7 +292,7 @@ def test_remat_offload_dots_gives_the_same_gradients_as_keeping_them(tiny_config
         cfg = tiny_config(**{"model.remat": remat})
         one = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1},
                                         mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
-        runs[remat] = train_history(one, tiny_data_dir, 3)
+        runs[remat] = step_history(one, tiny_data_dir, 3)
     np.testing.assert_array_equal(runs["offload_dots"], runs["dots_with_no_batch_dims_saveable"])
 
 
@@ -322,7 +310,7 @@ def test_bf16_gradient_reduction_tracks_f32_within_1e_3_over_20_steps(tiny_confi
         cfg = tiny_config(**settings, **{"mesh.data": 2, "mesh.fsdp": 4, "train.microbatches": 2,
                                          "train.batch_size": 16, "train.steps": 20})
         facts = config_lib.validate(cfg, 8)
-        runs[name] = train_history(trainer_lib.build_trainer(cfg, facts), tiny_data_dir, 20, batch=16)[:, 0]
+        runs[name] = step_history(trainer_lib.build_trainer(cfg, facts), tiny_data_dir, 20, batch=16)[:, 0]
     for name in ("bfloat16", "feedback"):
         np.testing.assert_allclose(runs[name], runs["float32"], rtol=1e-3)
         assert not np.array_equal(runs[name], runs["float32"])

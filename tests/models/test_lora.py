@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import train_on_stream, trainer_on
+from helpers import step_history, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import optim
 from jaxtrain import trainer as trainer_lib
+from jaxtrain.data import pipeline
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import lora, transformer
 from jaxtrain.models.config import Layout, ModelConfig
@@ -66,35 +67,40 @@ def test_adapted_forward_equals_the_merged_weights(tokens):
     np.testing.assert_allclose(merged["blocks"]["attn"]["wq"], expected, rtol=1e-6, atol=1e-7)
 
 
-def test_training_moves_only_the_adapters(tiny_config, tiny_data_dir):
+@pytest.fixture(scope="module")
+def undropped_run(tiny_config, tiny_data_dir):
+    """8 steps of a LoRA model (no dropout) on one device: (trainer, params before, params after, [(loss, grad
+    norm) per step]); its first 3 steps are the undropped side of the dropout check below."""
     cfg = tiny_config(**{"model.lora_rank": 4, "optim.lr": 1e-2})
     one = trainer_on(cfg, {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
                                     devices=jax.devices()[:1])
+    state = one.init()
+    before = jax.device_get(state["params"])
+    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
+    history = []
+    for _ in range(8):
+        state, m = one.train_step(state, trainer_lib.global_batch(next(stream), one.batch_sharding))
+        history.append((float(m["loss"]), float(m["grad_norm"])))
+    stream.close()
+    return one, before, jax.device_get(state["params"]), np.array(history)
+
+
+def test_training_moves_only_the_adapters(undropped_run):
+    one, before, after, history = undropped_run
     # the optimizer state holds the adapters' moments only
     paths = {optim.param_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(one.abstract_state["opt_state"])}
     moments = [p for p in paths if "/.mu/" in p or "/.nu/" in p]
     assert len(moments) == 2 * 14 and all(p.endswith(lora.SUFFIXES) for p in moments)
-    state = one.init()
-    before = jax.device_get(state["params"])
-    from jaxtrain.data import pipeline  # noqa: PLC0415
-
-    stream = pipeline.train_iterator(tiny_data_dir, seq_len=32, global_batch=8, seed=0)
-    losses = []
-    for _ in range(8):
-        state, m = one.train_step(state, trainer_lib.global_batch(next(stream), one.batch_sharding))
-        losses.append(float(m["loss"]))
-    stream.close()
-    after = jax.device_get(state["params"])
     adapters_before, base_before = lora.split(before)
     adapters_after, base_after = lora.split(after)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(base_before), jax.tree.leaves(base_after)):
         assert np.array_equal(x, y), jax.tree_util.keystr(path)
     moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(adapters_before), jax.tree.leaves(adapters_after))]
     assert all(moved)
-    assert losses[-1] < losses[0]
+    assert history[-1, 0] < history[0, 0]
 
 
-def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_config, tiny_data_dir):
+def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_config, tiny_data_dir, undropped_run):
     """With dropout on (its masks drawn per row, whatever the mesh or the microbatches), and moving the loss."""
     lora_cfg = {"model.lora_rank": 4, "optim.lr": 1e-2, "model.lora_dropout": 0.3}
     cfg = tiny_config(**lora_cfg, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": 2})
@@ -108,12 +114,9 @@ def test_adapters_shard_like_their_weights_and_eight_devices_equal_one(tiny_conf
     assert mlp["w_down_lora_a"].shard_shape((2, 64, 4)) == (2, 32, 4)  # d_ff over tensor, as w_down's
     one = trainer_on(tiny_config(**lora_cfg), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
-    history = train_on_stream(one, tiny_data_dir, 3)[2]
-    np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-7)
-    undropped = trainer_on(tiny_config(**{**lora_cfg, "model.lora_dropout": 0.0}),
-                                          {"data": 1, "fsdp": 1, "tensor": 1}, mesh_lib.resolve_rules("dp_fsdp_tp"),
-                                          devices=jax.devices()[:1])
-    without = train_on_stream(undropped, tiny_data_dir, 3)[2]
+    history = step_history(one, tiny_data_dir, 3)
+    np.testing.assert_allclose(step_history(eight, tiny_data_dir, 3), history, rtol=1e-5, atol=1e-7)
+    without = undropped_run[3][:3]  # the same model and data with lora_dropout 0
     assert without[0, 0] == pytest.approx(history[0, 0], rel=1e-6)  # B = 0: the adapters add nothing yet
     assert np.all(np.abs(without[:, 1] / history[:, 1] - 1) > 0.05)  # but B's gradient sees the dropped inputs
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as T
 from flax import nnx
-from helpers import train_on_stream, trainer_on
+from helpers import step_history, train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import trainer as trainer_lib
@@ -90,7 +90,7 @@ def test_expert_adapters_shard_like_the_experts_and_eight_devices_equal_one(tiny
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     before, after, history = train_on_stream(one, tiny_data_dir, 3)
     assert after < before
-    np.testing.assert_allclose(train_on_stream(eight, tiny_data_dir, 3)[2], history, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(step_history(eight, tiny_data_dir, 3), history, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("override, message", [
