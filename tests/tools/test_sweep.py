@@ -420,9 +420,10 @@ sweep.run(job["config"], job["spec"], job["sweep_dir"])
 
 @pytest.mark.slow
 def test_real_killed_trial_resumes_from_its_checkpoint(tiny_config, tmp_path):
+    # test_grid_sweep_real_with_pruning's first trial: its compiled programs are in the compilation cache.
     config = tiny_config(**{"train.steps": 4, "eval.every_steps": 2, "checkpoint.every_steps": 2,
-                            "model.n_layers": 1})
-    spec = {"space": {"optim.lr": [3e-3]}, "sampler": "grid", "name": "killed"}
+                            "optim.warmup_steps": 0, "model.n_layers": 1})
+    spec = {"space": {"optim.lr": [1e-2]}, "sampler": "grid", "name": "killed"}
     sweep_dir = tmp_path / "sw"
     proc = subprocess.run([sys.executable, "-c", KILLED_WORKER], cwd=REPO, capture_output=True, timeout=600,
                           input=pickle.dumps({"config": config, "spec": sweep_spec.load(spec), "sweep_dir": sweep_dir}),
