@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import threading
 
 import jax
@@ -58,6 +59,25 @@ def test_relative_directory_round_trip(tmp_path, monkeypatch):
     assert step == 3 and restored_data == {"epoch": 1, "position": [3, 5], "seed": 0}
     assert_bitwise_equal(restored, state)
     assert_bitwise_equal(restored2, state)
+
+
+def test_a_one_process_save_compiles_no_replica_slices(tmp_path, caplog):
+    """Orbax's replica-parallel save slices each replicated shard, one compiled program per slice, which gains
+    nothing with one writing process. Shapes of this test only, so that no earlier test compiled them."""
+    mesh = mesh222()
+    rng = np.random.default_rng(1)
+    state = {"w": jax.device_put(rng.standard_normal((24, 40), np.float32), NamedSharding(mesh, P("b"))),
+             "v": jax.device_put(rng.standard_normal(40).astype(np.float32), NamedSharding(mesh, P()))}
+    ckpt = checkpoint.Checkpointer(tmp_path, keep=1)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        ckpt.save(1, state, {})
+        ckpt.wait()
+    compiled = [r.getMessage().split(" with ")[0] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+    assert compiled and not [name for name in compiled if "slice" in name], compiled
+    step, restored, _ = ckpt.restore_latest(abstract(state))
+    ckpt.close()
+    assert step == 1
+    assert_bitwise_equal(restored, state)
 
 
 def test_no_checkpoint_and_mismatched_target(tmp_path):
