@@ -170,10 +170,11 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
     distributed.check_config(cfg.distributed)
 
 
-# Settings a workdir's checkpoints are tied to: the state's shapes and the data order.
+# Settings a workdir's checkpoints are tied to: the state's shapes, the data order, and the scale of LoRA's
+# adapters (a new alpha would change the function the saved adapters compute, and their export).
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
-                "model.lora_rank", "model.lora_targets",
+                "model.lora_rank", "model.lora_targets", "model.lora_alpha",
                 "optim.name", "optim.moments_dtype", "train.seed", "train.objective", "data.corpus", "data.vocab_size",
                 "data.heldout_docs")
 
@@ -187,6 +188,8 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
         same = was == now
         if field == "model.lora_targets":  # the same adapters, however named ("all", or listed)
             same = len({model_lib.lora_target_names(v, cfg.model.n_experts) for v in (was, now)}) == 1
+        if field == "model.lora_alpha" and not cfg.model.lora_rank:
+            same = True  # no adapters: the alpha scales nothing
         if not same:
             raise ConfigError(field, f"is {now!r} but the checkpoints in {workdir} were made with {was!r}; "
                               f"set it back or use a new workdir")

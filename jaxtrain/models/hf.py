@@ -322,11 +322,22 @@ def export_adapters(params: dict, model_cfg: ModelConfig, out_dir, *, base_model
 
 
 def check_init_adapters(adapter_dir, model_cfg: ModelConfig) -> None:
-    """`model.init_adapters`' adapter_config.json against `model_cfg` (its weights are read at init)."""
+    """`model.init_adapters` against `model_cfg`, its weights too (readable, finite, the run's shapes): adapters
+    are small, and a damaged file must fail before the workdir exists, not after the compile."""
     try:
-        _adapter_config(Path(adapter_dir), model_cfg)
+        import_adapters(adapter_dir, model_cfg)
     except HFError as e:
         raise ConfigError("model.init_adapters", str(e)) from None
+
+
+# adapter_config.json fields that change the adapted function, with the value jaxtrain computes (PEFT's default):
+# any other value is refused by name rather than trained with silently. rslora scales by alpha / sqrt(r), the
+# patterns give modules their own r and alpha, DoRA adds a magnitude vector, fan_in_fan_out transposes the weight,
+# layers_to_transform adapts some layers only, bias and modules_to_save train more than A and B.
+_ADAPTER_FIXED = {"use_rslora": (False,), "alpha_pattern": (None, {}), "rank_pattern": (None, {}),
+                  "use_dora": (False,), "fan_in_fan_out": (False,), "layers_to_transform": (None, []),
+                  "layers_pattern": (None, [], ""), "bias": ("none",), "modules_to_save": (None, []),
+                  "lora_bias": (False,), "trainable_token_indices": (None, {}, [])}
 
 
 def _adapter_config(adapter_dir: Path, model_cfg: ModelConfig) -> dict:
@@ -339,6 +350,10 @@ def _adapter_config(adapter_dir: Path, model_cfg: ModelConfig) -> dict:
         if config.get(field) != ours:
             raise HFError(f"{config_path}: {field} is {config.get(field)!r}, the run has {ours!r} "
                           f"(model.lora_rank / model.lora_alpha)")
+    for field, plain in _ADAPTER_FIXED.items():
+        if field in config and not any(config[field] == v and type(config[field]) is type(v) for v in plain):
+            raise HFError(f"{config_path}: {field} is {config[field]!r}; jaxtrain's adapters support only "
+                          f"{plain[0]!r} (plain LoRA, scaled by lora_alpha / r)")
     return config
 
 
@@ -350,8 +365,11 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
     adapter_dir = Path(adapter_dir)
     _adapter_config(adapter_dir, model_cfg)
     weights_path = adapter_dir / ADAPTER_WEIGHTS
-    with safe_open(str(weights_path), framework="numpy") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(weights_path), framework="numpy") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise HFError(f"{weights_path}: not a readable safetensors file ({e})") from None
     shapes = param_shapes(model_cfg)
     flat, used = {}, set()
     for path, kind, names, lead, expert in _adapter_tensors(model_cfg):
@@ -364,6 +382,8 @@ def import_adapters(adapter_dir, model_cfg: ModelConfig) -> dict:
             w = np.asarray(tensors[name], np.float32)
             if w.shape != want:
                 raise HFError(f"{weights_path}: tensor {name} has shape {list(w.shape)}, the run implies {list(want)}")
+            if not _finite(w):
+                raise HFError(f"{weights_path}: tensor {name} holds NaN or infinite values; the adapters are damaged")
             parts.append(np.ascontiguousarray(_from_peft(w, kind, expert, one)))
             used.add(name)
         flat[path] = np.stack(parts).reshape(shapes[path]) if lead else parts[0]

@@ -179,6 +179,30 @@ def test_a_damaged_data_shard_is_named_with_the_fix(tiny_config, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_peft_adapters_jaxtrain_cannot_compute_are_one_line_before_the_workdir(tmp_path):
+    """An rsLoRA adapter (issue 53): PEFT scales it by alpha / sqrt(r); trained with alpha / r it was another model,
+    silently. The run exits 2 naming the field, and nothing is created or changed."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxtrain.models import hf, lora, transformer  # noqa: PLC0415
+    from jaxtrain.models.config import ModelConfig  # noqa: PLC0415
+
+    sizes = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64,
+                 tie_embeddings=False)
+    cfg = ModelConfig(**sizes, lora_rank=4, lora_alpha=8.0)
+    params = nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0)))
+    hf.export(lora.split(params)[1], ModelConfig(**sizes), tmp_path / "base")
+    adapters = hf.export_adapters(params, cfg, tmp_path / "adapters")
+    config = json.loads((adapters / hf.ADAPTER_CONFIG).read_text())
+    (adapters / hf.ADAPTER_CONFIG).write_text(json.dumps({**config, "use_rslora": True}))
+    before = tree_digest(tmp_path)
+    proc = jaxtrain("train", "--config", "configs/tiny.py", f"--config.workdir={tmp_path / 'run'}",
+                    "--config.model.tie_embeddings=False", "--config.model.lora_rank=4", "--config.model.lora_alpha=8.0",
+                    f"--config.model.init_from={tmp_path / 'base'}", f"--config.model.init_adapters={adapters}")
+    assert_one_line(proc, 2, "model.init_adapters", "use_rslora is True")
+    assert not (tmp_path / "run").exists() and tree_digest(tmp_path) == before
+
+
 def test_generate_without_a_checkpoint_is_one_line(trained, tmp_path):
     workdir = tmp_path / "run"
     workdir.mkdir()

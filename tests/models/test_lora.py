@@ -3,6 +3,7 @@
 equal one."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,17 @@ def test_all_and_the_list_it_stands_for_resume_alike(tiny_config):
         config_lib.check_resumable(saved, cfg, "runs/x")
 
 
+def test_the_alpha_is_fixed_for_a_lora_workdir(tiny_config):
+    """The saved adapters compute with their alpha, and both exports write it: a resume may not change it. Without
+    adapters it scales nothing, and may."""
+    saved = tiny_config(**{"model.lora_rank": 4, "model.lora_alpha": 8.0}).to_dict()
+    with pytest.raises(ConfigError, match=r"model\.lora_alpha.*16\.0.*8\.0"):
+        config_lib.check_resumable(saved, tiny_config(**{"model.lora_rank": 4, "model.lora_alpha": 16.0}), "w")
+    config_lib.check_resumable(saved, tiny_config(**{"model.lora_rank": 4, "model.lora_alpha": 8.0}), "w")
+    saved = tiny_config(**{"model.lora_alpha": 8.0}).to_dict()
+    config_lib.check_resumable(saved, tiny_config(**{"model.lora_alpha": 16.0}), "w")
+
+
 def test_hf_export_folds_the_adapters_in_and_init_from_starts_at_the_base(tmp_path, tokens, tiny_config):
     """`hf export` of a LoRA model writes the merged weights (its logits are the adapted model's), and a LoRA run
     started from a Hugging Face directory (model.init_from) gets fresh adapters: step 0 is that model."""
@@ -288,6 +300,36 @@ def test_a_peft_adapter_directory_imports_as_the_adapters_peft_computes(tmp_path
     with pytest.raises(HFError, match="no place for"):
         hf.import_adapters(tmp_path / "ours", ModelConfig(**CFG, lora_rank=4, lora_alpha=8.0, tie_embeddings=False,
                                                           lora_targets="q,v"))
+
+    # What PEFT computes and jaxtrain does not (rsLoRA's alpha / sqrt(r), per-module alphas) is refused by name,
+    # as PEFT's own save_pretrained writes it; so are the fields that add to plain LoRA, and damaged weights.
+    for name, extra, field in (("rslora", {"use_rslora": True}, "use_rslora"),
+                               ("pattern", {"alpha_pattern": {"q_proj": 16}}, "alpha_pattern")):
+        theirs = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                     peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, **extra))
+        theirs.save_pretrained(tmp_path / name)
+        with pytest.raises(HFError, match=rf"adapter_config\.json: {field} is"):
+            hf.import_adapters(tmp_path / name, cfg)
+    plain = json.loads((tmp_path / "ours" / hf.ADAPTER_CONFIG).read_text())
+    for field, value in (("use_dora", True), ("fan_in_fan_out", True), ("layers_to_transform", [0]), ("bias", "all"),
+                         ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 2})):
+        (tmp_path / "ours" / hf.ADAPTER_CONFIG).write_text(json.dumps({**plain, field: value}))
+        with pytest.raises(HFError, match=rf"{field} is {value!r}".replace("[", r"\[")):
+            hf.import_adapters(tmp_path / "ours", cfg)
+    (tmp_path / "ours" / hf.ADAPTER_CONFIG).write_text(json.dumps(plain))
+    weights = tmp_path / "ours" / hf.ADAPTER_WEIGHTS
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(HFError, match="not a readable safetensors file"):
+        hf.import_adapters(tmp_path / "ours", cfg)
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+    weights.write_bytes(good)
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first] = np.full_like(tensors[first], np.nan)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(HFError, match=f"{first} holds NaN"):
+        hf.import_adapters(tmp_path / "ours", cfg)
 
 
 def test_a_run_starts_from_a_peft_adapter_directory(tmp_path, tiny_config):
