@@ -197,7 +197,8 @@ def restore_or_init(config, trainer, checkpointer, latest: int, train_iter, say)
     restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
     if restored:
         start, state, data_state = restored
-        train_iter.set_state(data_state)
+        if changed := train_iter.set_state(data_state, allow_changed=config.data.allow_changed):
+            say(f"data.allow_changed: {changed}; going on from the same position in it")
         say(f"resumed from checkpoint at step {start}")
         if train_iter.get_state()["order"] == pipeline.LEGACY_ORDER:
             say("data: this checkpoint's position predates the block order; it keeps its materialised "

@@ -11,6 +11,7 @@ start each encoded text).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -62,9 +63,70 @@ def load_manifest(data_dir: str) -> dict:
         except FileNotFoundError:
             raise DataError(f"{path}: missing, {data_dir} is not a prepared data dir") from None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
+        manifest = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
+    check_manifest(manifest, path)
+    return manifest
+
+
+TOKEN_DTYPES = ("uint16", "int32")  # what the writers write (vocabularies up to 2**16, and past it)
+_SHARD_FILES = ("file", "lengths", "blocks", "offsets")
+
+
+def content_id(manifest: dict, split: str) -> str:
+    """What a split holds, as 16 hex digits: its shards (names, counts, sha256s, in order), the token dtype and the
+    tokenizer; not the manifest's settings or input mtimes, which a rerun of the same prepare may change."""
+    rows = [[r.get(k) for k in ("file", "docs", "tokens", "sha256")] for r in manifest["splits"].get(split, [])]
+    key = json.dumps([manifest["dtype"], manifest["tokenizer"]["sha256"], rows], separators=(",", ":"))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _inside(name) -> bool:
+    return isinstance(name, str) and bool(name) and not os.path.isabs(name) and ".." not in Path(name).parts
+
+
+def check_manifest(manifest, path: str) -> None:
+    """DataError naming the first field of a manifest that the readers cannot trust: its shape, the token dtype,
+    file names inside the dir, counts that are non-negative integers, and each shard listed once. The files
+    themselves are checked when a split opens (records.Split)."""
+    def bad(field: str, why: str) -> DataError:
+        return DataError(f"{path}: {field}: {why}; prepare the data again")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a JSON object; prepare the data again")
+    if manifest.get("dtype") not in TOKEN_DTYPES:
+        raise bad("dtype", f"{manifest.get('dtype')!r} is not a token dtype the writers write ({', '.join(TOKEN_DTYPES)})")
+    tokenizer = manifest.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("sha256"), str):
+        raise bad("tokenizer", "must be an object with the tokenizer's sha256 (and its file)")
+    if not _inside(tokenizer.get("file", TOKENIZER)):
+        raise bad("tokenizer.file", f"{tokenizer['file']!r} is not a file name inside the data dir")
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise bad("splits", "missing or empty")
+    seen: set[str] = set()
+    for name, rows in splits.items():
+        if not isinstance(rows, list):
+            raise bad(f"splits.{name}", "must be a list of shards")
+        for i, row in enumerate(rows):
+            where = f"splits.{name}[{i}]"
+            if not isinstance(row, dict) or not isinstance(row.get("file"), str):
+                raise bad(where, "must be an object naming its file")
+            for key in _SHARD_FILES:
+                if key in row and not _inside(row[key]):
+                    raise bad(f"{where}.{key}", f"{row[key]!r} is not a file name inside the data dir")
+            for key in ("docs", "tokens"):
+                if key in row and not count(row[key]):
+                    raise bad(f"{where}.{key}", f"{row[key]!r} is not a count")
+            if "block_records" in row and not (count(row["block_records"]) and row["block_records"] > 0):
+                raise bad(f"{where}.block_records", f"{row['block_records']!r} is not a positive count")
+            if row["file"] in seen:
+                raise bad(f"{where}.file", f"{row['file']} is listed twice")
+            seen.add(row["file"])
 
 
 def prepared_from_sources(data_dir: str) -> bool:
@@ -75,7 +137,7 @@ def prepared_from_sources(data_dir: str) -> bool:
 def verified_tokenizer(data_dir: str) -> str:
     """Path of the data dir's tokenizer.json, after checking it is the one its shards were made with."""
     manifest = load_manifest(data_dir)
-    path = os.path.join(data_dir, manifest["tokenizer"]["file"])
+    path = os.path.join(data_dir, manifest["tokenizer"].get("file", TOKENIZER))
     if not storage.exists(path):
         raise DataError(f"{path}: missing; the shards in {data_dir} cannot be decoded without it")
     if (actual := files.file_hash(path)) != manifest["tokenizer"]["sha256"]:
@@ -115,7 +177,7 @@ def local_tokenizer_dir(data_dir: str) -> str:
     """A local dir holding a bucket data dir's manifest and tokenizer files (what load_tokenizer reads), under
     ~/.cache/jaxtrain/remote/, refreshed on every call."""
     manifest = load_manifest(data_dir)
-    names = [MANIFEST, manifest["tokenizer"]["file"]]
+    names = [MANIFEST, manifest["tokenizer"].get("file", TOKENIZER)]
     if manifest["tokenizer"].get("hf_dir"):
         names.append(tok_lib.HF_TOKENIZER_CONFIG)
     local = Path(remote_cache(data_dir))

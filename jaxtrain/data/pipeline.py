@@ -34,7 +34,7 @@ from absl import flags
 from jaxtrain import files, storage
 from jaxtrain.data import order as order_lib
 from jaxtrain.data import records
-from jaxtrain.data.layout import load_manifest
+from jaxtrain.data.layout import content_id, load_manifest
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.fields import Group
 
@@ -45,7 +45,10 @@ _KEYS = ("tokens", "segment_ids", "positions")
 # weights, "dirA:0.7,dirB:0.3", all tokenized with `dir`'s tokenizer; `dir` still supplies the tokenizer and the
 # held-out split. `num_workers` > 0: build train batches in that many Grain worker processes (the same batches);
 # 0 = one prefetch thread in the trainer, which is faster on a few CPU cores.
-CONFIG = dict(corpus="kjv", dir="", vocab_size=8192, heldout_docs=200, mixture="", num_workers=0)
+# `allow_changed`: resume although the train data differs from what the checkpoint's position refers to (another
+# dir, or the same dir prepared again with other content); the run logs the change. Off: such a resume exits 2.
+CONFIG = dict(corpus="kjv", dir="", vocab_size=8192, heldout_docs=200, mixture="", num_workers=0,
+              allow_changed=False)
 
 
 def check_config(data, *, model_vocab_size: int) -> None:
@@ -67,6 +70,7 @@ def check_config(data, *, model_vocab_size: int) -> None:
         except ValueError as e:
             raise ConfigError("data.mixture", str(e)) from None
     g.positive_int("num_workers", allow_zero=True)
+    g.choice("allow_changed", (True, False))
 
 
 def check_eval_sets(spec) -> None:
@@ -106,6 +110,7 @@ class PackedStream:
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.seed = seed
         self.identity = f"{manifest['tokenizer']['sha256'][:16]}/{split}"  # what a saved position refers to
+        self.content = content_id(manifest, split)  # and the documents it counts through
         self.weighted = bool(manifest.get("loss_weights"))  # chat data: a uint8 weight per token after the tokens
         self.row_addressed = self.weighted  # whole conversations per row: a position is a row, not a token
         try:
@@ -123,6 +128,9 @@ class PackedStream:
         self.epoch_tokens = int(self.records.block_tokens.sum())
         self.blocks = order_lib.BlockOrder(self.records.block_tokens, seed, window_blocks)
         self.use_order(ORDER)
+
+    def data_dirs(self) -> str:
+        return self.data_dir
 
     def use_order(self, name: str) -> None:
         """Switches to the train order `name` (ORDER, or LEGACY_ORDER for a position saved before it)."""
@@ -293,6 +301,7 @@ class MixedStream:
             raise DataError(f"mixture weight {min(weights)} is below 1/{self.BLOCK} of the total")
         self.streams, self.quotas, self.seed = streams, quotas, seed
         self.identity = "mix(" + ",".join(f"{s.identity}:{q}" for s, q in zip(streams, quotas)) + ")"
+        self.content = hashlib.sha256(",".join(s.content for s in streams).encode()).hexdigest()[:16]
         self._slots = np.repeat(np.arange(len(streams)), quotas)
         self.row_addressed = True
         if len({s.weighted for s in streams}) > 1:
@@ -316,6 +325,9 @@ class MixedStream:
     @property
     def order_name(self) -> str:
         return self.streams[0].order_name
+
+    def data_dirs(self) -> str:
+        return ", ".join(s.data_dir for s in self.streams)
 
     def use_order(self, name: str) -> None:
         for stream in self.streams:
@@ -454,14 +466,23 @@ class TrainIterator:
 
     def get_state(self) -> dict:
         return {"next_token": self.next_token, "stream": self.stream.identity, "seed": self.stream.seed,
-                "order": self.stream.order_name}
+                "order": self.stream.order_name, "content": self.stream.content}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, allow_changed: bool = False) -> str | None:
+        """Continues at a saved position. Returns what changed in the data when `allow_changed` lets a position
+        saved on other content resume (positions saved before content ids were recorded are taken as they are)."""
         for key, mine in (("stream", self.stream.identity), ("seed", self.stream.seed)):
             if state.get(key) != mine:
                 raise DataError(f"checkpointed data position refers to {key}={state.get(key)!r}, this run has "
                                 f"{mine!r}; resume with the same data dir (or mixture) and train.seed, or start "
                                 f"a new workdir")
+        changed = None
+        if state.get("content", self.stream.content) != self.stream.content:
+            changed = (f"the train data ({self.stream.data_dirs()}) holds other documents than the checkpoint's "
+                       f"position counts through (content {state['content']}, now {self.stream.content})")
+            if not allow_changed:
+                raise DataError(f"data.dir: {changed}; resume with the data the run trained on, set "
+                                f"data.allow_changed=true to go on with this data, or start a new workdir")
         if self.stream.row_addressed and state["next_token"] % self.seq_len:
             what = "a mixture" if isinstance(self.stream, MixedStream) else "chat data"
             raise DataError(f"train.seq_len: {self.seq_len} does not divide the checkpointed position of {what} "
@@ -469,6 +490,7 @@ class TrainIterator:
         self._close_reader()  # its thread must not read the stream while the order changes under it
         self.stream.use_order(state.get("order", LEGACY_ORDER))
         self._start(int(state["next_token"]))
+        return changed
 
     def close(self) -> None:
         """Stops the prefetch thread or the worker processes; the iterator is spent afterwards."""

@@ -55,6 +55,7 @@ class Split:
         self.starts = np.concatenate([[0], np.cumsum(docs)])  # first record of each shard
         self.n_records = int(self.starts[-1])
         self.record_width = dtype.itemsize + (1 if weighted else 0)  # bytes per token (+ a uint8 loss weight)
+        self.dtype, self.weighted = dtype, weighted
         self.block_size = int(rows[0].get("block_records", layout.BLOCK_RECORDS)) if rows else layout.BLOCK_RECORDS
         self._lengths: dict[int, np.ndarray] = {}  # shard -> memory-mapped lengths
         self._measured = None  # every record's length, for dirs without a lengths index
@@ -86,6 +87,16 @@ class Split:
                 if (n := reader.num_records()) != self.rows[s]["docs"]:
                     raise DataError(f"{self.paths[s]}: holds {n} records, the manifest says {self.rows[s]['docs']}; "
                                     f"prepare the data again")
+                # The first record's size against its length: a dtype of another width, or chat data read
+                # without its loss weights, would otherwise be bytes reinterpreted (local dirs: the lengths
+                # index is memory-mapped, not fetched).
+                if n and not self.sparse and self._measured is None:
+                    got, want = len(reader.read([0])[0]), int(self._shard_lengths(s)[0]) * self.record_width
+                    if got != want:
+                        raise DataError(f"{self.paths[s]}: its first record has {got} bytes, the manifest's dtype "
+                                        f"and lengths say {want} ({self.dtype.name}, "
+                                        f"{'with' if self.weighted else 'without'} loss weights); prepare the data "
+                                        f"again")
             finally:
                 reader.close()
 

@@ -355,6 +355,63 @@ def test_resume_refuses_another_seed(data_dir):
         other.set_state(state)
 
 
+def test_resume_refuses_other_documents_at_the_same_path_unless_allowed(data_dir, tmp_path):
+    """The position is a token offset: into other documents (the shards reordered here, as another prepare at the
+    same path could) it would resume silently on wrong data. allow_changed resumes and says what changed."""
+    import shutil  # noqa: PLC0415
+
+    state = json.loads(json.dumps(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=3).get_state()))
+    state["next_token"] = 2 * 8 * SEQ
+    other = tmp_path / "data"
+    shutil.copytree(data_dir, other)
+    manifest = json.loads((other / layout.MANIFEST).read_text())
+    manifest["splits"]["train"].reverse()
+    (other / layout.MANIFEST).write_text(json.dumps(manifest))
+    it = pipeline.train_iterator(str(other), seq_len=SEQ, global_batch=8, seed=3)
+    with pytest.raises(DataError, match=r"^data\.dir: the train data \(.*\) holds other documents.*allow_changed"):
+        it.set_state(state)
+    said = it.set_state(state, allow_changed=True)
+    assert "holds other documents" in said and it.get_state()["content"] != state["content"]
+    assert it.get_state()["next_token"] == 2 * 8 * SEQ
+    again = pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=3)
+    assert again.set_state(state) is None  # the same data
+    del state["content"]  # a position saved before content ids: taken as it is
+    assert it.set_state(state) is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: [], "not a JSON object"),
+    (lambda m: m.pop("splits") and None, "splits: missing or empty"),
+    (lambda m: m.update(dtype="int8"), "dtype: 'int8' is not a token dtype"),
+    (lambda m: m.update(dtype="uint32"), "dtype: 'uint32' is not a token dtype"),
+    (lambda m: m["splits"]["train"][0].update(block_records=0), r"splits\.train\[0\]\.block_records: 0"),
+    (lambda m: m["splits"]["train"][1].update(docs=-3), r"splits\.train\[1\]\.docs: -3 is not a count"),
+    (lambda m: m["splits"]["train"].append(m["splits"]["train"][0]), r"splits\.train\[4\]\.file: .* listed twice"),
+    (lambda m: m["splits"]["train"][0].update(lengths="../x.npy"), "not a file name inside the data dir"),
+    (lambda m: m["tokenizer"].pop("sha256") and None, "tokenizer: must be an object"),
+    (lambda m: m["tokenizer"].update(file="/etc/passwd"), "tokenizer.file: .* not a file name inside"),
+])
+def test_a_manifest_the_readers_cannot_trust_is_named_by_field(data_dir, tmp_path, edit, message):
+    """Each edit is one that used to end in a traceback, or in training on wrong data (issue 53)."""
+    manifest = json.loads(Path(data_dir, layout.MANIFEST).read_text())
+    replaced = edit(manifest)  # None: edited in place
+    (tmp_path / layout.MANIFEST).write_text(json.dumps(manifest if replaced is None else replaced))
+    with pytest.raises(DataError, match=message):
+        layout.load_manifest(str(tmp_path))
+
+
+def test_a_dtype_of_another_width_is_named_at_open(data_dir, tmp_path):
+    import shutil  # noqa: PLC0415
+
+    other = tmp_path / "data"
+    shutil.copytree(data_dir, other)
+    manifest = json.loads((other / layout.MANIFEST).read_text())
+    (other / layout.MANIFEST).write_text(json.dumps({**manifest, "dtype": "int32"}))
+    with pytest.raises(DataError, match=r"train-00000-of-00004\.array_record: its first record has \d+ bytes, the "
+                                        r"manifest's dtype and lengths say \d+ \(int32, without loss weights\)"):
+        pipeline.PackedStream(str(other), "train", seed=0)
+
+
 def test_seeds(data_dir):
     def first(seed):
         return fingerprints(take(pipeline.train_iterator(data_dir, seq_len=SEQ, global_batch=8, seed=seed), 5))

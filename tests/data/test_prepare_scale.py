@@ -458,12 +458,18 @@ def test_lengths_index(tmp_path):
     index_path = out / m["splits"]["train"][1]["lengths"]
     good = np.load(index_path)
     bad = good.copy()
-    bad[0] += 1
+    bad[-1] += 1
     with open(index_path, "wb") as fh:
         np.save(fh, bad)
     # (The lengths are read, and checked against the block index, block by block as the stream reaches them.)
     with pytest.raises(prepare.DataError, match=f"{index_path}: does not match"):
         pipeline.PackedStream(str(out), "train", seed=0).document_lengths()
+    bad = good.copy()
+    bad[0] += 1  # the first document's length is also checked against its record when the split opens
+    with open(index_path, "wb") as fh:
+        np.save(fh, bad)
+    with pytest.raises(prepare.DataError, match=f"{str(index_path)[:-len(layout.LENGTHS_SUFFIX)]}: its first record"):
+        pipeline.PackedStream(str(out), "train", seed=0)
     with open(index_path, "wb") as fh:
         np.save(fh, good[:-1])
     with pytest.raises(prepare.DataError, match=f"{index_path}: does not match"):

@@ -151,6 +151,26 @@ def test_garbage_in_goodput_jsonl_is_skipped_and_the_run_finishes(trained, tmp_p
     assert summary["step"] == 12 and len(summary["goodput"]["attempts"]) == 2
 
 
+def test_a_resume_on_other_documents_is_refused_unless_meant(trained, tmp_path):
+    """A data dir prepared again with other content (here: its train shards in another order) used to resume
+    silently at the saved token offset into different documents (issue 53). With data.allow_changed it resumes
+    and says so."""
+    workdir, data = copy_of(trained, tmp_path), tmp_path / "data"
+    shutil.copytree(trained.data.dir, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["splits"]["train"].reverse()
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_digest(workdir)
+    args = ["train", "--config", "configs/tiny.py", *tiny_args(trained), f"--config.workdir={workdir}",
+            "--config.train.steps=12", f"--config.data.dir={data}"]
+    assert_one_line(jaxtrain(*args), 2, "data.dir: the train data", "holds other documents", "allow_changed")
+    assert tree_digest(workdir) == before
+    proc = jaxtrain(*args, "--config.data.allow_changed=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data.allow_changed: the train data" in proc.stdout and "resumed from checkpoint at step 10" in proc.stdout
+    assert json.loads((workdir / "summary.json").read_text())["step"] == 12
+
+
 def test_every_checkpoint_damaged_is_one_line_and_nothing_deleted(trained, tmp_path):
     """Orbax's suspended reads of a failed restore used to print their tracebacks after our line."""
     workdir = copy_of(trained, tmp_path)
