@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import traceback
 from datetime import datetime
 
 import jinja2
@@ -91,6 +92,17 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class TemplateFailure(DataError):
+    """The chat template failed on a record (its own raise_exception, an undefined name, any error it raised),
+    as distinct from a record that is not a conversation."""
+
+
+def _template_line(error: BaseException) -> str:
+    """ "line N: " of the template's frame in `error`'s traceback (jinja2 maps it back to the template), or ""."""
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == "<template>"]
+    return f"line {lines[-1]}: " if lines else ""
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     # Templates come from the Hub: untrusted code, hence the sandbox.
@@ -101,7 +113,12 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise DataError(f"chat template line {e.lineno}: {e.message}") from None
+        raise TemplateFailure(f"chat template line {e.lineno}: {e.message}") from None
+
+
+def check_syntax(template: str) -> None:
+    """TemplateFailure (naming the line) for a template that does not compile."""
+    _compile(template)
 
 
 def render(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
@@ -115,8 +132,11 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
     try:
         return compiled.render(**{"tools": None, "documents": None, **(variables or {})}, messages=messages,
                                add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, TypeError) as e:  # raise_exception, undefined names, str + list in the template
-        raise DataError(f"chat template: {' '.join(str(e).split())}") from None
+    except jinja2.TemplateError as e:  # raise_exception, undefined names, the sandbox
+        raise TemplateFailure(f"chat template {_template_line(e)}{' '.join(str(e).split())[:300]}") from None
+    except Exception as e:  # noqa: BLE001 - anything else the template's code raised: str + list, recursion, 1/0
+        raise TemplateFailure(f"chat template {_template_line(e)}{type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
 
 
 def _as_transformers_passes(message: dict) -> dict:
@@ -189,6 +209,8 @@ def preference(record: dict) -> tuple[list[dict], list[dict], list[dict]]:
     prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     responses = [[{"role": "assistant", "content": r}] if isinstance(r, str) else r
                  for r in (record["chosen"], record["rejected"])]
+    if not isinstance(prompt, list) or not all(isinstance(r, list) and r for r in responses):
+        raise DataError("prompt, chosen and rejected must be strings or non-empty lists of messages")
     if "prompt" not in record:  # implicit prompt: the leading messages both conversations share
         shared = 0
         while all(shared < len(r) - 1 for r in responses) and responses[0][shared] == responses[1][shared]:

@@ -34,6 +34,7 @@ def chat_settings(tokenizer: str | None, template: str | None, max_len: int | No
     if max_len is not None and max_len < 1:
         raise DataError(f"--max_len: must be a positive number of tokens, got {max_len}")
     text = chat_lib.load_template(template or tokenizer)
+    chat_lib.check_syntax(text)  # a template that cannot compile fails every record: say so before reading them
     return {"template": text, "template_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "variables": chat_lib.special_tokens(tokenizer), "max_len": max_len, "truncate": truncate,
             **({"preference": True} if pairs else {})}
@@ -69,6 +70,9 @@ def encode_conversations(tok, records: list, dtype: np.dtype, chat: dict, counts
     for record in records:
         try:
             ids, weights = chat_lib.encode(tok, chat["template"], chat_lib.conversation(record), chat["variables"])
+        except chat_lib.TemplateFailure as e:
+            _count_template_failure(counts, e)
+            continue
         except DataError:
             counts["skipped_not_a_conversation"] += 1
             continue
@@ -100,6 +104,9 @@ def _encode_pairs(tok, records: list, dtype: np.dtype, chat: dict, counts: colle
             prompt, chosen, rejected = chat_lib.preference(record)
             pair = [chat_lib.encode(tok, chat["template"], prompt + response, chat["variables"],
                                     train_from=len(prompt)) for response in (chosen, rejected)]
+        except chat_lib.TemplateFailure as e:
+            _count_template_failure(counts, e)
+            continue
         except DataError:
             counts["skipped_not_a_pair"] += 1
             continue
@@ -120,6 +127,24 @@ def _encode_pairs(tok, records: list, dtype: np.dtype, chat: dict, counts: colle
             ids_out.append(np.asarray(ids, dtype))
             weights_out.append(weights)
     return ids_out, weights_out
+
+
+TEMPLATE_FAILED = "skipped_template_error"
+REASON = "reason: "  # counts keys that carry a failure's message (the first REASONS_KEPT distinct ones a shard met)
+REASONS_KEPT = 3
+
+
+def _count_template_failure(counts: collections.Counter, error: DataError) -> None:
+    counts[TEMPLATE_FAILED] += 1
+    key = REASON + str(error)
+    if key in counts or sum(k.startswith(REASON) for k in counts) < REASONS_KEPT:
+        counts[key] += 1
+
+
+def template_failures(counts: dict) -> tuple[int, list[str]]:
+    """(records the template failed on, their first distinct messages, the most frequent first)."""
+    reasons = sorted(((n, k[len(REASON):]) for k, n in counts.items() if k.startswith(REASON)), reverse=True)
+    return counts.get(TEMPLATE_FAILED, 0), [msg for _, msg in reasons[:REASONS_KEPT]]
 
 
 def _fair_split(lengths: list[int], budget: int) -> list[int]:

@@ -230,6 +230,8 @@ def prepare_sources(
     skipped = collections.Counter()
     for s in srcs:
         skipped.update(s.skipped)
+    # and the conversations or pairs chat preparation skipped (not conversations, template failures, too long)
+    skipped.update({k: v for k, v in (manifest.get("chat") or {}).items() if k.startswith(("skipped_", "dropped_"))})
     tokens = sum(s["tokens"] for split_rows in manifest["splits"].values() for s in split_rows)
     docs = sum(s["docs"] for split_rows in manifest["splits"].values() for s in split_rows)
     held = sum(s["docs"] for s in manifest["splits"]["heldout"])
@@ -271,9 +273,19 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
             src.text_bytes += st["text_bytes"]
             src.malformed_at = (src.malformed_at + st.get("malformed_at", []))[:sources_lib.MALFORMED_SHOWN]
     _check_malformed(srcs, max_bad_fraction)
+    counts = collections.Counter()
+    if chat:
+        for r in records:
+            counts.update(r["chat"])
+        _report_template_failures(counts, inputs, print_fn)
     train_rows = [r["train"] for r in records]
     heldout_rows = [r["heldout"] for r in records if r["heldout"]]
     if not sum(r["docs"] for r in train_rows):
+        read = sum(s.docs + sum(s.skipped.values()) for s in srcs)
+        if not chat and read and sum(s.skipped["missing_field"] for s in srcs) == read:
+            field = settings.get("field", "text")
+            raise DataError(f"{', '.join(inputs)}: no record has the {field!r} field (--field); conversations "
+                            f"('messages', or 'prompt' and 'completion') are read with --chat")
         raise DataError(f"{', '.join(inputs)}: no documents left for training after {sum(r['docs'] for r in heldout_rows)}"
                         f" held-out ones; add data or lower --heldout_docs")
     if (held_total := sum(r["docs"] for r in heldout_rows)) < heldout_docs:
@@ -293,9 +305,7 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         "sources": [s.row() for s in srcs],
     }
     if chat:
-        counts = collections.Counter()
-        for r in records:
-            counts.update(r["chat"])
+        counts = collections.Counter({k: v for k, v in counts.items() if not k.startswith(encode.REASON)})
         counts["longest"] = max(r["chat"].get("longest", 0) for r in records)  # a maximum, not a sum
         manifest["loss_weights"] = True
         if chat.get("preference"):
@@ -309,6 +319,18 @@ def _prepare_sources_into(work, data_dir, srcs, inputs, settings, identities, to
         os.rmdir(data_dir)  # an empty dir (checked above) is replaced
     os.rename(work, data_dir)
     return manifest
+
+
+def _report_template_failures(counts: collections.Counter, inputs: list, print_fn) -> None:
+    """A template that failed on every record is the error (its own message, not "no documents left"); one that
+    failed on some is a warning with the first reasons."""
+    failed, reasons = encode.template_failures(counts)
+    if not failed:
+        return
+    if not (counts["conversations"] or counts["pairs"]):
+        raise DataError(f"{', '.join(inputs)}: the chat template failed on all {failed} records: {reasons[0]}")
+    print_fn(f"prepare: warning: the chat template failed on {failed} records, which are skipped: "
+             + "; ".join(reasons), file=sys.stderr)
 
 
 class TooManyMalformed(DataError):

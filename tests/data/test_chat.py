@@ -206,6 +206,14 @@ def test_template_errors_are_data_errors(hf_dirs):
         chat.render(template("gemma"), [user, user], variables=chat.special_tokens(hf_dirs["gemma"]))
     with pytest.raises(DataError, match="line 1"):
         chat.render("{% for m in messages %}", [user])
+    # Whatever else the template's code raises is a TemplateFailure too, naming its line: no traceback.
+    for body, error in (("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+                        ("{% for i in range(10 ** 9) %}{% endfor %}", "OverflowError"),
+                        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+                        ("{{ 'abc'.index('z') }}", "ValueError"),
+                        ("{{ raise_exception('no system role') }}", "no system role")):
+        with pytest.raises(chat.TemplateFailure, match=f"^chat template line 2: .*{error}"):
+            chat.render("hello\n" + body, [user])
 
 
 def test_transformers_quirks_match():

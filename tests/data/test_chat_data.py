@@ -154,6 +154,43 @@ def test_a_seq_len_shorter_than_a_conversation_is_a_config_error(chat_dir):
         pipeline.check_conversations_fit(str(out), longest - 1)
 
 
+def test_template_failures_are_counted_with_their_reason_and_all_failing_is_the_error(chat_dir, tmp_path):
+    """A template that fails on some records skips them with its message; on every record, its message is the
+    error (not "no documents left ... lower --heldout_docs"). Records without the text field and no --chat say
+    that --chat reads conversations."""
+    _, hf = chat_dir
+    data = tmp_path / "c.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in _conversations(20)) + "\n")
+    template = tmp_path / "t.jinja"
+    # fails on conversations with a system turn (the even ones), as a template without a system role does
+    template.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
+                        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    said = []
+    m = prepare.prepare_sources(str(tmp_path / "some"), [str(data)], field="*", tokenizer=str(hf), heldout_docs=1,
+                                chat=True, chat_template=str(template), workers=1,
+                                print_fn=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert m["chat"]["conversations"] == 10 and m["chat"]["skipped_template_error"] == 10
+    assert not any(k.startswith("reason") for k in m["chat"])
+    assert any("the chat template failed on 10 records, which are skipped: chat template line 1: no system role"
+               in line for line in said), said
+    assert any("skipped 10 (skipped_template_error 10)" in line for line in said), said
+
+    template.write_text("{{ messages[0].content / 2 }}")
+    with pytest.raises(DataError, match=r"the chat template failed on all 20 records: chat template line 1: "
+                                        r"TypeError: unsupported operand"):
+        prepare.prepare_sources(str(tmp_path / "all"), [str(data)], field="*", tokenizer=str(hf), heldout_docs=1,
+                                chat=True, chat_template=str(template), workers=1, print_fn=lambda *a, **k: None)
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(DataError, match="chat template line 1: Unexpected end of template"):
+        prepare.prepare_sources(str(tmp_path / "syntax"), [str(data)], field="*", tokenizer=str(hf),
+                                heldout_docs=1, chat=True, chat_template=str(template), workers=1)
+    with pytest.raises(DataError, match=r"no record has the 'text' field \(--field\); conversations .* with --chat"):
+        prepare.prepare_sources(str(tmp_path / "plain"), [str(data)], tokenizer=str(hf), heldout_docs=1, workers=1,
+                                print_fn=lambda *a, **k: None)
+    assert not any((tmp_path / d).exists() for d in ("all", "syntax", "plain"))
+
+
 def test_chat_needs_a_tokenizer_directory(chat_dir, tmp_path):
     out, hf = chat_dir
     data = tmp_path / "c.jsonl"

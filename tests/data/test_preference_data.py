@@ -134,7 +134,9 @@ def test_preference_records_in_every_form():
     implicit = chat.preference({"chosen": [user, {"role": "assistant", "content": "a"}],
                                 "rejected": [user, {"role": "assistant", "content": "b"}]})
     assert implicit[0] == [user] and implicit[1][0]["content"] == "a"
-    for bad in ({"prompt": "hi", "chosen": "a"}, {"prompt": "hi", "chosen": [], "rejected": "b"}, ["x"]):
+    for bad in ({"prompt": "hi", "chosen": "a"}, {"prompt": "hi", "chosen": [], "rejected": "b"}, ["x"],
+                {"chosen": {"role": "assistant"}, "rejected": {"role": "assistant"}}, {"chosen": 1, "rejected": 2},
+                {"chosen": [user, 3], "rejected": [user, {"role": "assistant"}]}):
         with pytest.raises(DataError):
             chat.preference(bad)
 
