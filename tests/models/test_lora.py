@@ -314,7 +314,7 @@ def test_a_peft_adapter_directory_imports_as_the_adapters_peft_computes(tmp_path
     for field, value in (("use_dora", True), ("fan_in_fan_out", True), ("layers_to_transform", [0]), ("bias", "all"),
                          ("modules_to_save", ["lm_head"]), ("rank_pattern", {"q_proj": 2})):
         (tmp_path / "ours" / hf.ADAPTER_CONFIG).write_text(json.dumps({**plain, field: value}))
-        with pytest.raises(HFError, match=rf"{field} is {value!r}".replace("[", r"\[")):
+        with pytest.raises(HFError, match=re.escape(f"{field} is {value!r}")):
             hf.import_adapters(tmp_path / "ours", cfg)
     (tmp_path / "ours" / hf.ADAPTER_CONFIG).write_text(json.dumps(plain))
     weights = tmp_path / "ours" / hf.ADAPTER_WEIGHTS
