@@ -42,6 +42,7 @@ def run(config, print_fn=print, writers=()) -> dict:
     e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
     t_start = time.perf_counter()
     compat.install()  # the dependency workarounds a run needs (jaxtrain/compat), before jax starts its backend
+    config = following_init_from(config)
     resolved, data = check_inputs(config)
     is_main = jax.process_index() == 0
     say = print_fn if is_main else (lambda *a, **k: None)
@@ -83,6 +84,25 @@ class Data:
     """The run's data dir (prepared, or reused as it is) and its tokenizer."""
     dir: str
     tokenizer: object
+
+
+def following_init_from(config):
+    """`config`, or with `model.init_from` a copy of it whose architecture fields left at their defaults take the
+    Hugging Face directory's values: a fine-tuning config need not repeat them. A field set to another value
+    must equal the directory's, as before (ConfigError naming it, from check_inputs)."""
+    if not config.model.init_from:
+        return config
+    try:
+        theirs = hf.read_config(config.model.init_from)
+    except HFError as e:
+        raise ConfigError("model.init_from", str(e)) from None
+    defaults = config_lib.base_config().model
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        for field in hf.FIELDS:
+            if field in config.model and config.model[field] == defaults[field] != theirs[field]:
+                config.model[field] = theirs[field]
+    return config
 
 
 def check_inputs(config) -> tuple[config_lib.Resolved, Data]:

@@ -3,6 +3,10 @@
 with gradient accumulation it equals one device, and with LoRA's dropout it resumes bit-exactly."""
 
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -108,3 +112,45 @@ def test_sft_learns_to_copy_held_out_prompts(tmp_path, capsys):
     assert generate.main(["--workdir", c.workdir, "--chat", "--prompt", " ".join(prompts[0]),
                           "--temperature", "0", "--max_new_tokens", "12"]) == 0
     assert capsys.readouterr().out.strip() == " ".join(prompts[0])
+
+
+@pytest.mark.slow
+def test_the_documented_command_fine_tunes_a_model_unlike_the_default(tmp_path):
+    """docs/fine-tuning.md's command, as written, over a Hugging Face directory of another family, sizes and vocab
+    than the default model's: the architecture follows model.init_from and the vocab data.dir's tokenizer, where
+    both used to need flags copied from `jaxtrain hf overrides`. A flag that disagrees with the directory is
+    still refused by name."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jaxtrain.models import hf, transformer  # noqa: PLC0415
+    from jaxtrain.models.config import ModelConfig  # noqa: PLC0415
+
+    cfg = ModelConfig(family="qwen3", vocab_size=320, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      d_ff=64, qk_norm=True, tie_embeddings=True, dtype="float32", param_dtype="float32")
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0))))()
+    model = hf.export(params, cfg, tmp_path / "model")
+    tokenizer = chat_tokenizer_dir(tmp_path / "tok", WORDS)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, model / name)
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(
+        {"messages": [_message("user", w), _message("assistant", w)]}) for w in [WORDS[i:i + 4] for i in range(12)]))
+    prepare.prepare_sources(str(tmp_path / "data"), [str(tmp_path / "chats.jsonl")], field="*", tokenizer=str(model),
+                            heldout_docs=2, chat=True, max_len=64, workers=1, print_fn=lambda *a, **k: None)
+
+    command = [sys.executable, "-m", "jaxtrain.main", "--config", "configs/sft_full.py",
+               f"--config.model.init_from={model}", f"--config.data.dir={tmp_path / 'data'}",
+               f"--config.workdir={tmp_path / 'run'}", "--config.train.steps=2", "--config.optim.warmup_steps=1",
+               "--config.eval.batches=1"]
+    run = lambda *extra: subprocess.run([*command, *extra], cwd=Path(__file__).parents[1], capture_output=True,  # noqa: E731
+                                        text=True, timeout=600)
+    refused = run("--config.model.d_model=48")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: model.d_model: 48 in the config, but the Hugging Face checkpoint {model} has 32; set "
+        f"--config.model.d_model=32"], refused.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert {k: saved[k] for k in ("family", "vocab_size", "d_model", "qk_norm")} == {
+        "family": "qwen3", "vocab_size": 320, "d_model": 32, "qk_norm": True}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 2

@@ -40,7 +40,8 @@ from jaxtrain.fields import Group
 
 _KEYS = ("tokens", "segment_ids", "positions")
 # The config's `data` group. `dir` empty = ~/.cache/jaxtrain/data/<corpus>_v<vocab_size>_h<heldout_docs>, the
-# default corpus prepared on first use (layout.default_dir). `vocab_size` is the tokenizer's; it may be smaller than
+# default corpus prepared on first use (layout.default_dir). `vocab_size`: the default corpus tokenizer's (a data.dir
+# prepared by `jaxtrain prepare` has its own, checked at open); it may be smaller than
 # model.vocab_size (padding rows for better matmul shapes). `mixture` (optional): train on several prepared dirs with
 # weights, "dirA:0.7,dirB:0.3", all tokenized with `dir`'s tokenizer; `dir` still supplies the tokenizer and the
 # held-out split. `num_workers` > 0: build train batches in that many Grain worker processes (the same batches);
@@ -60,7 +61,7 @@ def check_config(data, *, model_vocab_size: int) -> None:
     if data.vocab_size < 258:
         raise ConfigError("data.vocab_size", f"must be at least 258 (256 bytes + 2 special tokens), "
                           f"got {data.vocab_size}")
-    if data.vocab_size > model_vocab_size:
+    if data.vocab_size > model_vocab_size and not data.dir:  # a data.dir's own tokenizer is checked at open
         raise ConfigError("model.vocab_size", f"{model_vocab_size} is smaller than the tokenizer's "
                           f"data.vocab_size={data.vocab_size}")
     g.positive_int("heldout_docs")
