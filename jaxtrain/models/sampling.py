@@ -108,6 +108,21 @@ def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples=1, 
             raise ValueError(f"{name}: {reason}, got {value}")
 
 
+def cache_length(prompt_len: int, max_new_tokens: int, window: int) -> int:
+    """The K/V cache `generate` decodes with: the prompt and the new tokens, rounded up to CACHE_BUCKET (fewer
+    compiles), at most `window`."""
+    return min(window, -(-(min(prompt_len, window) + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET)
+
+
+def decode_bytes(cfg, num_samples: int, cache_len: int) -> int:
+    """A floor under decoding's memory beyond the weights: the K/V cache of `num_samples` rows and their f32
+    logits (what a request for many samples grows)."""
+    from jaxtrain.models import transformer  # noqa: PLC0415 - the cache layout is the model's
+
+    cache = jax.eval_shape(lambda: transformer.init_cache(cfg, num_samples, cache_len))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + num_samples * cfg.vocab_size * 4
+
+
 def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_id: int | Sequence[int] | None = None, num_samples: int = 1,
@@ -122,8 +137,7 @@ def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_to
     if max_new_tokens == 0:
         return [[] for _ in range(num_samples)]
     prompt = list(prompt_ids)[-window:]
-    wanted = len(prompt) + max_new_tokens
-    cache_len = min(window, -(-wanted // CACHE_BUCKET) * CACHE_BUCKET)
+    cache_len = cache_length(len(prompt), max_new_tokens, window)
     tokens = np.zeros((1, cache_len), np.int32)
     tokens[0, :len(prompt)] = prompt
     stops = [] if stop_id is None else [int(stop_id)] if np.ndim(stop_id) == 0 else [int(t) for t in stop_id]

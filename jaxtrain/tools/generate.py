@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain import compat, trainer
+from jaxtrain import compat, memory, trainer
 from jaxtrain.data import chat, layout
 from jaxtrain.data import tokenizer as tok_lib
 from jaxtrain.errors import CheckpointError, HFError, TokenizerError
@@ -78,10 +78,10 @@ def _parse(argv):
 
 
 def _from_workdir(args):
-    """(graphdef, params, vocab size, window, tokenizer, stop ids) of a workdir's checkpoint."""
+    """(model config, graphdef, params, window, tokenizer, stop ids) of a workdir's checkpoint."""
     tok = layout.load_tokenizer(layout.default_dir(trainer.load_config(args.workdir).data))
-    config, _, graphdef, params = trainer.restore_params(args.workdir, args.step)
-    return graphdef, params, config.model.vocab_size, config.train.seq_len, tok, [tok.eos_id]
+    config, model_cfg, graphdef, params = trainer.restore_params(args.workdir, args.step)
+    return model_cfg, graphdef, params, config.train.seq_len, tok, [tok.eos_id]
 
 
 def _eos_ids(hf_dir: Path, config: dict) -> list[int]:
@@ -100,7 +100,7 @@ def _eos_ids(hf_dir: Path, config: dict) -> list[int]:
 
 
 def _from_hf(args):
-    """(graphdef, params, vocab size, window, tokenizer or None, stop ids) of a Hugging Face directory."""
+    """(model config, graphdef, params, window, tokenizer or None, stop ids) of a Hugging Face directory."""
     hf_dir = Path(args.hf)
     hf.read_config(hf_dir)  # not an HF directory, or an unsupported model: said before anything loads
     config = json.loads((hf_dir / hf.CONFIG).read_text())
@@ -116,7 +116,7 @@ def _from_hf(args):
     stops = _eos_ids(hf_dir, config) + ([tok.eos_id] if tok is not None else [])
     window = config.get("max_position_embeddings")
     window = window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
-    return graphdef, jax.device_put(state), cfg.vocab_size, window, tok, sorted(set(stops))
+    return cfg, graphdef, jax.device_put(state), window, tok, sorted(set(stops))
 
 
 def _chat_template(args) -> tuple[str, dict]:
@@ -129,7 +129,8 @@ def _generate(argv) -> int:
     args = _parse(argv)
     common.quiet_orbax()
     template = _chat_template(args) if args.chat else None  # a missing template is said before the weights load
-    graphdef, params, vocab_size, window, tok, stops = (_from_hf if args.hf is not None else _from_workdir)(args)
+    model_cfg, graphdef, params, window, tok, stops = (_from_hf if args.hf is not None else _from_workdir)(args)
+    vocab_size = model_cfg.vocab_size
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
         if outside := [i for i in prompt_ids if i >= vocab_size]:
@@ -143,7 +144,16 @@ def _generate(argv) -> int:
         if not prompt_ids:
             print("error: --prompt: encodes to no tokens", file=sys.stderr)
             return 2
-    samples = sampling.generate(graphdef, params, prompt_ids, window=window or len(prompt_ids) + args.max_new_tokens,
+    window = window or len(prompt_ids) + args.max_new_tokens
+    need = sampling.decode_bytes(model_cfg, args.num_samples,
+                                 sampling.cache_length(len(prompt_ids), args.max_new_tokens, window))
+    if (have := memory.device_bytes(jax.local_devices()[:1])) and need > have:
+        gib = 2**30
+        print(f"error: --num_samples: {args.num_samples} samples of up to {len(prompt_ids) + args.max_new_tokens} "
+              f"tokens need at least {need / gib:,.1f} GiB for their K/V cache, over the {have / gib:,.1f} GiB the "
+              f"device has; ask for fewer samples or new tokens", file=sys.stderr)
+        return 2
+    samples = sampling.generate(graphdef, params, prompt_ids, window=window,
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop_id=stops, num_samples=args.num_samples,
                                 keep_stop=args.prompt_ids is not None)

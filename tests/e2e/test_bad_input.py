@@ -230,6 +230,12 @@ def test_generate_without_a_checkpoint_is_one_line(trained, tmp_path):
     assert_one_line(jaxtrain("generate", "--workdir", workdir, "--prompt", "In"), 2, "no checkpoint")
 
 
+def test_generate_refuses_more_samples_than_memory_holds(trained):
+    """A billion samples used to end in an allocation traceback: their K/V cache is checked against the device."""
+    proc = jaxtrain("generate", "--workdir", trained.workdir, "--prompt", "In", "--num_samples", 10**9)
+    assert_one_line(proc, 2, "--num_samples: 1000000000 samples", "GiB for their K/V cache")
+
+
 def test_outputs_under_a_file_are_refused_and_nothing_is_written(trained, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("mine\n")
