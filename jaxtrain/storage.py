@@ -3,8 +3,9 @@
 A local path passes straight through to the file system. A URL goes through fsspec (gcsfs, s3fs: `pip install
 'jaxtrain[cloud]'`; credentials and endpoints are theirs: GOOGLE_APPLICATION_CREDENTIALS, AWS_* and, for an
 emulator, STORAGE_EMULATOR_HOST / AWS_ENDPOINT_URL). A transient failure (no connection, a timeout, a 5xx or 429)
-is retried with exponential backoff for up to RETRY_SECONDS; a permanent one (no such object, access denied, no
-credentials), or a transient one that outlasts the retries, raises DataError naming the object. Shards are read
+is retried with exponential backoff for up to RETRY_SECONDS (JAXTRAIN_STORAGE_RETRY_SECONDS); a permanent one (no
+such object, access denied, no credentials) raises DataError naming the object, and a transient one that outlasts
+the retries StorageUnavailable, which says the data is not at fault. Shards are read
 through here too, a block per range request (records._SparseShard); only gs:// dirs prepared before the block
 offsets are read by ArrayRecord's own GCS client (with its own retries).
 """
@@ -23,7 +24,8 @@ import numpy as np
 
 from jaxtrain.errors import DataError
 
-RETRY_SECONDS = 120.0  # how long a transient outage is waited out, per request
+RETRY_SECONDS = 120.0  # how long a transient outage is waited out: JAXTRAIN_STORAGE_RETRY_SECONDS overrides it
+RETRY_ENV = "JAXTRAIN_STORAGE_RETRY_SECONDS"
 FIRST_WAIT, MAX_WAIT = 0.5, 10.0  # seconds between tries: doubling, with jitter
 SCHEMES = ("gs://", "s3://")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
@@ -51,21 +53,53 @@ def _fs(url: str):
             from None
 
 
+class StorageUnavailable(DataError):
+    """The endpoint stayed unreachable for the whole retry budget: the data is not at fault."""
+
+
+def retry_seconds() -> float:
+    """The retry budget: JAXTRAIN_STORAGE_RETRY_SECONDS, or RETRY_SECONDS."""
+    value = os.environ.get(RETRY_ENV)
+    try:
+        return RETRY_SECONDS if value is None else max(0.0, float(value))
+    except ValueError:
+        raise DataError(f"{RETRY_ENV}: {value!r} is not a number of seconds") from None
+
+
+# When the budget ran out on a bucket, the next requests to it within one more budget try once instead of
+# waiting the budget again: a reader's prefetch issues many, and the first has already waited.
+_gave_up: dict[str, float] = {}
+
+
+def _bucket(what: str) -> str:
+    return "/".join(str(what).split("/")[:3]) if is_url(what) else ""
+
+
 def retried(what: str, fn, *args, seconds: float | None = None):
-    """fn(*args), retried while it fails transiently; DataError naming `what` when it fails for good."""
-    seconds = RETRY_SECONDS if seconds is None else seconds
+    """fn(*args), retried while it fails transiently; DataError naming `what` when it fails for good, and
+    StorageUnavailable when it failed transiently for the whole budget (`seconds`, default retry_seconds())."""
+    seconds = retry_seconds() if seconds is None else seconds
+    bucket = _bucket(what)
+    if time.monotonic() - _gave_up.get(bucket, -1e18) < seconds:
+        seconds = 0.0  # one try: this bucket was unreachable a moment ago
     deadline = time.monotonic() + seconds
     wait = FIRST_WAIT
     while True:
         try:
-            return fn(*args)
+            result = fn(*args)
+            _gave_up.pop(bucket, None)
+            return result
         except _PERMANENT as e:
             raise DataError(f"{what}: {_reason(e)}") from None
         except Exception as e:  # noqa: BLE001 - connection errors come in each client's own types
             if "Credentials" in type(e).__name__ or type(e).__name__.endswith("ValidationError"):  # no retry helps
                 raise DataError(f"{what}: {_reason(e)}") from None
             if time.monotonic() + wait > deadline:
-                raise DataError(f"{what}: {_reason(e)} (gave up after {seconds:g}s of retries)") from None
+                _gave_up[bucket] = time.monotonic()
+                raise StorageUnavailable(
+                    f"{what}: storage unreachable ({_reason(e)}) after {seconds:g}s of retries ({RETRY_ENV}); the "
+                    f"data is not damaged: rerun once the endpoint is back (a run resumes from its last "
+                    f"checkpoint)") from None
             print(f"storage: {what}: {_reason(e)}; retrying in {wait:.1f}s", file=sys.stderr, flush=True)
             time.sleep(wait * random.uniform(0.8, 1.2))
             wait = min(2 * wait, MAX_WAIT)
