@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 
 from jaxtrain import files, storage
-from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError
+from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError, DataError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel import pipeline as pipeline_parallel
@@ -181,10 +181,23 @@ def directory(c, workdir) -> str:
     return c.dir or os.path.join(str(workdir), "checkpoints")
 
 
+def _bucket_problem(url) -> str | None:
+    """Why checkpoints cannot go to `url`'s bucket: it does not exist (Orbax would create an S3 bucket
+    silently, with the endpoint's defaults)."""
+    bucket = "/".join(str(url).split("/")[:3])
+    try:
+        if storage.exists(bucket):
+            return None
+    except DataError as e:
+        return str(e)
+    return (f"{url}: bucket {bucket} does not exist (or these credentials cannot see it); jaxtrain does not create "
+            f"buckets: create it with its location and retention settings first")
+
+
 def check_paths(directory, local_directory: str | None = None, field: str = "workdir") -> None:
     """ConfigError unless both can be checkpoint directories, and different ones; a run checks this before its
     workdir exists, rather than fail its first save after training started."""
-    problem = files.dir_problem(directory) if "://" not in str(directory) else None
+    problem = files.dir_problem(directory) if "://" not in str(directory) else _bucket_problem(directory)
     if problem:
         raise ConfigError(field, f"checkpoints: {problem}" if field == "workdir" else problem)
     if local_directory:

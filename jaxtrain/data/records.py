@@ -90,7 +90,7 @@ class Split:
                 # The first record's size against its length: a dtype of another width, or chat data read
                 # without its loss weights, would otherwise be bytes reinterpreted (local dirs: the lengths
                 # index is memory-mapped, not fetched).
-                if n and not self.sparse and self._measured is None:
+                if n and not storage.is_url(self.data_dir) and self._measured is None:
                     got, want = len(reader.read([0])[0]), int(self._shard_lengths(s)[0]) * self.record_width
                     if got != want:
                         raise DataError(f"{self.paths[s]}: its first record has {got} bytes, the manifest's dtype "

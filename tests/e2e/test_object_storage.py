@@ -288,6 +288,17 @@ def test_s3_checkpoints_commit_by_marker_and_a_damaged_step_is_moved_aside_not_l
     s3fs.S3FileSystem.clear_instance_cache()  # epath's instance must see this endpoint
     fs = s3fs.S3FileSystem(endpoint_url=s3.url, key="test", secret="test", skip_instance_cache=True)
     steps = lambda: (fs.invalidate_cache(), sorted({p.split("/")[2] for p in fs.find("bucket/faults")}))[1]
+    # A bucket that does not exist is the config's error: saving would have created it, silently.
+    from jaxtrain.compat import orbax_s3
+    from jaxtrain.errors import ConfigError
+
+    orbax_s3.install()  # as every entry point does (an earlier test in this process may not have run)
+
+    with pytest.raises(ConfigError, match=r"^checkpoint\.dir: s3://missing/ckpt: bucket s3://missing does not "
+                                          r"exist .* jaxtrain does not create buckets"):
+        checkpoint.check_paths("s3://missing/ckpt", field="checkpoint.dir")
+    assert not fs.exists("missing")
+    checkpoint.check_paths("s3://bucket/faults", field="checkpoint.dir")
     ckpt = checkpoint.Checkpointer("s3://bucket/faults", keep=2)
     for step in (1, 2, 3):
         ckpt.save(step, make_state(step), {"pos": step})
