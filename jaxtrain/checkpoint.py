@@ -253,20 +253,31 @@ class _Dir:
         self.saving: int | None = None  # step of the save in flight
         self.abandoned: set[int] = set()  # steps whose failed save left a tmp dir behind
         self.manager = self._open(self.options)
+        self.closed = False  # a rebuild could not reopen the directory (its endpoint down): reopened by the next save
 
     def _open(self, options):
         return ocp.CheckpointManager(self.path, options=options, item_handlers={
             "state": _state_handler(), "data": ocp.JsonCheckpointHandler(),
             "integrity": ocp.JsonCheckpointHandler()})
 
-    def rebuild(self, step: int):
+    def rebuild(self, step: int) -> str | None:
+        """A fresh manager after the failed save of `step`; returns why it could not be made, or None."""
         with contextlib.suppress(Exception):  # leftovers of the failure that is being reported already
             self.manager.close()
         self.saving = None
         # No tmp cleanup yet: writers of the failed save may still be running (Orbax reports the first error
         # without waiting for the rest) and would race the removal. The next save removes it.
         self.abandoned.add(step)
-        self.manager = self._open(dataclasses.replace(self.options, cleanup_tmp_directories=False))
+        return self._reopen()
+
+    def _reopen(self) -> str | None:
+        try:  # Orbax lists the directory: a bucket whose endpoint is down fails here too
+            self.manager = self._open(dataclasses.replace(self.options, cleanup_tmp_directories=False))
+        except Exception as e:  # noqa: BLE001 - reported as CheckpointError by the caller (exit 4, not a traceback)
+            self.closed = True
+            return f"{self.path}: cannot reopen the checkpoint directory after a failed save ({_describe(e)})"
+        self.closed = False
+        return None
 
     def remove_abandoned(self):
         """Removes the tmp dirs of earlier failed saves (primary process, best effort): on a full disk partial
@@ -289,6 +300,8 @@ class _Dir:
             return f"saving step {step} to {self.path} failed: {_describe(e)}"
 
     def start_save(self, step: int, args) -> str | None:
+        if self.closed and (problem := self._reopen()):
+            return problem
         if step in self.manager.all_steps():
             return None  # already committed here (e.g. the step a run resumed from)
         self.remove_abandoned()
@@ -552,8 +565,9 @@ class Checkpointer:
         for d in targets:
             error = d.start_save(step, args)
             if distributed.any_process(error is not None):
-                d.rebuild(step)
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
+                if not d.closed and (problem := d.rebuild(step)):
+                    errors.append(problem)
             elif d is self.persistent:
                 self._last_persistent_save = self.clock()
         if errors:
@@ -567,7 +581,8 @@ class Checkpointer:
     def close(self) -> None:
         errors = self._collect(self._dirs, block=self._dirs)
         for d in self._dirs:
-            d.manager.close()
+            if not d.closed:
+                d.manager.close()
         if errors:
             raise CheckpointError("; ".join(errors))
 
@@ -582,8 +597,9 @@ class Checkpointer:
                 continue
             step, error = d.saving, d.wait()
             if distributed.any_process(error is not None):
-                d.rebuild(step)
                 errors.append(error or f"saving step {step} to {d.path} failed on another process")
+                if problem := d.rebuild(step):
+                    errors.append(problem)
         return errors
 
     def _load(self, d: _Dir, step: int, abstract_state):

@@ -336,8 +336,23 @@ def test_read_only_directory_fails_the_save_and_keeps_the_last_checkpoint(tmp_pa
     assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == ["1"]
     monkeypatch.undo()
     ckpt.save(3, make_state(3), {"pos": 3})  # the same Checkpointer works again once the disk does
-    ckpt.close()
+    ckpt.wait()
     assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == ["3"]
+
+    # A bucket whose endpoint went down fails the save and then the fresh manager too (Orbax lists the dir):
+    # both are the CheckpointError (exit 4), not a client's traceback, and the next save reopens the dir.
+    failing(monkeypatch, root, "mkdir", errno.EROFS)
+    monkeypatch.setattr(checkpoint._Dir, "_open", lambda self, options: (_ for _ in ()).throw(
+        ConnectionError("Could not connect to the endpoint URL")))
+    with pytest.raises(checkpoint.CheckpointError, match="step 4.*Read-only file system.*cannot reopen the "
+                                                         "checkpoint directory after a failed save \\(ConnectionError"):
+        ckpt.save(4, make_state(4), {"pos": 4})
+    with pytest.raises(checkpoint.CheckpointError, match="^[^;]*cannot reopen the checkpoint directory"):
+        ckpt.save(5, make_state(5), {"pos": 5})  # still down: said again, nothing else tried
+    monkeypatch.undo()
+    ckpt.save(6, make_state(6), {"pos": 6})
+    ckpt.close()
+    assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == ["6"]
 
 
 def test_full_disk_surfaces_by_the_next_save_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
