@@ -56,20 +56,25 @@ class Watchdog:
     def __init__(self, timeout_s: float, *, exit_code: int = EXIT_HUNG, stream=None, exit_fn=os._exit):
         self.timeout_s, self.exit_code, self.stream, self.exit_fn = float(timeout_s), exit_code, stream, exit_fn
         self.fired = False
+        self._first = None  # the first step's own limit, until it finishes (start)
         self._last = time.monotonic()
         self._pauses = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
 
-    def start(self) -> None:
+    def start(self, first_step_s: float | None = None) -> None:
+        """Starts watching. `first_step_s`: the limit until the first `pet()`, for a first step that also waits
+        for every other process (their restore and compile) to reach it; default `timeout_s`."""
         if self.timeout_s <= 0 or self._thread is not None:
             return
+        self._first = max(self.timeout_s, first_step_s or 0.0)
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="step-watchdog", daemon=True)
         self._thread.start()
 
     def pet(self) -> None:
+        self._first = None
         self._last = time.monotonic()
 
     @contextlib.contextmanager
@@ -93,7 +98,7 @@ class Watchdog:
         while not self._stop.wait(poll):
             with self._lock:
                 idle = 0.0 if self._pauses else time.monotonic() - self._last
-            if idle > self.timeout_s:
+            if idle > (self._first or self.timeout_s):
                 self.fired = True
                 try:
                     self._dump(idle, self.stream or sys.stderr)

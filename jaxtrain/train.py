@@ -316,7 +316,9 @@ def train_loop(config, loop: Loop, state):
         loop.hooks.eval.run(0, state)
     last = min(t.stop_at or t.steps, t.steps)
     loop.say(f"training steps {loop.step + 1}..{last} of {t.steps}, {t.batch_size} x {t.seq_len} tokens per step")
-    loop.hooks.watchdog.start()
+    # The first step of an invocation waits for every process to restore and compile: it gets the time
+    # jax.distributed gives processes to meet, if that is longer.
+    loop.hooks.watchdog.start(first_step_s=config.distributed.timeout_s if jax.process_count() > 1 else None)
     interrupt = faults.InterruptBetweenSteps()
     try:
         state = steps(loop, state, last, interrupt)

@@ -76,6 +76,22 @@ def test_watchdog_pet_and_pause_keep_it_quiet(tmp_path):
             dog.stop()
 
 
+def test_watchdog_gives_the_first_step_its_own_limit(tmp_path):
+    """A resumed multi-process run's first step also waits for the other processes' restore and compile: it has
+    `first_step_s`; the steps after it the usual timeout."""
+    codes = []
+    with open(tmp_path / "stderr.txt", "w") as stream:
+        dog = faults.Watchdog(TIMEOUT_S, stream=stream, exit_fn=codes.append)
+        dog.start(first_step_s=3 * TIMEOUT_S)
+        try:
+            time.sleep(2 * TIMEOUT_S)
+            assert codes == []
+            dog.pet()
+            assert _wait_for(lambda: codes, TIMEOUT_S + MARGIN_S)
+        finally:
+            dog.stop()
+
+
 def test_watchdog_off_at_zero():
     codes = []
     dog = faults.Watchdog(0, exit_fn=codes.append)
