@@ -96,3 +96,5 @@ def pytest_terminal_summary(terminalreporter):
                                     f"budget {budgets['suite_min']} min (tests/budgets.json)")
     for path, s, budget in over:
         terminalreporter.write_line(f"over budget: {path} {s:.0f} s (budget {budget or budgets['default_file_s']} s)")
+    if out := os.environ.get("JAXTRAIN_TEST_TIMES"):  # each file's seconds, to set budgets.json from a measured run
+        Path(out).write_text(json.dumps({p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}, indent=1) + "\n")
