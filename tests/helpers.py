@@ -121,3 +121,16 @@ def trainer_on(cfg, mesh_shape: dict, rules: dict, devices=None):
     from jaxtrain import trainer as trainer_lib
 
     return trainer_lib.build_trainer(cfg, config_lib.resolve(cfg, mesh_shape, rules), devices=devices)
+
+
+def init_params(cfg, seed: int = 0):
+    """transformer.build(cfg, seed)'s params (a pure dict) from one compiled program, without LLVM's optimizations
+    (it runs once), as the trainer's init is compiled: built op by op, each of its initializers compiles a
+    program of its own, about 24 for a tiny model (seconds each time a test meets a new shape)."""
+    import jax
+    from flax import nnx
+
+    from jaxtrain.models import transformer
+
+    init = jax.jit(lambda: nnx.to_pure_dict(nnx.state(transformer.build(cfg, seed))))
+    return init.lower().compile(compiler_options={"xla_backend_optimization_level": 0})()

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import chat_tokenizer_dir, step_history, train_on_stream, trainer_on
+from helpers import chat_tokenizer_dir, init_params, step_history, train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import train
@@ -120,14 +120,12 @@ def test_the_documented_command_fine_tunes_a_model_unlike_the_default(tmp_path):
     than the default model's: the architecture follows model.init_from and the vocab data.dir's tokenizer, where
     both used to need flags copied from `jaxtrain hf overrides`. A flag that disagrees with the directory is
     still refused by name."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jaxtrain.models import hf, transformer  # noqa: PLC0415
+    from jaxtrain.models import hf  # noqa: PLC0415
     from jaxtrain.models.config import ModelConfig  # noqa: PLC0415
 
     cfg = ModelConfig(family="qwen3", vocab_size=320, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                       d_ff=64, qk_norm=True, tie_embeddings=True, dtype="float32", param_dtype="float32")
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0))))()
+    params = init_params(cfg)
     model = hf.export(params, cfg, tmp_path / "model")
     tokenizer = chat_tokenizer_dir(tmp_path / "tok", WORDS)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tree_digest
+from helpers import init_params, tree_digest
 from jaxtrain import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,15 +202,13 @@ def test_a_damaged_data_shard_is_named_with_the_fix(tiny_config, tmp_path):
 def test_peft_adapters_jaxtrain_cannot_compute_are_one_line_before_the_workdir(tmp_path):
     """An rsLoRA adapter (issue 53): PEFT scales it by alpha / sqrt(r); trained with alpha / r it was another model,
     silently. The run exits 2 naming the field, and nothing is created or changed."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jaxtrain.models import hf, lora, transformer  # noqa: PLC0415
+    from jaxtrain.models import hf, lora  # noqa: PLC0415
     from jaxtrain.models.config import ModelConfig  # noqa: PLC0415
 
     sizes = dict(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64,
                  tie_embeddings=False)
     cfg = ModelConfig(**sizes, lora_rank=4, lora_alpha=8.0)
-    params = nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0)))
+    params = init_params(cfg)
     hf.export(lora.split(params)[1], ModelConfig(**sizes), tmp_path / "base")
     adapters = hf.export_adapters(params, cfg, tmp_path / "adapters")
     config = json.loads((adapters / hf.ADAPTER_CONFIG).read_text())

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers as T
 from flax import nnx
+from helpers import init_params
 
 from jaxtrain.models import families, hf, transformer
 from jaxtrain.models.config import ModelConfig
@@ -142,7 +143,7 @@ def test_family_matches_transformers_both_ways(name, tmp_path, capsys):
 def test_export_refuses_what_the_family_cannot_write(tmp_path):
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
                       qk_norm=True, dtype="float32", param_dtype="float32")
-    params = nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0)))
+    params = init_params(cfg)
     with pytest.raises(hf.HFError, match=r"model.qk_norm: True cannot be written as a llama checkpoint"):
         hf.export(params, cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 (the base bit for bit unchanged, no optimizer state for it), adapters shard like their weights, and 8 devices
 equal one."""
 
+import functools
 import json
 import re
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import step_history, trainer_on
+from helpers import init_params, step_history, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import optim
@@ -26,7 +27,7 @@ CFG = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_
 
 
 def _params(cfg, seed=0):
-    return nnx.to_pure_dict(nnx.state(transformer.build(cfg, seed)))
+    return init_params(cfg, seed)
 
 
 def _logits(cfg, params, tokens):
@@ -168,6 +169,7 @@ def test_dropout_under_a_pipeline_equals_one_stage():
     tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 64)
     positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
 
+    @functools.partial(jax.jit, static_argnums=0)  # one program each: op by op, the pipeline compiles hundreds
     def hidden(layout, keys):
         graphdef, state = transformer.from_params(cfg, params, layout)
         return nnx.merge(graphdef, state).hidden(tokens, positions, jnp.ones_like(tokens), keys)[0]

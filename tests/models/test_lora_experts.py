@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as T
 from flax import nnx
-from helpers import step_history, train_on_stream, trainer_on
+from helpers import init_params, step_history, train_on_stream, trainer_on
 
 from jaxtrain import config as config_lib
 from jaxtrain import trainer as trainer_lib
@@ -43,7 +43,7 @@ def test_expert_adapters_equal_their_merged_weights_and_train_alone(routing):
     base_cfg = ModelConfig(**MOE, moe_routing=routing, moe_capacity_factor=4.0)
     cfg = ModelConfig(**MOE, moe_routing=routing, moe_capacity_factor=4.0, lora_rank=2, lora_alpha=4.0)
     tokens = np.asarray(jax.random.randint(jax.random.key(1), (4, 16), 0, 64))
-    adapters, base = lora.split(nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0))))
+    adapters, base = lora.split(init_params(cfg))
     mlp = adapters["blocks"]["mlp"]
     # "all" on a mixture of experts: the attention's four and the experts' two, one pair per expert
     assert set(mlp) == {"w_gate_up_lora_a", "w_gate_up_lora_b", "w_down_lora_a", "w_down_lora_b"}
@@ -134,7 +134,7 @@ def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
 
     import peft  # noqa: PLC0415
 
-    adapters = _random_b(lora.split(nnx.to_pure_dict(nnx.state(transformer.build(cfg, 0))))[0])
+    adapters = _random_b(lora.split(init_params(cfg))[0])
     ours = hf.export_adapters(lora.join(adapters, base), cfg, tmp_path / "ours")
     config = json.loads((ours / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj"]
