@@ -114,15 +114,6 @@ def cache_length(prompt_len: int, max_new_tokens: int, window: int) -> int:
     return min(window, -(-(min(prompt_len, window) + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET)
 
 
-def decode_bytes(cfg, num_samples: int, cache_len: int) -> int:
-    """A floor under decoding's memory beyond the weights: the K/V cache of `num_samples` rows and their f32
-    logits (what a request for many samples grows)."""
-    from jaxtrain.models import transformer  # noqa: PLC0415 - the cache layout is the model's
-
-    cache = jax.eval_shape(lambda: transformer.init_cache(cfg, num_samples, cache_len))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + num_samples * cfg.vocab_size * 4
-
-
 def generate(graphdef, params, prompt_ids: list[int], *, window: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_id: int | Sequence[int] | None = None, num_samples: int = 1,

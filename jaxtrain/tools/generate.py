@@ -125,6 +125,13 @@ def _chat_template(args) -> tuple[str, dict]:
     return chat.load_template(source), chat.special_tokens(source)
 
 
+def _decode_bytes(cfg, num_samples: int, cache_len: int) -> int:
+    """A floor under decoding's memory beyond the weights: the K/V cache of `num_samples` rows and their f32
+    logits (what a request for many samples grows)."""
+    cache = jax.eval_shape(lambda: transformer.init_cache(cfg, num_samples, cache_len))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + num_samples * cfg.vocab_size * 4
+
+
 def _generate(argv) -> int:
     args = _parse(argv)
     common.quiet_orbax()
@@ -145,8 +152,8 @@ def _generate(argv) -> int:
             print("error: --prompt: encodes to no tokens", file=sys.stderr)
             return 2
     window = window or len(prompt_ids) + args.max_new_tokens
-    need = sampling.decode_bytes(model_cfg, args.num_samples,
-                                 sampling.cache_length(len(prompt_ids), args.max_new_tokens, window))
+    need = _decode_bytes(model_cfg, args.num_samples,
+                         sampling.cache_length(len(prompt_ids), args.max_new_tokens, window))
     if (have := memory.device_bytes(jax.local_devices()[:1])) and need > have:
         gib = 2**30
         print(f"error: --num_samples: {args.num_samples} samples of up to {len(prompt_ids) + args.max_new_tokens} "
