@@ -99,9 +99,13 @@ def following_init_from(config):
     defaults = config_lib.base_config().model
     config = config.copy_and_resolve_references()
     with config.unlocked():
-        for field in hf.FIELDS:
+        for field in theirs:  # what `jaxtrain hf overrides` prints: the architecture and the family's defaults
             if field in config.model and config.model[field] == defaults[field] != theirs[field]:
-                config.model[field] = theirs[field]
+                try:
+                    config.model[field] = theirs[field]
+                except TypeError:  # ml_collections keeps a field's type
+                    raise ConfigError(f"model.{field}", f"the Hugging Face checkpoint {config.model.init_from} has "
+                                      f"{theirs[field]!r}, which this field cannot hold") from None
     return config
 
 

@@ -201,3 +201,11 @@ def test_overrides_give_the_directory_s_model(name, tmp_path):
     fields = hf.read_config(src)
     assert {f: values.config.model[f] for f in fields} == fields
     hf.check_init_from(src, config_lib.model_config(values.config, "cpu"))
+    # Without the flags: model.init_from alone gives the same model (train.run's first step).
+    from jaxtrain import train
+
+    base = config_lib.base_config()
+    base.model.init_from = str(src)
+    followed = train.following_init_from(base)
+    assert {f: followed.model[f] for f in fields} == fields and base.model.d_model != followed.model.d_model
+    hf.check_init_from(src, config_lib.model_config(followed, "cpu"))
