@@ -145,7 +145,7 @@ def _main():
     log(f"model: {n_params / 1e6:.2f}M params, vocab {model_cfg.vocab_size}, d_model {model_cfg.d_model}, "
         f"{model_cfg.n_layers} layers, {model_cfg.n_heads} heads / {model_cfg.n_kv_heads} kv of {model_cfg.head_dim}, "
         f"d_ff {model_cfg.d_ff}, {'tied' if model_cfg.tie_embeddings else 'untied'}, {model_cfg.dtype}, "
-        f"remat {model_cfg.remat} | batch {b} x {s} = {tokens:,} tokens/step | median of {steps} rounds (one step of "
+        f"remat {cfg.model.remat} | batch {b} x {s} = {tokens:,} tokens/step | median of {steps} rounds (one step of "
         f"each in turn) after 2 warm-up steps")
     loss_line = f"first-step loss: jaxtrain {jax_loss0:.6f} | torch eager {eager['first_loss']:.6f}"
     if compiled:
