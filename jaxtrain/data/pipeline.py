@@ -241,6 +241,12 @@ class PackedStream:
         epoch, w = divmod(i, self.n_windows)
         return epoch, w, row - (ends[i - 1] if i else 0)
 
+    def _index_mismatch(self, doc: int, tokens: int) -> DataError:
+        shard = int(np.searchsorted(self.records.starts, doc, side="right")) - 1
+        return DataError(f"{self.records.paths[shard]}: record {doc - int(self.records.starts[shard])} holds {tokens} "
+                         f"tokens, not what its lengths index ({self.shards[shard].get('lengths')}) says; the index "
+                         f"does not match the shard: prepare the data again")
+
     def _records(self, docs: list[int]) -> list[bytes]:
         """The documents' raw records; a damaged shard is a DataError naming it."""
         try:
@@ -255,8 +261,10 @@ class PackedStream:
         docs = [unit * self.group + i for unit in units[starts[k]:starts[k + 1]].tolist() for i in range(self.group)]
         row = {key: np.zeros(seq_len, np.int32) for key in (*_KEYS, "loss_weights")}
         at = 0
-        for segment, record in enumerate(self._records(docs), start=1):
+        for segment, (doc, record) in enumerate(zip(docs, self._records(docs)), start=1):
             n = len(record) // self.records.record_width
+            if at + n > seq_len:  # packed by the lengths index, which says this record is shorter
+                raise self._index_mismatch(doc, n)
             row["tokens"][at:at + n] = np.frombuffer(record, self.dtype, n)
             row["loss_weights"][at:at + n] = np.frombuffer(record, np.uint8, n, offset=n * self.dtype.itemsize)
             row["segment_ids"][at:at + n] = segment
@@ -272,7 +280,9 @@ class PackedStream:
         pieces = self.pieces(start, seq_len)
         records = self._records([doc for doc, _, _ in pieces])
         tokens, segment_ids, positions = [], [], []
-        for segment, ((_, first, stop), record) in enumerate(zip(pieces, records), start=1):
+        for segment, ((doc, first, stop), record) in enumerate(zip(pieces, records), start=1):
+            if stop > (have := len(record) // self.dtype.itemsize):  # the lengths index says it is longer
+                raise self._index_mismatch(doc, have)
             tokens.append(np.frombuffer(record, self.dtype)[first:stop])
             segment_ids.append(np.full(stop - first, segment, np.int32))
             positions.append(np.arange(stop - first, dtype=np.int32))

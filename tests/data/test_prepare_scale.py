@@ -470,6 +470,15 @@ def test_lengths_index(tmp_path):
         np.save(fh, bad)
     with pytest.raises(prepare.DataError, match=f"{str(index_path)[:-len(layout.LENGTHS_SUFFIX)]}: its first record"):
         pipeline.PackedStream(str(out), "train", seed=0)
+    bad = good.copy()
+    bad[2], bad[3] = bad[2] + 1, bad[3] - 1  # the block's sum intact: found when the stream reads record 2
+    with open(index_path, "wb") as fh:
+        np.save(fh, bad)
+    stream = pipeline.PackedStream(str(out), "train", seed=None)
+    with pytest.raises(prepare.DataError, match=rf"{str(index_path)[:-len(layout.LENGTHS_SUFFIX)]}: record 2 holds "
+                                                rf"{good[2]} tokens, not what its lengths index"):
+        for start in range(0, stream.epoch_tokens, 16):
+            stream.row(start, 16)
     with open(index_path, "wb") as fh:
         np.save(fh, good[:-1])
     with pytest.raises(prepare.DataError, match=f"{index_path}: does not match"):
