@@ -184,7 +184,7 @@ def directory(c, workdir) -> str:
 def _bucket_problem(url) -> str | None:
     """Why checkpoints cannot go to `url`'s bucket: it does not exist (Orbax would create an S3 bucket
     silently, with the endpoint's defaults)."""
-    bucket = "/".join(str(url).split("/")[:3])
+    bucket = storage.bucket_of(url)
     try:
         if storage.exists(bucket):
             return None

@@ -71,15 +71,16 @@ def retry_seconds() -> float:
 _gave_up: dict[str, float] = {}
 
 
-def _bucket(what: str) -> str:
-    return "/".join(str(what).split("/")[:3]) if is_url(what) else ""
+def bucket_of(url) -> str:
+    """The bucket a URL names, as a URL ("s3://b" of "s3://b/dir/x"); "" for a local path."""
+    return "/".join(str(url).split("/")[:3]) if is_url(url) else ""
 
 
 def retried(what: str, fn, *args, seconds: float | None = None):
     """fn(*args), retried while it fails transiently; DataError naming `what` when it fails for good, and
     StorageUnavailable when it failed transiently for the whole budget (`seconds`, default retry_seconds())."""
     seconds = retry_seconds() if seconds is None else seconds
-    bucket = _bucket(what)
+    bucket = bucket_of(what)
     if time.monotonic() - _gave_up.get(bucket, -1e18) < seconds:
         seconds = 0.0  # one try: this bucket was unreachable a moment ago
     deadline = time.monotonic() + seconds
