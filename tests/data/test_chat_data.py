@@ -175,6 +175,14 @@ def test_template_failures_are_counted_with_their_reason_and_all_failing_is_the_
     assert any("the chat template failed on 10 records, which are skipped: chat template line 1: no system role"
                in line for line in said), said
     assert any("skipped 10 (skipped_template_error 10)" in line for line in said), said
+    # The same shard jobs as an Apache Beam pipeline count the same failures, with the same reasons.
+    said.clear()
+    beam = prepare.prepare_sources(str(tmp_path / "beam"), [str(data)], field="*", tokenizer=str(hf), heldout_docs=1,
+                                   chat=True, chat_template=str(template), runner="DirectRunner",
+                                   print_fn=lambda *a, **k: said.append(" ".join(map(str, a))))
+    assert beam["chat"] == m["chat"]
+    assert any("failed on 10 records, which are skipped: chat template line 1: no system role" in line
+               for line in said), said
 
     template.write_text("{{ messages[0].content / 2 }}")
     with pytest.raises(DataError, match=r"the chat template failed on all 20 records: chat template line 1: "
