@@ -565,7 +565,9 @@ class Checkpointer:
         for d in targets:
             error = d.start_save(step, args)
             if distributed.any_process(error is not None):
-                errors.append(error or f"saving step {step} to {d.path} failed on another process")
+                error = error or f"saving step {step} to {d.path} failed on another process"
+                if error not in errors:  # a directory that could not be reopened just above says so once
+                    errors.append(error)
                 if not d.closed and (problem := d.rebuild(step)):
                     errors.append(problem)
             elif d is self.persistent:

@@ -106,6 +106,16 @@ def retried(what: str, fn, *args, seconds: float | None = None):
             wait = min(2 * wait, MAX_WAIT)
 
 
+def tensorstore_retries(seconds: float | None = None) -> dict:
+    """Tensorstore's `*_request_retries` resource waiting out about the budget `retried` waits (its default waits
+    up to 32 tries of 32 s: a checkpoint save into a bucket whose endpoint is down would hang for ~15 minutes)."""
+    seconds = retry_seconds() if seconds is None else seconds
+    tries, waited, wait = 1, 0.0, FIRST_WAIT
+    while waited + wait <= seconds:
+        tries, waited, wait = tries + 1, waited + wait, min(2 * wait, MAX_WAIT)
+    return {"max_retries": tries, "initial_delay": f"{FIRST_WAIT}s", "max_delay": f"{MAX_WAIT}s"}
+
+
 def _reason(e: BaseException) -> str:
     text = str(e).splitlines()[0][:200] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__

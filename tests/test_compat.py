@@ -100,7 +100,7 @@ def test_install_is_what_entry_points_add():
     # The modules it imports (orbax, tensorboardX) add finders of their own to sys.meta_path; jaxtrain adds none.
     assert set(result["changed"]) - {"meta_path"} == want and result["again"] == []
     assert result["hook"] == "_LateCompletions" and result["s3_problem"] is None and result["tensorboardX"]
-    assert result["filters"] == {"absl": ["_MetadataComplaints"], "asyncio": ["_AbandonedReads"]}
+    assert result["filters"] == {"absl": ["_MetadataComplaints", "_FailedSaveReports"], "asyncio": ["_AbandonedReads"]}
 
 
 def test_old_module_paths_are_found_only_where_an_old_command_runs():

@@ -1,8 +1,9 @@
 """Workarounds for jaxtrain's dependencies, one module each, installed by entry points only.
 
 Each module says what it works around, the upstream issue where there is one, and when it can go:
-- `orbax_noise`: Orbax and tensorstore reports around a damaged checkpoint (log filters, sys.unraisablehook);
-- `orbax_s3`: s3:// checkpoints (Orbax's private tensorstore spec helpers, wrapped);
+- `orbax_noise`: Orbax and tensorstore reports around a damaged checkpoint or a failed save (log filters,
+  sys.unraisablehook);
+- `orbax_s3`: s3:// checkpoints, and both schemes' retry budget (Orbax's private tensorstore spec helpers, wrapped);
 - `glibc_malloc`: XLA:CPU's freed step buffers kept in the process (mallopt, synchronous CPU dispatch);
 - `tensorboardx`: tensorboardX imported without torch;
 - `tokamax`: absl flags marked parsed, so tokamax does not parse a notebook's or pytest's sys.argv;

@@ -6,9 +6,11 @@ Orbax and tensorstore print around such a failure is noise the user cannot act o
   "exception was never retrieved" and "coroutine ... was never awaited" at any later time, from any thread
   (Orbax does not cancel its other reads when one fails; we know of no upstream issue for it);
 - Orbax logs an ERROR with a damaged `_CHECKPOINT_METADATA` file's whole content each time it lists the steps,
-  then goes on without it.
+  then goes on without it;
+- a failed background save is logged by three Orbax threads, each with its traceback, before the same exception
+  reaches jaxtrain.checkpoint, which reports it in one line (CheckpointError, or a warning under `continue`).
 `install()` adds one narrow filter for each; everything else passes. It can go when Orbax cancels and awaits
-the reads of a failed restore and logs a bad metadata file once.
+the reads of a failed restore, logs a bad metadata file once, and leaves a failed save to its caller.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def install() -> None:
     """Both filters below, once per process (idempotent)."""
     _quiet_abandoned_reads()
     _once_per_damaged_metadata()
+    _filter_once("absl", _FailedSaveReports)
 
 
 def _quiet_abandoned_reads() -> None:
@@ -78,6 +81,15 @@ class _MetadataComplaints(logging.Filter):
             path, "missing" if msg.startswith("Metadata file does not exist") else "unreadable")
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
+
+
+class _FailedSaveReports(logging.Filter):
+    """Drops Orbax's tracebacks of a failed background save: the exception is re-raised to the waiting caller."""
+    TEMPLATES = ("_SignalingThread.run() raised an exception", "Handler Commit operations or the Commit callback",
+                 "[wait_until_finished] Save Finalize thread")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and any(t in str(record.msg) for t in self.TEMPLATES))
 
 
 class _AbandonedReads(logging.Filter):

@@ -7,7 +7,9 @@ other path exactly what Orbax gives it. Every process writes its own shards stra
 The endpoint and region come from the variables boto3 reads (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION
 or AWS_DEFAULT_REGION); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY when set, else tensorstore's
 AWS chain (profile, instance metadata). S3 has no atomic rename, so a step commits by writing Orbax's
-commit_success.txt last (checkpoint.py sets CommitFileTemporaryPath), as on GCS.
+commit_success.txt last (checkpoint.py sets CommitFileTemporaryPath), as on GCS. Either scheme's array writes
+and reads retry for about JAXTRAIN_STORAGE_RETRY_SECONDS (`storage.tensorstore_retries`), not tensorstore's
+default of about 15 minutes, so a save into a bucket whose endpoint is down fails as a checkpoint error.
 `problem()` says why the helpers cannot be wrapped, should a later Orbax rename them; `install()` records it in
 `jaxtrain.checkpoint.s3_problem`, which refuses s3:// checkpoint dirs naming the field.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import os
 import threading
 from urllib import parse
+
+from jaxtrain import storage
 
 PREFIX = "s3://"
 _lock = threading.Lock()
@@ -58,6 +62,14 @@ def kvstore_spec(url: str) -> dict:
         spec["aws_region"] = region
     if os.environ.get("AWS_ACCESS_KEY_ID"):  # the default chain would also try (and log about) ~/.aws files
         spec["aws_credentials"] = {"type": "environment"}
+    spec["s3_request_retries"] = storage.tensorstore_retries()
+    return spec
+
+
+def _gcs_spec(spec):
+    """Orbax's gs:// kvstore spec with the retry budget (a spec of another form passes unchanged)."""
+    if isinstance(spec, dict) and spec.get("driver") == "gcs":
+        return {**spec, "gcs_request_retries": storage.tensorstore_retries()}
     return spec
 
 
@@ -80,5 +92,6 @@ def install() -> None:
         ts_utils._normalize_path = lambda p: (PREFIX + normalize(p[len(PREFIX):]).lstrip("/")
                                               if str(p).startswith(PREFIX) else normalize(p))
         ts_utils._use_gcs_driver = lambda d: str(d).startswith(PREFIX) or use_driver(d)
-        gcs_utils.get_kvstore_for_gcs = lambda p: kvstore_spec(str(p)) if str(p).startswith(PREFIX) else kvstore(p)
+        gcs_utils.get_kvstore_for_gcs = lambda p: (kvstore_spec(str(p)) if str(p).startswith(PREFIX)
+                                                   else _gcs_spec(kvstore(p)))
         _installed = True

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -304,9 +305,11 @@ def test_s3_checkpoints_commit_by_marker_and_a_damaged_step_is_moved_aside_not_l
         ckpt.save(step, make_state(step), {"pos": step})
     ckpt.close()
     assert steps() == ["2", "3"] and fs.exists("bucket/faults/3/commit_success.txt")
-    # Every other path still gets Orbax's own spec.
-    assert tensorstore_utils.build_kvstore_tspec("gs://b/x", use_ocdbt=False) == {"driver": "gcs", "bucket": "b",
-                                                                                  "path": "x"}
+    monkeypatch.delenv(storage.RETRY_ENV, raising=False)
+    # Every other path still gets Orbax's own spec (gs:// with the retry budget: 16 tries waits out about 120 s).
+    assert tensorstore_utils.build_kvstore_tspec("gs://b/x", use_ocdbt=False) == {
+        "driver": "gcs", "bucket": "b", "path": "x",
+        "gcs_request_retries": {"max_retries": 16, "initial_delay": "0.5s", "max_delay": "10.0s"}}
     assert tensorstore_utils.build_kvstore_tspec("/x/y", use_ocdbt=False) == {"driver": "file", "path": "/x/y"}
 
     # A step whose save died before its commit marker is not a checkpoint.
@@ -337,3 +340,41 @@ def test_s3_checkpoints_commit_by_marker_and_a_damaged_step_is_moved_aside_not_l
     ckpt.save(5, make_state(5), {"pos": 5})
     ckpt.close()
     assert steps() == ["3", moved[0], "5"] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_goes_away_mid_run_ends_in_one_line_within_the_retry_budget(tiny_data_dir, tmp_path):
+    """The S3 endpoint stops while a run trains: with its checkpoints there the run exits 4 (a failed save), with
+    its data there exit 2 (storage unreachable, not damaged data). Each within the budget (plus the clients' own
+    short retries), each error one line naming the URL, no traceback; tensorstore's default retries would hang
+    a save for about 15 minutes."""
+    import s3fs
+
+    for where, want_rc, want in [("checkpoint", 4, "error: saving step "), ("data", 2, "error: s3://bucket/kjv/")]:
+        server = emulators.S3()
+        server.start()
+        try:
+            fs = s3fs.S3FileSystem(endpoint_url=server.url, key="test", secret="test", skip_instance_cache=True)
+            data = tiny_data_dir
+            if where == "data":
+                fs.put(tiny_data_dir + "/", "bucket/kjv/", recursive=True)
+                data = "s3://bucket/kjv"
+            workdir = tmp_path / where
+            run = subprocess.Popen(
+                [sys.executable, "-m", "jaxtrain", "train", "--config", REPO / "configs/tiny.py",
+                 f"--config.workdir={workdir}", "--config.train.steps=5000", "--config.checkpoint.every_steps=20",
+                 "--config.eval.every_steps=0", f"--config.data.dir={data}",
+                 *(["--config.checkpoint.dir=s3://bucket/ckpt"] if where == "checkpoint" else [])],
+                env={**os.environ, **server.env(), storage.RETRY_ENV: "2", "HOME": str(tmp_path / "home")},
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            while not (workdir / "metrics.jsonl").exists() or len(losses(workdir)) < 25:
+                assert run.poll() is None, run.stderr.read()[-2000:]
+                time.sleep(0.02)
+        finally:
+            server.stop()
+        err = run.communicate(timeout=300)[1]
+        lines = err.splitlines()
+        assert run.returncode == want_rc and "Traceback" not in err, err[-3000:]
+        assert lines[-1].startswith(want) and "s3://bucket/" in lines[-1], err[-3000:]
+        assert all(line.startswith("storage: s3://bucket/") and "retrying in" in line for line in lines[:-1]), err
+        assert len(losses(workdir)) < 5000
