@@ -2,8 +2,9 @@
 
 Orbax 0.12 builds tensorstore specs for local paths and gs:// only (google/orbax#359; the PR that adds S3 is not
 merged: this module can go when it is). Tensorstore has its own s3 driver, and etils.epath reaches s3:// through
-s3fs for the small files, so the only gap is that spec: `install()` wraps Orbax's three spec helpers so an s3:// path gets the s3 driver and every
-other path exactly what Orbax gives it. Every process writes its own shards straight to the bucket, as on gs://.
+s3fs for the small files, so the only gap is that spec: `install()` wraps Orbax's three spec helpers so an s3://
+path gets the s3 driver and every other path what Orbax gives it. Every process writes its own shards straight
+to the bucket, as on gs://.
 The endpoint and region come from the variables boto3 reads (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION
 or AWS_DEFAULT_REGION); credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY when set, else tensorstore's
 AWS chain (profile, instance metadata). S3 has no atomic rename, so a step commits by writing Orbax's
