@@ -6,9 +6,11 @@ A reference run of configs/tiny.py trains uninterrupted. Each trial runs the sam
 supervise` and injects one of FAULTS at random: SIGKILL or SIGTERM at a random step; SIGKILL during a save;
 SIGKILL, then damage to the newest checkpoint (corrupt:<kind>), its two newest step dirs swapped and the newest
 copied to a later step (swap_steps), the dead run's workdir lock left (stale_lock) or a training shard damaged
-(damaged_shard: the restart must exit 2 naming it, without a retry, then the shard is repaired); or a second run
-on the live workdir (concurrent: it must exit 2 within seconds, the first finish untouched). docs/reliability.md
-says what each must do.
+(damaged_shard: the restart must exit 2 naming it, without a retry, then the shard is repaired); a second run
+on the live workdir (concurrent: it must exit 2 within seconds, the first finish untouched); or the checkpoint
+bucket's endpoint (a local GCS emulator) down for 0.5-12 s as a save starts (bucket_outage: the save waits it out
+or the run exits 4 with one line, no traceback, and the supervisor's restart resumes). docs/reliability.md says
+what each must do.
 
 A trial *recovered* if the supervised run finished; it is *bit-identical* if its final state checksum (summary.json,
 every array of params and optimizer state) equals the reference's; a *silent corruption* finished without complaint
@@ -34,15 +36,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CORRUPTIONS = ("flip_bit", "truncate", "missing_manifest", "missing_commit_marker", "broken_data_json")
 AFTER_KILL = ("swap_steps", "stale_lock", "damaged_shard")  # like corrupt:*: kill, change files, restart
-FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent")
+FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent",
+          "bucket_outage")
+OUTAGE_BUDGET_S = 3  # JAXTRAIN_STORAGE_RETRY_SECONDS in bucket_outage trials: longer outages fail the save
 
 
-def train_cmd(workdir: Path, args, data_dir: str | None = None) -> list[str]:
+def train_cmd(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: str | None = None) -> list[str]:
     return [sys.executable, "-m", "jaxtrain.main", "--config", str(REPO / "configs/tiny.py"),
             f"--config.workdir={workdir}", f"--config.train.steps={args.steps}",
             f"--config.data.dir={data_dir or args.data_dir}",
             f"--config.checkpoint.every_steps={args.every}", "--config.eval.every_steps=0",
-            "--config.faults.step_timeout_s=120"]
+            "--config.faults.step_timeout_s=120", *([f"--config.checkpoint.dir={checkpoint_dir}"] if checkpoint_dir
+                                                    else [])]
 
 
 def last_step(workdir: Path) -> int:
@@ -125,10 +130,33 @@ def damage_shard(data_dir: Path) -> Path:
     return shard
 
 
-def supervise(workdir: Path, args, data_dir: str | None = None) -> subprocess.Popen:
+def supervise(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: str | None = None,
+              env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
-                             "--backoff_s", "0.2", "--", *train_cmd(workdir, args, data_dir)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--backoff_s", "0.2", "--", *train_cmd(workdir, args, data_dir, checkpoint_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def bucket_outage(n: int, workdir: Path, args, rng: random.Random):
+    """A supervised run checkpointing into a local GCS emulator that goes down for a random 0.5-12 s just after
+    a save starts. Returns (supervisor, emulator, time the endpoint came back or None, note)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import emulators  # noqa: PLC0415 - the tests' local object stores
+
+    gcs = emulators.GCS(Path(args.out) / f"gcs{n:02d}")  # its objects on disk: they outlast the outage
+    gcs.start()
+    env = {**gcs.env(), "JAXTRAIN_STORAGE_RETRY_SECONDS": str(OUTAGE_BUDGET_S)}
+    sup = supervise(workdir, args, checkpoint_dir="gs://bucket/ckpt", env=env)
+    save = args.every * rng.randrange(2, args.steps // args.every)  # an older checkpoint exists
+    down = rng.uniform(0.5, 4 * OUTAGE_BUDGET_S)
+    if not wait_until(lambda: last_step(workdir) >= save + 1, sup):
+        return sup, gcs, None, "the run ended first"
+    at = last_step(workdir)
+    gcs.stop()
+    time.sleep(down)
+    gcs.start()
+    return sup, gcs, time.time(), f"endpoint down {down:.1f}s at step {at} (save of step {save})"
 
 
 def reference(args) -> str:
@@ -174,6 +202,9 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
             result["injected"], t_fault = "NOT refused" not in note, time.time()
         proc.wait()
         sup = supervise(workdir, args, data_dir)
+    elif fault == "bucket_outage":
+        sup, gcs, t_fault, result["note"] = bucket_outage(n, workdir, args, rng)
+        result["injected"] = t_fault is not None
     elif fault == "concurrent":
         sup = supervise(workdir, args)
         target = rng.randrange(5, args.steps - 5)
@@ -210,10 +241,19 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                     f", during the save of {[p.name for p in ckpts.iterdir() if 'tmp' in p.name]}"
                     if fault == "kill_in_save" else "")
     out = sup.communicate(timeout=900)[0]
+    unexpected = False
+    if fault == "bucket_outage":
+        gcs.stop()
+        failed = [line for line in out.splitlines() if line.startswith("error: ")]
+        result["note"] += (f"; {len(failed)} failed save(s), restarted: {failed[0][:90]}..." if failed
+                           else "; the save waited it out")
+        unexpected = "Traceback" in out or any(not line.startswith("error: saving step ") for line in failed)
+        if unexpected:
+            result["note"] += f" | UNEXPECTED OUTPUT: {out[-600:]!r}"
     summary_path = workdir / "summary.json"
     if sup.returncode == 0 and summary_path.exists():
         summary = json.loads(summary_path.read_text())
-        result["recovered"] = bool(summary["finished"])
+        result["recovered"] = bool(summary["finished"]) and not unexpected
         result["identical"] = summary["state_checksum"] == reference_checksum
     else:
         result["note"] += f" | supervisor exit {sup.returncode}: {out[-300:]!r}"

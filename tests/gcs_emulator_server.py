@@ -1,12 +1,28 @@
 """`python tests/gcs_emulator_server.py PORT BUCKET [DATA_DIR]`: gcp-storage-emulator (in memory without
 DATA_DIR), plus the `x-goog-generation` header that real GCS sends with an object's bytes. tensorstore reads
 an object's generation from it, and Orbax's OCDBT checkpoints make conditional writes with that generation:
-without it, a manifest update fails with "Malformed StorageGeneration"."""
+without it, a manifest update fails with "Malformed StorageGeneration". On disk, every file is replaced whole
+(as a GCS object is): a stop in the middle of a write, which is how tests make an outage, would otherwise leave
+the emulator's own index half-written, and the next start fails on it."""
 
+import os
 import sys
 import time
 
+from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
+
+_write_bytes = storage._FileStore.write_bytes
+
+
+def write_bytes(self, rel, content):
+    if self._use_memory:
+        return _write_bytes(self, rel, content)
+    _write_bytes(self, rel + ".partial", content)
+    os.replace(self._disk_path(rel + ".partial"), self._disk_path(rel))
+
+
+storage._FileStore.write_bytes = write_bytes
 
 _download = objects.download
 
