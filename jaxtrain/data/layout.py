@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,24 @@ def check_manifest(manifest, path: str) -> None:
             if row["file"] in seen:
                 raise bad(f"{where}.file", f"{row['file']} is listed twice")
             seen.add(row["file"])
+        _check_numbering(name, [row["file"] for row in rows], bad)
+
+
+_NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.array_record")
+
+
+def _check_numbering(split: str, names: list[str], bad) -> None:
+    """A split's shards named `<stem>-<i>-of-<n>` (as every writer names them) must be all n of them: a shard
+    removed from the list would otherwise go unnoticed. Names of another form (hand-made dirs) are not checked."""
+    groups: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        if m := _NUMBERED.fullmatch(name):
+            groups.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
+    for (stem, n), have in groups.items():
+        if missing := sorted(set(range(n)) - have):
+            raise bad(f"splits.{split}", f"lists {len(have)} of the {n} shards {stem}-*-of-{n:05d} (not "
+                      f"{', '.join(f'{stem}-{i:05d}-of-{n:05d}.array_record' for i in missing[:3])}"
+                      f"{' ...' if len(missing) > 3 else ''})")
 
 
 def prepared_from_sources(data_dir: str) -> bool:

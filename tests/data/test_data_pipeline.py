@@ -387,6 +387,8 @@ def test_resume_refuses_other_documents_at_the_same_path_unless_allowed(data_dir
     (lambda m: m["splits"]["train"][0].update(block_records=0), r"splits\.train\[0\]\.block_records: 0"),
     (lambda m: m["splits"]["train"][1].update(docs=-3), r"splits\.train\[1\]\.docs: -3 is not a count"),
     (lambda m: m["splits"]["train"].append(m["splits"]["train"][0]), r"splits\.train\[4\]\.file: .* listed twice"),
+    (lambda m: m["splits"]["train"].pop(2) and None,
+     r"splits\.train: lists 3 of the 4 shards train-\*-of-00004 \(not train-00002-of-00004\.array_record\)"),
     (lambda m: m["splits"]["train"][0].update(lengths="../x.npy"), "not a file name inside the data dir"),
     (lambda m: m["tokenizer"].pop("sha256") and None, "tokenizer: must be an object"),
     (lambda m: m["tokenizer"].update(file="/etc/passwd"), "tokenizer.file: .* not a file name inside"),
