@@ -1,7 +1,7 @@
 """Train-step throughput of a mixture of experts: capacity routing against dropless routing, in one process.
 
     python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
-                                [--capacity_factor 1.25] [--steps 3] [--gathered] [--tokamax]
+                                [--capacity_factor 1.25] [--steps 3] [--gathered] [--tokamax] [--all_to_all]
 
 The config's MLPs become `--experts` experts of width `--expert_d_ff`, each token routed to its top `--top_k`
 (the defaults keep a token's active MLP width at bench_cpu's 1024). The model is built with `model.moe_routing`
@@ -11,7 +11,8 @@ medians. `--gathered` adds "dropless_gathered", dropless with `moe.per_shard` ma
 so XLA gathers every token onto every device; run it on a mesh, e.g.
 XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.data=8 --config.train.batch_size=8.
 `--tokamax` adds "dropless_tokamax" (`model.moe_kernel=tokamax`; on CPU its XLA fallback, so there it measures
-only the wrapper's cost). Ends with one JSON line, e.g.
+only the wrapper's cost). `--all_to_all` adds "dropless_all_to_all" (`model.moe_dispatch=all_to_all`: each routed
+row sent to its expert's device and back; run it on a mesh with an expert axis). Ends with one JSON line, e.g.
 {"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
 """
 
@@ -32,7 +33,8 @@ def moe_config(base, name: str):
     cfg = base.copy_and_resolve_references()
     cfg.model.update(n_experts=_EXPERTS.value, moe_top_k=_TOP_K.value, d_ff=_EXPERT_D_FF.value,
                      moe_capacity_factor=_CAPACITY_FACTOR.value, moe_routing=name.split("_")[0],
-                     moe_kernel="tokamax" if name == "dropless_tokamax" else "xla")
+                     moe_kernel="tokamax" if name == "dropless_tokamax" else "xla",
+                     moe_dispatch="all_to_all" if name == "dropless_all_to_all" else "gather")
     return cfg
 
 
@@ -46,7 +48,7 @@ def main(argv):
     base = _CONFIG.value
     runs = {}
     names = ("capacity", "dropless", *(["dropless_gathered"] if _GATHERED.value else []),
-             *(["dropless_tokamax"] if _TOKAMAX.value else []))
+             *(["dropless_tokamax"] if _TOKAMAX.value else []), *(["dropless_all_to_all"] if _ALL_TO_ALL.value else []))
     for name in names:
         per_shard = moe.per_shard
         if name == "dropless_gathered":  # the step compiles (and is warmed) inside warm_trainer
@@ -89,6 +91,11 @@ def main(argv):
         result["tokamax_over_xla"] = (result["dropless_tokamax"]["tokens_per_sec"] /
                                       result["dropless"]["tokens_per_sec"])
         print(f"dropless with tokamax's ragged_dot / with XLA's: {result['tokamax_over_xla']:.2f}", file=sys.stderr)
+    if "dropless_all_to_all" in result:
+        result["all_to_all_over_gather"] = (result["dropless_all_to_all"]["tokens_per_sec"] /
+                                            result["dropless"]["tokens_per_sec"])
+        print(f"dropless by all-to-all / gathered along expert: {result['all_to_all_over_gather']:.2f}",
+              file=sys.stderr)
     print(json.dumps({**result, "dropless_over_capacity": ratio, "config": base.workdir, "experts": _EXPERTS.value,
                       "top_k": _TOP_K.value, "expert_d_ff": _EXPERT_D_FF.value,
                       "capacity_factor": _CAPACITY_FACTOR.value, "devices": jax.device_count(),
@@ -105,4 +112,5 @@ if __name__ == "__main__":
     _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per routing (after 2 warm-up steps each).")
     _GATHERED = flags.DEFINE_bool("gathered", False, "Also time dropless without the per-shard sort.")
     _TOKAMAX = flags.DEFINE_bool("tokamax", False, "Also time dropless with model.moe_kernel=tokamax.")
+    _ALL_TO_ALL = flags.DEFINE_bool("all_to_all", False, "Also time dropless with model.moe_dispatch=all_to_all.")
     app.run(main)

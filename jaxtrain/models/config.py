@@ -57,6 +57,7 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ROUTINGS = ("capacity", "dropless")
 # The grouped matmul of dropless routing (jaxtrain.models.moe._kernel_ops): jax.lax.ragged_dot, or tokamax's.
 MOE_KERNELS = ("xla", "tokamax")
+MOE_DISPATCHES = ("gather", "all_to_all")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
@@ -155,6 +156,10 @@ class ModelConfig:
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
     moe_kernel: str = "xla"
+    # How dropless routing reaches experts split over mesh.expert: "gather" (XLA gathers every token to every
+    # expert shard and all-reduces the partial outputs) or "all_to_all" (each routed row sent once to its expert's
+    # device and back: jaxtrain.parallel.experts). The same function; only the communication differs.
+    moe_dispatch: str = "gather"
     # The layers' weight matmuls in "fp8" or "int8" (jaxtrain.models.quant), or "none": a compute choice, the
     # weights stay in param_dtype.
     quant: str = "none"
@@ -288,6 +293,10 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
                               "to 0 or leave 'experts' out of model.lora_targets")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("moe_kernel", MOE_KERNELS, what="grouped-matmul kernel")
+    g.choice("moe_dispatch", MOE_DISPATCHES, what="expert dispatch")
+    if m.moe_dispatch != "gather" and not (m.n_experts and m.moe_routing == "dropless"):
+        raise ConfigError("model.moe_dispatch", f"{m.moe_dispatch} dispatches dropless routing; this model has "
+                          f"{'capacity routing' if m.n_experts else 'no experts'} (use 'gather')")
     if m.moe_kernel != "xla":
         if not (m.n_experts and m.moe_routing == "dropless"):
             raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is dropless routing's grouped matmul; this model "

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.models import lora
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.models.layers import activation, param, split_last, weight
+from jaxtrain.parallel import experts as expert_parallel
 from jaxtrain.parallel.mesh import constrain, per_shard, split_ways
 
 
@@ -184,31 +185,38 @@ def grouped_matmul(kernel: str = "xla"):
 def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
-    (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run as one
-    ragged_dot per projection, the group sizes the assignments per expert: no capacity, nothing dropped.
-    `adapters`: the LoRA factors (lora.factors) of gate-and-up (A [E, d, r], B [E, r, 2, f]) and of down, or None.
-    `kernel`: whose ragged_dot (`model.moe_kernel`)."""
+    (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run through
+    `expert_mlp`: no capacity, nothing dropped. `adapters`: the LoRA factors (lora.factors) of gate-and-up
+    (A [E, d, r], B [E, r, 2, f]) and of down, or None. `kernel`: whose ragged_dot (`model.moe_kernel`)."""
     n, k = experts.shape
-    matmul = grouped_matmul(kernel)
     flat = experts.reshape(n * k)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32), unique_indices=True)
     sizes = jnp.sum(jax.nn.one_hot(flat, w_down.shape[0], dtype=jnp.int32), axis=0)
     # Each token's row repeated k times (the backward sums the copies), then sorted by expert.
     rows = _permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
+    out = expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters, kernel)
+    out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
+    return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
+
+
+def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
+    """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
+    one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`."""
+    matmul = grouped_matmul(kernel)
+    m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape
-    joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(n * k, ways, width)
-    gate, up = (h.reshape(n * k, -1) for h in split_last(joined, (width // 2,)))
+    joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(m, ways, width)
+    gate, up = (h.reshape(m, -1) for h in split_last(joined, (width // 2,)))
     low_rank = lambda h, a, b: matmul(matmul(h, a, sizes), b.reshape(e, a.shape[-1], -1), sizes)
     if adapters[0] is not None:
-        gate_up = low_rank(rows, *adapters[0]).reshape(n * k, 2, -1)
+        gate_up = low_rank(rows, *adapters[0]).reshape(m, 2, -1)
         gate, up = gate + gate_up[:, 0], up + gate_up[:, 1]
     hidden = act(gate) * up
     out = matmul(hidden, w_down, sizes)
     if adapters[1] is not None:
         out = out + low_rank(hidden, *adapters[1])
-    out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
-    return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
+    return out
 
 
 def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
@@ -327,6 +335,12 @@ class MoE(nnx.Module):
                                     gate_up, down, activation(cfg.mlp_activation), adapters,
                                     cfg.moe_kernel).reshape(b, t, d)
 
+        if cfg.moe_dispatch == "all_to_all" and expert_parallel.can_dispatch(batch, tokens):
+            # Each routed row sent once to its expert's device and back (parallel/experts.py).
+            local = lambda w, rows, sizes: expert_mlp(rows, sizes, w[0], w[1], activation(cfg.mlp_activation), w[2],
+                                                      cfg.moe_kernel)
+            y = expert_parallel.dispatch(local, cfg.n_experts)(weights, x, experts, gates)
+            return constrain(y, ("batch", "seq", "act_embed")), stats
         # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
         # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the
         # tokens are still gathered: each device multiplies them by its own experts (on CPU ragged_dot is a dense

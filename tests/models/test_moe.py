@@ -436,18 +436,19 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, pres
 
 
 @pytest.mark.slow  # about 25 s each on 2 cores
-@pytest.mark.parametrize("mesh", [{"fsdp": 2, "expert": 4}, {"data": 2, "expert": 4}], ids=["fsdp2_expert4",
-                                                                                             "data2_expert4"])
-def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh):
-    """The whole model (the tiny config, 4 experts of top 2, dropless) on 8 devices with an expert axis: the loss,
-    the routing scalars and every gradient as on one device."""
+@pytest.mark.parametrize("mesh,dispatch", [({"fsdp": 2, "expert": 4}, "gather"), ({"data": 2, "expert": 4}, "all_to_all")],
+                         ids=["fsdp2_expert4_gather", "data2_expert4_all_to_all"])
+def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh, dispatch):
+    """The whole model (the tiny config, 4 experts of top 2, dropless) on 8 devices with an expert axis, its tokens
+    reaching the experts by either dispatch: the loss, the routing scalars and every gradient as on one device."""
     from parallel_worker import leaf_errors, synthetic_batches
 
     from jaxtrain import config as config_lib, objectives, trainer as trainer_lib
 
     cfg = tiny_config(**{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()},
                       **{"mesh.rules": "fsdp" if "fsdp" in mesh else "dp", "model.n_experts": 4, "model.moe_top_k": 2,
-                         "model.moe_routing": "dropless", "model.moe_renormalize": False})
+                         "model.moe_routing": "dropless", "model.moe_renormalize": False,
+                         "model.moe_dispatch": dispatch})
     facts = config_lib.validate(cfg, 8)
     one = cfg.copy_and_resolve_references()
     one.mesh.update({a: 1 for a in mesh})
@@ -461,11 +462,14 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
             with mesh_lib.activation_sharding(t.mesh, t.rules):
                 total, count, aux = objectives.loss_terms(t.graphdef, p, b)
                 return total / count + aux["load_balance_loss"], aux
-        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, trainer_lib.global_batch(batch, t.batch_sharding))
+        b = trainer_lib.global_batch(batch, t.batch_sharding)
+        compiled = jax.jit(jax.value_and_grad(f, has_aux=True)).lower(p, b).compile()
+        return compiled(p, b), compiled.as_text()
 
-    (loss, aux), grads = loss_and_grads(trainer, params)
-    (want_loss, want_aux), want_grads = loss_and_grads(reference, jax.device_put(jax.device_get(params),
-                                                                                 jax.devices()[0]))
+    ((loss, aux), grads), hlo = loss_and_grads(trainer, params)
+    ((want_loss, want_aux), want_grads), _ = loss_and_grads(reference, jax.device_put(jax.device_get(params),
+                                                                                      jax.devices()[0]))
+    assert (" all-to-all(" in hlo) == (dispatch == "all_to_all")
     assert grads["blocks"]["mlp"]["w_gate"].sharding.spec[1] == "expert"  # [layers, experts, d, f]
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     assert float(aux["dropped_fraction"]) == 0
@@ -540,8 +544,11 @@ def test_bad_config_raises(overrides, field):
     ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"tensor": 2}}, "with mesh.tensor=2 XLA would"),
     ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"fsdp": 2, "sequence": 2}}, None),
     ({"moe_kernel": "tokamax", "moe_routing": "dropless"}, None),
+    ({"moe_dispatch": "ragged"}, "moe_dispatch: unknown expert dispatch 'ragged'"),
+    ({"moe_dispatch": "all_to_all"}, "moe_dispatch: all_to_all dispatches dropless routing; this model has capacity"),
+    ({"moe_dispatch": "all_to_all", "moe_routing": "dropless", "mesh": {"expert": 4}}, None),
 ])
-def test_moe_kernel_is_checked_at_config_time(setting, reason, monkeypatch):
+def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, monkeypatch):
     import importlib.util
 
     from jaxtrain import config as config_lib
@@ -557,7 +564,8 @@ def test_moe_kernel_is_checked_at_config_time(setting, reason, monkeypatch):
     if reason is None:
         config_lib.validate(cfg, 8)
     else:
-        with pytest.raises(config_lib.ConfigError, match=f"^model.moe_kernel: .*{reason}"):
+        field = "moe_dispatch" if "moe_dispatch" in setting else "moe_kernel"
+        with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: .*{reason.removeprefix(field + ': ')}"):
             config_lib.validate(cfg, 8)
 
 

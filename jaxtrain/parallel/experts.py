@@ -1,0 +1,106 @@
+"""Expert-parallel dispatch: each routed row sent once to the device holding its expert, and back, by all-to-all.
+
+One of the named exceptions to "XLA inserts every collective" (DESIGN.md): which device a row goes to depends on
+the router's output, an exchange the SPMD partitioner cannot express (left to it, every token is gathered to
+every expert shard and the partial outputs all-reduced). `dispatch(local_fn, n_experts)` runs in a shard_map
+over the mesh axes that split the tokens, `expert` among them: each device sorts its rows' assignments by
+expert, sends each to the expert's device, runs its own experts over what it received (`local_fn`, a grouped
+matmul over rows sorted by local expert), and sends the results back. The send buffers are padded to the
+worst case (every row to one device), a static-shape `all_to_all`: XLA:CPU has no ragged all-to-all. Gradients
+are the same exchanges transposed. tests/parallel/test_experts.py checks it equals the one-device layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.parallel import mesh as mesh_lib
+
+AXIS = "expert"
+
+
+def ways() -> int:
+    """How many expert shards the active mesh has (1 outside `activation_sharding`)."""
+    active = mesh_lib._ACTIVE.get()
+    return 1 if active is None else active[0].shape.get(AXIS, 1)
+
+
+def _token_axes(rules, mesh, name: str) -> tuple[str, ...]:
+    return tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1)
+
+
+def can_dispatch(batch: int, tokens: int) -> bool:
+    """Whether the active mesh splits a [batch, tokens] input over `expert` evenly, as `dispatch` needs, outside a
+    pipeline's stage vmap (not yet tested there: the layer then gathers, as with `moe_dispatch="gather"`)."""
+    active = mesh_lib._ACTIVE.get()
+    if active is None or ways() == 1 or mesh_lib._HELD.get():
+        return False
+    mesh, rules = active
+    batch_axes, seq_axes = _token_axes(rules, mesh, "batch"), _token_axes(rules, mesh, "seq")
+    return (AXIS in batch_axes and batch % math.prod(mesh.shape[a] for a in batch_axes) == 0
+            and tokens % math.prod(mesh.shape[a] for a in seq_axes) == 0)
+
+
+def dispatch(local_fn, n_experts: int):
+    """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> [B, T, d] in x's dtype: sum_j gates[..., j]
+    * expert_{experts[..., j]}(x). `weights` is a pytree whose leaves all lead with the expert dim (sharded over
+    `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
+    sorted by local expert, group sizes [E / ways]) -> [M, d]; rows past the groups' sum are padding (a ragged_dot
+    gives them zeros). Needs `can_dispatch`."""
+    def run(weights, x, experts, gates):
+        mesh, rules = mesh_lib._ACTIVE.get()
+        batch_axes, seq_axes = _token_axes(rules, mesh, "batch"), _token_axes(rules, mesh, "seq")
+        spec = P(batch_axes, seq_axes or None)
+        manual = set(batch_axes) | set(seq_axes)
+        dtypes = jax.tree.map(lambda a: a.dtype, weights)
+        if mesh_lib.compile_platform() == "cpu":  # as per_shard: XLA:CPU crashes on the bf16 gradient all-reduce
+            weights = jax.tree.map(mesh_lib._widened, weights)
+
+        def inner(w, x, experts, gates):
+            w = jax.tree.map(lambda a, dtype: a.astype(dtype), w, dtypes)
+            with mesh_lib.activation_sharding(mesh, mesh_lib._without(rules, tuple(manual))):
+                b, t, d = x.shape
+                y = _exchange(local_fn, w, x.reshape(b * t, d), experts.reshape(b * t, -1), n_experts)
+                return jnp.einsum("nk,nkd->nd", gates.reshape(b * t, -1).astype(x.dtype), y).reshape(b, t, d)
+
+        return jax.shard_map(inner, mesh=mesh, in_specs=(jax.tree.map(lambda _: P(AXIS), weights), spec, spec, spec),
+                             out_specs=spec, axis_names=manual, check_vma=False)(weights, x, experts, gates)
+
+    return run
+
+
+def _exchange(local_fn, w, x, experts, n_experts: int):
+    """One device's part: x [n, d], experts [n, k] -> each assignment's expert output [n, k, d]."""
+    n, k = experts.shape
+    shards = jax.lax.axis_size(AXIS)
+    per_shard = n_experts // shards
+    m = n * k  # assignments: a send buffer holds all of them for each destination (the worst case)
+
+    flat = experts.reshape(m)
+    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
+    rows = jnp.take(x, order // k, axis=0)
+    sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
+    send = sizes.reshape(shards, per_shard).sum(axis=1)  # rows for each destination, contiguous in `rows`
+    start = jnp.cumsum(send) - send
+    slot = jnp.arange(m)
+    valid = slot[None, :] < send[:, None]  # [shards, m]
+    buffer = jnp.where(valid[..., None], jnp.take(rows, jnp.minimum(start[:, None] + slot[None, :], m - 1), axis=0),
+                       0)
+    received = jax.lax.all_to_all(buffer, AXIS, 0, 0, tiled=True)  # [shards, m, d]: from each source
+    counts = jax.lax.all_to_all(sizes.reshape(shards, per_shard), AXIS, 0, 0, tiled=True)  # [source, local expert]
+
+    # Each source's rows arrive sorted by expert: the local expert of row j of source q, per_shard for padding.
+    local = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1).reshape(shards * m)
+    order2 = jnp.argsort(local, stable=True)
+    inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(shards * m, dtype=order2.dtype), unique_indices=True)
+    out = local_fn(w, jnp.take(received.reshape(shards * m, -1), order2, axis=0), counts.sum(axis=0))
+    back = jax.lax.all_to_all(jnp.take(out, inverse2, axis=0).reshape(shards, m, -1), AXIS, 0, 0, tiled=True)
+
+    destination = jnp.sum(jnp.arange(m)[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
+    mine = back[destination, jnp.arange(m) - start[destination]]  # [m, d] in sorted order
+    return jnp.take(mine, inverse, axis=0).reshape(n, k, -1)
