@@ -5,9 +5,10 @@ the router's output, an exchange the SPMD partitioner cannot express (left to it
 every expert shard and the partial outputs all-reduced). `dispatch(local_fn, n_experts)` runs in a shard_map
 over the mesh axes that split the tokens, `expert` among them: each device sorts its rows' assignments by
 expert, sends each to the expert's device, runs its own experts over what it received (`local_fn`, a grouped
-matmul over rows sorted by local expert), and sends the results back. The send buffers are padded to the
-worst case (every row to one device), a static-shape `all_to_all`: XLA:CPU has no ragged all-to-all. Gradients
-are the same exchanges transposed. tests/parallel/test_experts.py checks it equals the one-device layer.
+matmul over rows sorted by local expert), and sends the results back. On GPU and TPU `ragged_all_to_all` moves
+only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the worst case (all of a
+device's rows), a static-shape `all_to_all`. Gradients are the same exchanges transposed.
+tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one emulated on CPU).
 """
 
 from __future__ import annotations
@@ -73,12 +74,21 @@ def dispatch(local_fn, n_experts: int):
     return run
 
 
+def _ragged() -> bool:
+    """Whether to exchange ragged (only the real rows move): on GPU and TPU. XLA:CPU has no ragged all-to-all."""
+    return mesh_lib.compile_platform() != "cpu"
+
+
+_ragged_all_to_all = jax.lax.ragged_all_to_all  # a module attribute: tests run the ragged path on CPU emulated
+
+
 def _exchange(local_fn, w, x, experts, n_experts: int):
     """One device's part: x [n, d], experts [n, k] -> each assignment's expert output [n, k, d]."""
     n, k = experts.shape
     shards = jax.lax.axis_size(AXIS)
     per_shard = n_experts // shards
-    m = n * k  # assignments: a send buffer holds all of them for each destination (the worst case)
+    m = n * k  # this device's assignments; what it receives is at most shards * m rows (all sent to it)
+    d = x.shape[-1]
 
     flat = experts.reshape(m)
     order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
@@ -87,20 +97,40 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
     sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
     send = sizes.reshape(shards, per_shard).sum(axis=1)  # rows for each destination, contiguous in `rows`
     start = jnp.cumsum(send) - send
-    slot = jnp.arange(m)
-    valid = slot[None, :] < send[:, None]  # [shards, m]
-    buffer = jnp.where(valid[..., None], jnp.take(rows, jnp.minimum(start[:, None] + slot[None, :], m - 1), axis=0),
-                       0)
-    received = jax.lax.all_to_all(buffer, AXIS, 0, 0, tiled=True)  # [shards, m, d]: from each source
     counts = jax.lax.all_to_all(sizes.reshape(shards, per_shard), AXIS, 0, 0, tiled=True)  # [source, local expert]
+    recv = counts.sum(axis=1)
+    slot = jnp.arange(m)
 
-    # Each source's rows arrive sorted by expert: the local expert of row j of source q, per_shard for padding.
-    local = jnp.sum(slot[None, :, None] >= jnp.cumsum(counts, axis=1)[:, None, :], axis=-1).reshape(shards * m)
+    if _ragged():  # received compactly, sources in order; only real rows cross the network
+        sent = jax.lax.all_gather(send, AXIS)  # [source, destination]
+        before_me = jnp.arange(shards)[:, None] < jax.lax.axis_index(AXIS)
+        there = jnp.sum(jnp.where(before_me, sent, 0), axis=0)  # where my rows start on each destination
+        base = jnp.cumsum(recv) - recv
+        received = _ragged_all_to_all(rows, jnp.zeros((shards * m, d), rows.dtype), start, send, there, recv,
+                                      axis_name=AXIS)
+    else:  # a buffer per destination, padded to m rows
+        base = jnp.arange(shards) * m
+        valid = slot[None, :] < send[:, None]
+        buffer = jnp.where(valid[..., None], jnp.take(rows, jnp.minimum(start[:, None] + slot[None, :], m - 1),
+                                                      axis=0), 0)
+        received = jax.lax.all_to_all(buffer, AXIS, 0, 0, tiled=True).reshape(shards * m, d)
+
+    # Each source's rows arrive sorted by expert: segment (source, local expert) starts at base + its offset.
+    seg_start = (base[:, None] + jnp.cumsum(counts, axis=1) - counts).reshape(-1)
+    seg_size = counts.reshape(-1)
+    at = jnp.arange(shards * m)
+    seg = jnp.maximum(jnp.searchsorted(seg_start, at, side="right") - 1, 0)
+    local = jnp.where(at < seg_start[seg] + seg_size[seg], seg % per_shard, per_shard)  # per_shard: padding
     order2 = jnp.argsort(local, stable=True)
     inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(shards * m, dtype=order2.dtype), unique_indices=True)
-    out = local_fn(w, jnp.take(received.reshape(shards * m, -1), order2, axis=0), counts.sum(axis=0))
-    back = jax.lax.all_to_all(jnp.take(out, inverse2, axis=0).reshape(shards, m, -1), AXIS, 0, 0, tiled=True)
+    out = local_fn(w, jnp.take(received, order2, axis=0), counts.sum(axis=0))
+    out = jnp.take(out, inverse2, axis=0)  # back in the received layout
 
-    destination = jnp.sum(jnp.arange(m)[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
-    mine = back[destination, jnp.arange(m) - start[destination]]  # [m, d] in sorted order
+    if _ragged():  # each source's rows back to where they were in its sorted order
+        theirs = jax.lax.all_to_all(start, AXIS, 0, 0, tiled=True)  # where each source kept what it sent me
+        mine = _ragged_all_to_all(out, jnp.zeros((m, d), out.dtype), base, recv, theirs, send, axis_name=AXIS)
+    else:
+        back = jax.lax.all_to_all(out.reshape(shards, m, d), AXIS, 0, 0, tiled=True)
+        destination = jnp.sum(slot[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
+        mine = back[destination, slot - start[destination]]  # [m, d] in sorted order
     return jnp.take(mine, inverse, axis=0).reshape(n, k, -1)

@@ -184,6 +184,23 @@ def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(t
     assert r["memory"]["compiled"]["peak"] > 0
 
 
+def test_expert_dispatch_compiles_to_ragged_all_to_alls_for_described_h100s(tmp_path):
+    """model.moe_dispatch=all_to_all on 8 H100s (expert 4 x fsdp 2): XLA:GPU takes the ragged form, which only the
+    deviceless compile can check here (XLA:CPU has none). Each device's 8 x 32 / 8 tokens x top-2 = 64 rows go
+    out into a receive buffer of 4 x 64 rows and back, forward and backward: four ragged all-to-alls, and nothing
+    but the per-expert counts (s32) is gathered along `expert`."""
+    _, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
+                      "gpu", "--config.model.n_experts=8", "--config.model.moe_routing=dropless",
+                      "--config.model.moe_dispatch=all_to_all", "--config.mesh.expert=4", "--config.mesh.fsdp=2",
+                      "--config.mesh.data=1")
+    exchanges = re.findall(r"= \(\((bf16\[\d+,\d+\])\{[\d,]*\}, (bf16\[\d+,\d+\])[^\n]* ragged-all-to-all-start\(", hlo)
+    assert sorted(exchanges) == sorted(2 * [("bf16[64,32]", "bf16[256,32]"), ("bf16[256,32]", "bf16[64,32]")])
+    # Every other collective over the expert axis's groups moves int32 counts or offsets only.
+    others = re.findall(r"= \(*(\w+)\[[^\n]* (?:all-gather|all-reduce|all-to-all|reduce-scatter)-start\("
+                        r"[^\n]*replica_groups=\{\{0,1,2,3\},\{4,5,6,7\}\}", hlo)
+    assert others and set(others) == {"s32"}, others
+
+
 def test_gpu_compiler_errors_name_the_field(tmp_path):
     """--compiler gpu needs a gpu target and a described GPU kind; each is a one-line error, exit 2, with none of
     the CUDA plugin's own "could not find cuda drivers" lines around it."""
