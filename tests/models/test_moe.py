@@ -436,7 +436,8 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, pres
 
 
 @pytest.mark.slow  # about 25 s each on 2 cores
-@pytest.mark.parametrize("mesh,dispatch", [({"fsdp": 2, "expert": 4}, "gather"), ({"data": 2, "expert": 4}, "all_to_all")],
+@pytest.mark.parametrize("mesh,dispatch", [({"fsdp": 2, "expert": 4}, "gather"),
+                                           ({"data": 2, "expert": 4}, "all_to_all")],
                          ids=["fsdp2_expert4_gather", "data2_expert4_all_to_all"])
 def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh, dispatch):
     """The whole model (the tiny config, 4 experts of top 2, dropless) on 8 devices with an expert axis, its tokens

@@ -65,7 +65,8 @@ def test_all_to_all_layer_equals_one_device(axes, preset, form, monkeypatch):
     # all-gathers the expert choices, s32[64], and all-reduces the partial outputs, f32[64,8]).
     hlo = compiled.as_text()
     assert hlo.count(" all-to-all(") == 5 or form == "ragged"  # emulated there, by more all-to-alls
-    others = [line for line in hlo.splitlines() if re.search(r" (all-gather|all-reduce|reduce-scatter)(-start)?\(", line)]
+    others = [line for line in hlo.splitlines()
+              if re.search(r" (all-gather|all-reduce|reduce-scatter)(-start)?\(", line)]
     sizes = [int(n) for line in others for dims in re.findall(r"\w\d+\[([\d,]*)\]", line.split("(")[0]) for n in
              dims.split(",") if n]
     assert others and max(sizes) <= 12, others
