@@ -8,7 +8,8 @@ probabilities (renormalised to sum to 1 with `moe_renormalize`). "capacity": wit
 (a row, or `moe_group_tokens` of it) an expert takes at most C = ceil(capacity_factor * G * k / E) tokens, first
 choices before second ones; the rest are dropped (the residual carries them); dispatch and combine are one-hot
 einsums with static shapes, so with experts on the `expert` mesh axis XLA inserts the all-to-alls. "dropless":
-the call's assignments sorted by expert run through a ragged_dot, jax's or tokamax's (`model.moe_kernel`).
+the call's assignments sorted by expert run through a ragged_dot, jax's or tokamax's (`model.moe_kernel`; on CPU
+cpu_grouped's tiles), reaching experts on other devices by gather or all-to-all (`model.moe_dispatch`).
 load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts,
 padding included (docs/parallelism.md).
 """
@@ -23,11 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.models import lora
+from jaxtrain.models import cpu_grouped, lora
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.models.layers import activation, param, split_last, weight
 from jaxtrain.parallel import experts as expert_parallel
-from jaxtrain.parallel.mesh import constrain, per_shard, split_ways
+from jaxtrain.parallel.mesh import compile_platform, constrain, per_shard, split_ways
 
 
 def capacity(capacity_factor: float, group_size: int, top_k: int, n_experts: int) -> int:
@@ -147,25 +148,36 @@ def _flat_batch(op):
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
 
-def _kernel_ops(name: str):
-    """(ragged_dot, the weight gradient's ragged_dot_general) of the library `model.moe_kernel` names (tokamax
-    imported only then). tokamax's forward and input gradient, and XLA's weight gradient: tokamax 0.0.17's
-    ragged-contracting kernel gave weight gradients off by 14-34% of their largest entry on an H200 with jax 0.11.2,
-    where its other two equal XLA's (docs/performance.md; `scripts/bench_ragged_dot.py` checks it again)."""
+def _kernel_ops(name: str, tiled: bool):
+    """(ragged_dot, weight gradient) of the library `model.moe_kernel` names (tokamax imported only then), or
+    jaxtrain.models.cpu_grouped's if `tiled`. tokamax's forward and input gradient, and XLA's weight gradient:
+    tokamax 0.0.17's ragged-contracting kernel gave weight gradients off by 14-34% of their largest entry on an H200
+    with jax 0.11.2, where its other two equal XLA's (docs/performance.md; `scripts/bench_ragged_dot.py` checks it
+    again)."""
+    if tiled:
+        return cpu_grouped.ragged_dot, cpu_grouped.ragged_weight_grad
+    grad = lambda x, g, sizes: jax.lax.ragged_dot_general(x, g, sizes, _RAGGED_CONTRACTING)  # noqa: E731
     if name == "tokamax":
         import tokamax  # optional: jaxtrain[kernels]; its absl flags: jaxtrain.compat.tokamax
 
-        return tokamax.ragged_dot, jax.lax.ragged_dot_general
-    return jax.lax.ragged_dot, jax.lax.ragged_dot_general
+        return tokamax.ragged_dot, grad
+    return jax.lax.ragged_dot, grad
+
+
+def tiled_here(kernel: str) -> bool:
+    """Whether "xla" grouped matmuls traced now take cpu_grouped's tiles: on CPU (whose ragged_dot multiplies every
+    row by every group's weight), where the weights hold whole experts. Not where XLA splits the experts itself
+    (gather dispatch along `expert`): it cannot partition the tiles' weight lookups and would gather them all."""
+    return kernel == "xla" and compile_platform() == "cpu" and split_ways("experts") == 1
 
 
 @functools.cache
-def grouped_matmul(kernel: str = "xla"):
-    """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot, with its backward written out
-    so that every ragged_dot, the gradients' too, goes through `_flat_batch` (and the kernel)."""
-    dot, dot_general = _kernel_ops(kernel)
-    forward = _flat_batch(dot)
-    weight_grad = _flat_batch(lambda x, g, sizes: dot_general(x, g, sizes, _RAGGED_CONTRACTING))
+def grouped_matmul(kernel: str = "xla", tiled: bool = False):
+    """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot (cpu_grouped's if `tiled`), with
+    its backward written out so that every grouped matmul, the gradients' too, goes through `_flat_batch` and the
+    same kernel (the choice is made once, when the forward is traced: the backward may be traced elsewhere)."""
+    dot, grad = _kernel_ops(kernel, tiled)
+    forward, weight_grad = _flat_batch(dot), _flat_batch(grad)
 
     @jax.custom_vjp
     def matmul(x, w, sizes):
@@ -203,7 +215,7 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
 def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
     one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`."""
-    matmul = grouped_matmul(kernel)
+    matmul = grouped_matmul(kernel, tiled_here(kernel))
     m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape
     joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(m, ways, width)
@@ -343,8 +355,8 @@ class MoE(nnx.Module):
             return constrain(y, ("batch", "seq", "act_embed")), stats
         # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
         # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the
-        # tokens are still gathered: each device multiplies them by its own experts (on CPU ragged_dot is a dense
-        # dot masked per expert) and the partial outputs are all-reduced over `expert` (jax 0.10, 8 CPU devices).
+        # tokens are still gathered: each device multiplies them by its own experts (there XLA's ragged_dot, a
+        # dense dot masked per expert on CPU) and the partial outputs are all-reduced over `expert`.
         y = per_shard(per_shard(run, "seq", dim=1, keep=("expert",)), "batch", dim=0, keep=("expert",))(
             weights, x, experts, gates)
         return constrain(y, ("batch", "seq", "act_embed")), stats
