@@ -187,9 +187,9 @@ def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(t
 def test_expert_dispatch_compiles_to_ragged_all_to_alls_for_described_h100s(tmp_path):
     """model.moe_dispatch=all_to_all on 8 H100s (expert 4 x fsdp 2): XLA:GPU takes the ragged form, which only the
     deviceless compile can check here (XLA:CPU has none). Each device's 8 x 32 / 8 tokens x top-2 = 64 rows go
-    out into a receive buffer of 4 x 64 rows and back, forward and backward: four ragged all-to-alls, and nothing
-    but the per-expert counts (s32) is gathered along `expert`."""
-    _, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
+    out into a receive buffer of 4 x 64 rows and back, forward and backward: four ragged all-to-alls a layer,
+    and nothing but the per-expert counts (s32) crosses `expert` otherwise."""
+    r, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
                       "gpu", "--config.model.n_experts=8", "--config.model.moe_routing=dropless",
                       "--config.model.moe_dispatch=all_to_all", "--config.mesh.expert=4", "--config.mesh.fsdp=2",
                       "--config.mesh.data=1")
@@ -199,6 +199,10 @@ def test_expert_dispatch_compiles_to_ragged_all_to_alls_for_described_h100s(tmp_
     others = re.findall(r"= \(*(\w+)\[[^\n]* (?:all-gather|all-reduce|all-to-all|reduce-scatter)-start\("
                         r"[^\n]*replica_groups=\{\{0,1,2,3\},\{4,5,6,7\}\}", hlo)
     assert others and set(others) == {"s32"}, others
+    # The planner counts each exchange as the rows a device sends (not its worst-case receive buffer): each routed
+    # row there and back, forward and backward, in both layers: 2 x 4 x 64 rows x d 32 x 2 bytes.
+    [row] = [c for c in r["collectives"] if c["kind"] == "ragged-all-to-all"]
+    assert row["axes"] == ["expert"] and row["count"] == 8 and row["bytes"] == 2 * 4 * 64 * 32 * 2
 
 
 def test_gpu_compiler_errors_name_the_field(tmp_path):

@@ -78,7 +78,7 @@ def _scatter_axes(module, result, axes: tuple[str, ...], mesh_shape: dict, repli
 
 _WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
          "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-         "collective-permute": lambda n: 1.0}
+         "ragged-all-to-all": lambda n: (n - 1) / n, "collective-permute": lambda n: 1.0}
 
 
 def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> list[dict]:
@@ -116,6 +116,11 @@ def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> li
             common = {"axes": axes, "partial": not exact, "group_size": size, "count": count,
                       "name": instr["name"], "async": op.endswith("-start"), "trip_count_unknown": comp in unknown}
             result_bytes = hlo_lib.shape_bytes(result["shape"])
+            if kind == "ragged-all-to-all" and op.endswith("-start"):
+                # What moves depends on the data; its buffers are the worst case (every row to one device). Counted:
+                # the smaller of what a device sends and receives, its own rows when routing is balanced.
+                arrays = re.findall(r"\w+\[[\d,]*\]", instr["shape"])[:2]
+                result_bytes = min(map(hlo_lib.shape_bytes, arrays), default=result_bytes)
             # (kind, axes, group size, payload bytes, emitted as all-reduce + slice)
             parts = [(kind, axes, size, result_bytes * (size if kind == "reduce-scatter" else 1), False)]
             if kind == "all-reduce":  # all-reduce + slice to 1/n = reduce-scatter (the CPU pipeline has none)
