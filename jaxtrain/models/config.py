@@ -58,6 +58,7 @@ MOE_ROUTINGS = ("capacity", "dropless")
 # The grouped matmul of dropless routing (jaxtrain.models.moe._kernel_ops): jax.lax.ragged_dot, or tokamax's.
 MOE_KERNELS = ("xla", "tokamax")
 MOE_DISPATCHES = ("gather", "all_to_all")
+MOE_SCORES = ("softmax", "sigmoid")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
@@ -152,6 +153,14 @@ class ModelConfig:
     moe_routing: str = "capacity"
     # The top-k gates renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), or the raw probabilities.
     moe_renormalize: bool = True
+    # How the router scores experts: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3: each expert's own
+    # sigmoid). With moe_groups > 1 (n_group) the experts form that many groups, each scored by its two best
+    # experts, and a token chooses only among the moe_topk_groups (topk_group) best groups. The gates are then
+    # multiplied by moe_routed_scale (routed_scaling_factor). jaxtrain.models.moe.choose.
+    moe_score: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0
     # Dropless's grouped matmul: "xla" (jax.lax.ragged_dot; on GPUs XLA runs it as one dense matmul over every
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
@@ -316,6 +325,20 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if m.moe_top_k > m.n_experts:
             raise ConfigError("model.moe_top_k", f"{m.moe_top_k} exceeds model.n_experts={m.n_experts}")
         g.number("moe_capacity_factor", lo=0, lo_open=True)
+        g.choice("moe_score", MOE_SCORES, what="router score")
+        g.positive_int("moe_groups")
+        g.number("moe_routed_scale", lo=0, lo_open=True)
+        if m.n_experts % m.moe_groups:
+            raise ConfigError("model.moe_groups", f"{m.moe_groups} does not divide model.n_experts={m.n_experts}")
+        if m.moe_groups > 1 and m.moe_score != "sigmoid":
+            raise ConfigError("model.moe_groups", "group-limited routing scores experts by sigmoid (DeepSeek-V3): "
+                              "set model.moe_score=sigmoid, or moe_groups=1")
+        if not 1 <= m.moe_topk_groups <= m.moe_groups:
+            raise ConfigError("model.moe_topk_groups", f"{m.moe_topk_groups} must be between 1 and "
+                              f"model.moe_groups={m.moe_groups}")
+        if m.moe_top_k > m.moe_topk_groups * (m.n_experts // m.moe_groups):
+            raise ConfigError("model.moe_top_k", f"{m.moe_top_k} exceeds the {m.moe_topk_groups} x "
+                              f"{m.n_experts // m.moe_groups} experts of the groups a token chooses among")
         g.number("moe_aux_weight", lo=0)
         group = g.positive_int("moe_group_tokens", allow_zero=True)
         if group and seq_len % group:

@@ -49,16 +49,44 @@ def _top_k(probs: jax.Array, k: int):
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1).astype(jnp.int32)
 
 
-def choose(logits: jax.Array, top_k: int, renormalize: bool = True):
-    """Router logits [..., E] -> (probs [..., E] f32 softmax, experts [..., k] int32 best first, gates [..., k] f32:
-    the top-k probabilities, renormalised to sum to 1 if `renormalize` (Mixtral; Qwen3-MoE's norm_topk_prob))."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_probs, top_idx = _top_k(probs, top_k)
-    gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
-    return probs, top_idx, gates
+def choose(logits: jax.Array, top_k: int, renormalize: bool = True, score: str = "softmax", groups: int = 1,
+           topk_groups: int = 1, scale: float = 1.0):
+    """Router logits [..., E] -> (probs [..., E] f32, experts [..., k] int32 best first, gates [..., k] f32).
+
+    "softmax" (Mixtral, Qwen3-MoE): probs the softmax; gates the top-k probabilities, renormalised to sum to 1 if
+    `renormalize` (norm_topk_prob). "sigmoid" (DeepSeek-V3): each expert's score its sigmoid; with `groups` > 1 the
+    experts form that many groups, each scored by its two best, and only the best `topk_groups` groups' experts
+    compete; gates are the chosen scores (renormalised: over their sum + 1e-20); probs, for the balance statistics,
+    the scores normalised to sum to 1. Either way the gates are then multiplied by `scale`
+    (routed_scaling_factor)."""
+    logits = logits.astype(jnp.float32)
+    if score == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_probs, top_idx = _top_k(probs, top_k)
+        gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
+        return probs, top_idx, gates * scale if scale != 1 else gates
+    scores = jax.nn.sigmoid(logits)
+    candidates = scores
+    if groups > 1:
+        n_experts = scores.shape[-1]
+        grouped = scores.reshape(*scores.shape[:-1], groups, n_experts // groups)
+        group_score = jnp.sum(_top_k(grouped, min(2, n_experts // groups))[0], axis=-1)  # [..., groups]
+        kept = jnp.any(jax.nn.one_hot(_top_k(group_score, topk_groups)[1], groups, dtype=jnp.bool_), axis=-2)
+        candidates = jnp.where(jnp.repeat(kept, n_experts // groups, axis=-1), scores, -jnp.inf)
+    _, top_idx = _top_k(candidates, top_k)
+    gates = jnp.take_along_axis(scores, top_idx, axis=-1)
+    if renormalize:
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    return scores / jnp.sum(scores, axis=-1, keepdims=True), top_idx, gates * scale
 
 
-def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True):
+def routing_options(cfg: ModelConfig) -> dict:
+    """`choose`'s options as the config sets them."""
+    return {"renormalize": cfg.moe_renormalize, "score": cfg.moe_score, "groups": cfg.moe_groups,
+            "topk_groups": cfg.moe_topk_groups, "scale": cfg.moe_routed_scale}
+
+
+def route(logits: jax.Array, top_k: int, capacity: int, **routing):
     """Router logits [..., T, E] (f32; the leading dims index groups) -> (dispatch [..., T, E, C] f32 0/1,
     combine [..., T, E, C] f32, stats).
 
@@ -67,7 +95,7 @@ def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True
     (before capacity), "prob" [..., E] summed router probabilities, "dropped" [...] assignments past capacity,
     "tokens" [...]; `summarize` turns any set of them into the load-balancing loss and dropped fraction."""
     *groups, tokens, n_experts = logits.shape
-    probs, top_idx, gates = choose(logits, top_k, renormalize)  # [..., T, k], best first
+    probs, top_idx, gates = choose(logits, top_k, **routing)  # [..., T, k], best first
     chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32)  # [..., T, k, E]
 
     # Slot of each assignment in its expert: count earlier assignments in priority order (choice rank, then token).
@@ -90,11 +118,11 @@ def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True
     return dispatch, combine, stats
 
 
-def dropless_route(logits: jax.Array, top_k: int, renormalize: bool = True):
+def dropless_route(logits: jax.Array, top_k: int, **routing):
     """Router logits [..., T, E] -> (experts [..., T, k] int32, gates [..., T, k] f32, stats): every assignment
     kept. stats are `route`'s per leading index ("dropped" 0)."""
     *groups, tokens, n_experts = logits.shape
-    probs, top_idx, gates = choose(logits, top_k, renormalize)
+    probs, top_idx, gates = choose(logits, top_k, **routing)
     routed = jnp.sum(jax.nn.one_hot(top_idx, n_experts, dtype=jnp.int32), axis=(-3, -2))
     stats = {"routed": routed.astype(jnp.float32), "prob": jnp.sum(probs, axis=-2),
              "dropped": jnp.zeros(groups, jnp.float32), "tokens": jnp.full(groups, tokens, jnp.float32)}
@@ -306,7 +334,7 @@ class MoE(nnx.Module):
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         dispatch, combine, stats = route(logits, cfg.moe_top_k,
                                          capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts),
-                                         cfg.moe_renormalize)
+                                         **routing_options(cfg))
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
         combine = constrain(combine.astype(dt), (*seq, None, None))
 
@@ -336,7 +364,7 @@ class MoE(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
         logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
-        experts, gates, stats = dropless_route(logits, cfg.moe_top_k, cfg.moe_renormalize)  # stats per row
+        experts, gates, stats = dropless_route(logits, cfg.moe_top_k, **routing_options(cfg))  # stats per row
         weights = (self.gate_up_weights(dt), weight(self.w_down, dt),
                    (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
 

@@ -163,6 +163,37 @@ def test_first_choices_fill_capacity_before_second_choices():
     assert float(aux["dropped_fraction"]) == 0.5
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_group_routing_equals_deepseek_v3s_router(renormalize):
+    """moe_score=sigmoid with groups (DeepSeek-V3): the chosen experts and gates equal transformers'
+    DeepseekV3TopkRouter's (16 experts in 4 groups, the best 2 groups, top 4, scale 2.5), gates renormalised or
+    not; probs (for the balance statistics) are the scores normalised to sum to 1."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    hf = DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                          routed_scaling_factor=2.5, norm_topk_prob=renormalize)
+    router = DeepseekV3TopkRouter(hf)
+    rng = np.random.default_rng(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor(rng.normal(size=(16, 16)), dtype=torch.float32))
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    logits, want_gates, want_idx = (t.detach().numpy() for t in router(torch.tensor(x)))
+    probs, idx, gates = moe.choose(jnp.asarray(logits), 4, renormalize, score="sigmoid", groups=4, topk_groups=2,
+                                   scale=2.5)
+    order = np.argsort(np.asarray(idx), axis=-1)  # transformers' top-k is unsorted: compare as sets of pairs
+    want_order = np.argsort(want_idx, axis=-1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1),
+                                  np.take_along_axis(want_idx, want_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(gates), order, -1),
+                               np.take_along_axis(want_gates, want_order, -1), rtol=1e-6)
+    groups_used = {tuple(sorted(set(row // 4))) for row in np.asarray(idx)}
+    assert all(len(g) <= 2 for g in groups_used) and len(groups_used) > 1
+    sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    np.testing.assert_allclose(np.asarray(probs), sig / sig.sum(-1, keepdims=True), rtol=1e-5)
+
+
 def test_capacity_formula():
     assert moe.capacity(1.25, 8, 2, 4) == 5  # ceil(5.0)
     assert moe.capacity(1.1, 10, 1, 1) == 10  # 1.1 * 10 is 11.000000000000002 in floats; clamped to T anyway
@@ -311,11 +342,13 @@ def test_dropless_gradients_match_dense_reference(renormalize):
     assert np.abs(np.asarray(got[0]["w_router"])).max() > 1e-3
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 70, 1], [0, 0, 0, 0], [40, 40, 40, 30]], ids=["uneven", "none", "full"])
+@pytest.mark.parametrize("sizes", [[5, 0, 70, 1], [0, 0, 0, 0], [40, 40, 40, 30], [0, 0, 10, 140]],
+                         ids=["uneven", "none", "full", "last_tile_moved_back"])
 def test_cpu_grouped_matmuls_equal_xla_ragged_dot_and_multiply_only_routed_rows(sizes):
     """jaxtrain.models.cpu_grouped (dropless on XLA:CPU): the forward and the weight gradient equal
     jax.lax.ragged_dot's and ragged_dot_general's on uneven groups (one empty, one over a tile), rows past the
-    groups' sum (padding) included; and the compiled forward's dot is one tile's, not a dense [rows, groups]."""
+    groups' sum (padding) included, and a last group whose final tile is moved back to stay in the buffer
+    (overlapping its previous tile: counted once); and the compiled forward's dot is one tile's."""
     from jaxtrain.models import cpu_grouped
 
     rng = np.random.default_rng(0)
@@ -589,6 +622,28 @@ def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, mon
         field = "moe_dispatch" if "moe_dispatch" in setting else "moe_kernel"
         with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: .*{reason.removeprefix(field + ': ')}"):
             config_lib.validate(cfg, 8)
+
+
+@pytest.mark.parametrize("setting, field, reason", [
+    ({"moe_score": "relu"}, "moe_score", "unknown router score 'relu'"),
+    ({"moe_score": "sigmoid", "moe_groups": 3}, "moe_groups", "3 does not divide model.n_experts=8"),
+    ({"moe_groups": 2}, "moe_groups", "scores experts by sigmoid"),
+    ({"moe_score": "sigmoid", "moe_groups": 2, "moe_topk_groups": 3}, "moe_topk_groups", "between 1 and"),
+    ({"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 1, "moe_top_k": 3}, "moe_top_k",
+     "3 exceeds the 1 x 2 experts"),
+    ({"moe_routed_scale": 0.0}, "moe_routed_scale", ""),
+    ({"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scale": 2.5}, None, None),
+])
+def test_router_settings_are_checked_at_config_time(setting, field, reason):
+    from jaxtrain import config as config_lib
+
+    cfg = config_lib.base_config()
+    cfg.model.update(n_experts=8, **setting)
+    if field is None:
+        config_lib.validate(cfg, 1)
+    else:
+        with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: .*{re.escape(reason)}"):
+            config_lib.validate(cfg, 1)
 
 
 def test_tokamax_on_gpus_needs_widths_its_kernel_tiles():

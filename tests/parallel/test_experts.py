@@ -1,6 +1,7 @@
 """Expert-parallel dispatch by all-to-all (jaxtrain.parallel.experts): the dropless MoE layer with
 `moe_dispatch="all_to_all"` on 8 CPU devices equals the one-device layer, outputs and gradients, and sends rows
-by all-to-all instead of gathering every token to every expert shard. The GPU/TPU form (ragged_all_to_all,
+by all-to-all instead of gathering every token to every expert shard, with Mixtral's softmax routing and
+DeepSeek-V3's sigmoid group routing. The GPU/TPU form (ragged_all_to_all,
 which XLA:CPU cannot run) is checked the same way with the collective emulated by its documented semantics."""
 
 import re
@@ -32,15 +33,19 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return output.at[at.reshape(-1)].set(got.reshape(shards * rows, -1), mode="drop")
 
 
-@pytest.mark.parametrize("form", ["padded", "ragged"])
+DEEPSEEK = {"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scale": 2.5}
+
+
+@pytest.mark.parametrize("form,routing", [("padded", {}), ("ragged", {}), ("padded", DEEPSEEK)],
+                         ids=["padded", "ragged", "padded_sigmoid_groups"])
 @pytest.mark.parametrize("axes,preset", [({"fsdp": 2, "expert": 4}, "fsdp"), ({"expert": 8}, "fsdp"),
                                          ({"data": 2, "expert": 4}, "dp")], ids=["expert4_fsdp2", "expert8",
                                                                                   "data2_expert4"])
-def test_all_to_all_layer_equals_one_device(axes, preset, form, monkeypatch):
+def test_all_to_all_layer_equals_one_device(axes, preset, form, routing, monkeypatch):
     if form == "ragged":
         monkeypatch.setattr(experts, "_ragged", lambda: True)
         monkeypatch.setattr(experts, "_ragged_all_to_all", emulated_ragged_all_to_all)
-    cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", moe_dispatch="all_to_all")
+    cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", moe_dispatch="all_to_all", **routing)
     x = np.random.default_rng(12).normal(size=(8, 8, cfg.d_model)).astype(np.float32)
     probe = np.random.default_rng(13).normal(size=x.shape).astype(np.float32)
 
