@@ -136,25 +136,6 @@ def test_trip_count_from_the_loop_condition():
 
 # ===== compiled plans ==================================================================================
 
-# XLA:CPU options that only change the machine code LLVM emits, never the HLO, its buffers or its collectives:
-# every figure plan() returns stayed identical with them (all of this module's configs), at about half the compile.
-FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_cpu_compiles():
-    import jax
-
-    compile_ = jax.stages.Lowered.compile
-
-    def fast(self, compiler_options=None, **kwargs):
-        return compile_(self, compiler_options={**FAST_CPU_COMPILE, **(compiler_options or {})}, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(jax.stages.Lowered, "compile", fast)
-        yield
-
-
 PRESETS = {"dp": dict(data=8, fsdp=1, tensor=1, rules="dp"),
            "fsdp": dict(data=1, fsdp=8, tensor=1, rules="fsdp"),
            "2x2x2": dict(data=2, fsdp=2, tensor=2, rules="dp_fsdp_tp")}

@@ -44,7 +44,6 @@ from jaxtrain.tools.plan import topology
 from jaxtrain.tools.plan.planner import plan
 from jaxtrain.tools.plan.report import format_report
 assert topology.use_bundled()
-compile_ = jax.stages.Lowered.compile
 for job in json.loads(sys.argv[1]):
     config = files.run_python_file(job["config"], "get_config", field="--config")
     for path, value in job["overrides"].items():
@@ -53,9 +52,6 @@ for job in json.loads(sys.argv[1]):
         for p in parents:
             node = node[p]
         node[leaf] = value
-    options = job["compiler_options"]
-    jax.stages.Lowered.compile = lambda self, compiler_options=None, **kw: compile_(
-        self, compiler_options={**options, **(compiler_options or {})} or None, **kw)
     result = plan(config, job["devices"], "gpu", device_kind=job["device_kind"], hlo_path=job["hlo"],
                   compiler=job["compiler"])
     with open(job["stdout"], "w") as f:
@@ -63,11 +59,6 @@ for job in json.loads(sys.argv[1]):
     with open(job["json"], "w") as f:
         f.write(json.dumps(result, indent=1, default=str))
 """
-
-# XLA:CPU options that change only the machine code LLVM emits, not the HLO or its buffers: the CPU compiler's
-# plan of bench_gpu is identical with them (JSON and HLO), in 2/3 of the time.
-FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
 
 def _plan_many(tmp_path, jobs: dict, hlo=True) -> dict:
     """{name: (JSON, HLO text or None, report)} of jobs {name: (config file, devices, {override: value}, options)}
@@ -79,7 +70,6 @@ def _plan_many(tmp_path, jobs: dict, hlo=True) -> dict:
         compiler = options.get("compiler", "gpu")
         specs.append({"config": str(ROOT / config), "devices": devices, "overrides": overrides,
                       "device_kind": options.get("device_kind"), "compiler": compiler,
-                      "compiler_options": FAST_CPU_COMPILE if compiler == "cpu" else {},
                       "json": str(out / "plan.json"), "stdout": str(out / "stdout"),
                       "hlo": str(out / "step.hlo") if hlo else None})
     proc = subprocess.run([sys.executable, "-c", _PLAN_MANY, json.dumps(specs)], cwd=ROOT, env=_plugin_env(),
