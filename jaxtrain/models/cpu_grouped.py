@@ -7,10 +7,13 @@ rows that are its group's (a group's last tile overlaps its neighbours' rows, wh
 loop runs only the tiles in use, so the work is the routed rows plus under TILE per group, however long the
 static buffer (an expert-parallel receive buffer is mostly padding). `ragged_dot` and `ragged_weight_grad` have
 the semantics of `jax.lax.ragged_dot` and of its ragged-contracting form (the weight gradient): rows past
-sum(sizes) give zeros and contribute nothing. tests/models/test_moe.py checks both against XLA's.
+sum(sizes) give zeros and contribute nothing. `expert_mlp` runs a whole gated expert MLP per tile, so the hidden
+activations, too, exist for routed rows only. tests/models/test_moe.py checks all three against XLA's.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +74,62 @@ def ragged_weight_grad(x, g, sizes, tile: int = TILE):
 
     total = jnp.zeros((sizes.shape[0], x.shape[-1], g.shape[-1]), jnp.float32)
     return jax.lax.fori_loop(0, used, add, total).astype(g.dtype)
+
+
+def expert_mlp(rows, sizes, w_gate_up, w_down, act, tile: int = TILE):
+    """Each row through its expert's gated MLP, tile by tile: rows [m, d] sorted by expert, sizes [E], w_gate_up
+    [E, d, T, 2f/T] (each of T blocks gate then up), w_down [E, f, d] -> [m, d] (rows past sum(sizes): zeros). The
+    hidden activations exist one tile at a time, so the element-wise work, like the matmuls', is the routed rows
+    only (an expert-parallel receive buffer is mostly padding); the backward recomputes them tile by tile."""
+    return _expert_mlp(act, min(tile, rows.shape[0]), rows, sizes, w_gate_up, w_down)
+
+
+def _hidden(act, x, w_gate_up):
+    """x [t, d] through one expert's joined gate-and-up weight -> act(gate) * up [t, f]."""
+    d, ways, width = w_gate_up.shape
+    h = jnp.dot(x, w_gate_up.reshape(d, ways * width), preferred_element_type=jnp.float32).astype(x.dtype)
+    h = h.reshape(-1, ways, width)
+    return act(h[..., :width // 2].reshape(x.shape[0], -1)) * h[..., width // 2:].reshape(x.shape[0], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _expert_mlp(act, tile, rows, sizes, w_gate_up, w_down):
+    first, group, own, end, used = _plan(sizes, rows.shape[0], tile)
+
+    def body(i, out):
+        x = jax.lax.dynamic_slice_in_dim(rows, first[i], tile)
+        y = jnp.dot(_hidden(act, x, w_gate_up[group[i]]), w_down[group[i]],
+                    preferred_element_type=jnp.float32).astype(out.dtype)
+        keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
+        y = jnp.where(_mine(first[i], own[i], end[i], tile)[:, None], y, keep)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
+
+    return jax.lax.fori_loop(0, used, body, jnp.zeros((rows.shape[0], w_down.shape[-1]), rows.dtype))
+
+
+def _expert_mlp_fwd(act, tile, rows, sizes, w_gate_up, w_down):
+    return _expert_mlp(act, tile, rows, sizes, w_gate_up, w_down), (rows, sizes, w_gate_up, w_down)
+
+
+def _expert_mlp_bwd(act, tile, residuals, dy):
+    rows, sizes, w_gate_up, w_down = residuals
+    first, group, own, end, used = _plan(sizes, rows.shape[0], tile)
+
+    def body(i, grads):
+        dx, d_gate_up, d_down = grads
+        e, mine = group[i], _mine(first[i], own[i], end[i], tile)[:, None]
+        x = jax.lax.dynamic_slice_in_dim(rows, first[i], tile)
+        g = jnp.where(mine, jax.lax.dynamic_slice_in_dim(dy, first[i], tile), 0)
+        hidden, pull = jax.vjp(lambda x, w: _hidden(act, x, w), x, w_gate_up[e])
+        d_down = d_down.at[e].add(jnp.dot(hidden.T, g, preferred_element_type=jnp.float32))
+        dxi, dw = pull(jnp.dot(g, w_down[e].T, preferred_element_type=jnp.float32).astype(hidden.dtype))
+        keep = jax.lax.dynamic_slice_in_dim(dx, first[i], tile)
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, jnp.where(mine, dxi, keep), first[i], 0)
+        return dx, d_gate_up.at[e].add(dw.astype(jnp.float32)), d_down
+
+    zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
+    dx, d_gate_up, d_down = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(rows), zeros(w_gate_up), zeros(w_down)))
+    return dx, None, d_gate_up.astype(w_gate_up.dtype), d_down.astype(w_down.dtype)
+
+
+_expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

@@ -243,6 +243,8 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
 def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
     one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`."""
+    if tiled_here(kernel) and adapters == (None, None):  # the hidden activations of the routed rows only
+        return cpu_grouped.expert_mlp(rows, sizes, w_gate_up, w_down, act)
     matmul = grouped_matmul(kernel, tiled_here(kernel))
     m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape

@@ -360,6 +360,22 @@ def test_cpu_grouped_matmuls_equal_xla_ragged_dot_and_multiply_only_routed_rows(
     want = jax.lax.ragged_dot_general(x, g, sizes, moe._RAGGED_CONTRACTING)
     np.testing.assert_allclose(np.asarray(jax.jit(cpu_grouped.ragged_weight_grad)(x, g, sizes)), np.asarray(want),
                                rtol=1e-5, atol=1e-5)
+    # The fused expert MLP (gate-and-up in 2 tensor blocks, SiLU, down), forward and every gradient, against the
+    # same MLP through XLA's ragged_dot.
+    gate_up = jnp.asarray(rng.normal(size=(4, 16, 2, 12)), jnp.float32)
+    down = jnp.asarray(rng.normal(size=(4, 12, 16)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(150, 16)), jnp.float32)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * probe), argnums=(0, 1, 2)))
+
+    got = loss(lambda r, a, b: cpu_grouped.expert_mlp(r, sizes, a, b, jax.nn.silu))(x, gate_up, down)
+    with mesh_lib.activation_sharding(mesh_lib.make_mesh({"expert": 2}), {"experts": ("expert",)}):  # XLA's
+        assert not moe.tiled_here("xla")
+        want = loss(lambda r, a, b: moe.expert_mlp(r, sizes, a, b, jax.nn.silu))(x, gate_up, down)
+    for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=1e-5, atol=1e-4 * max(1, np.abs(w_).max()))
+
     hlo = jax.jit(cpu_grouped.ragged_dot).lower(x, w, sizes).compile().as_text()
     assert re.search(rf"f32\[{cpu_grouped.TILE},24\]" + r"\S* dot\(", hlo) or "f32[64,24]" in hlo
     assert "f32[150,96]" not in hlo and "f32[4,150,24]" not in hlo
