@@ -283,6 +283,23 @@ def test_prepare_recurses_on_double_star_and_a_failed_prepare_leaves_nothing(tmp
     assert sorted(Path(s["path"]).name for s in manifest["sources"]) == ["a.txt", "b.txt"]
 
 
+def test_a_chat_template_that_fails_on_every_record_is_its_message_in_one_line(tmp_path):
+    """`prepare --chat` with a template that raises on every conversation: exit 2 with the template's own message
+    and line, not "no documents left", and no output dir."""
+    from data.test_chat_data import WORDS, _conversations
+    from helpers import chat_tokenizer_dir
+
+    hf = chat_tokenizer_dir(tmp_path / "hf", WORDS)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(c) for c in _conversations(8)) + "\n")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}\n{{ raise_exception('roles must alternate') }}"
+                                      "{% endfor %}")
+    before = sorted(os.listdir(tmp_path))
+    proc = jaxtrain("prepare", "--input", tmp_path / "c.jsonl", "--chat", "--chat_template", tmp_path / "t.jinja",
+                    "--tokenizer", hf, "--output", tmp_path / "out", "--heldout_docs", 1)
+    assert_one_line(proc, 2, "the chat template failed on all 8 records", "line 2: roles must alternate")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_ctrl_c_saves_nothing_new_says_what_was_saved_and_a_rerun_resumes(tiny_config, tmp_path):
     config = tiny_config(tmp_path / "run")
     # SIGINT's default disposition in the child, whatever this process has: a suite started as a background job
