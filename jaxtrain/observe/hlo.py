@@ -181,7 +181,10 @@ def ints(text: str) -> list[int]:
 
 
 def instruction_flops(module, instr) -> float:
-    """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module (0 otherwise)."""
+    """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module, or of a custom
+    call shaped as a grouped matmul (0 otherwise)."""
+    if instr["op"] == "custom-call":
+        return _grouped_matmul_flops(module, instr)
     if instr["op"] not in ("dot", "convolution"):
         return 0.0
     out = math.prod(dims(instr["shape"]))
@@ -195,6 +198,19 @@ def instruction_flops(module, instr) -> float:
         rhs = dims(module["shapes"].get(names[1], "")) if len(names) > 1 else []
         k = math.prod(rhs) / max(dims(instr["shape"])[-1:] or [1])
     return 2.0 * out * k
+
+
+def _grouped_matmul_flops(module, instr) -> float:
+    """A kernel taking x [m, k] and w [groups, k, n] to [m, n] (tokamax's ragged_dot, a Pallas or Mosaic custom
+    call) multiplies each row by one group's weight: 2 m k n."""
+    out = dims(instr["shape"]) if not instr["shape"].startswith("(") else []
+    if len(out) != 2:
+        return 0.0
+    shapes = [dims(module["shapes"].get(name, "")) for name in operands(instr)]  # a kernel's own operands too
+    for x in (s for s in shapes if len(s) == 2 and s[0] == out[0]):
+        if any(len(w) == 3 and w[1] == x[1] and w[2] == out[1] for w in shapes):
+            return 2.0 * x[0] * x[1] * out[1]
+    return 0.0
 
 
 def dot_flops(hlo) -> float:

@@ -172,6 +172,16 @@ def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(t
     # [256, 128] and [256, 256].
     assert outputs == sorted(["bf16[256,512]", "bf16[256,128]", "bf16[256,128]", "bf16[256,256]"]), outputs
     assert r["memory"]["compiled"]["peak"] > 0
+    # Their FLOPs count (the roofline's matmuls, the HLO dot FLOPs): each row times one expert, 2 x 256 x k x n
+    # per kernel (gate-and-up 128 -> 512 and down 256 -> 128, forward and input gradient), in each of 2 layers.
+    from jaxtrain.observe import hlo as hlo_lib
+
+    module = hlo_lib.parse_hlo(hlo)
+    runs, _ = hlo_lib.multiplicities(module)
+    counted = sum(hlo_lib.instruction_flops(module, i) * runs.get(c, 0) for c, instrs in module["computations"].items()
+                  for i in instrs if i["op"] == "custom-call")
+    assert counted == 2 * 2 * 256 * (128 * 512 + 256 * 128 + 512 * 128 + 128 * 256)
+    assert r["speed"]["roofline"]["matmul_flops"] >= counted and r["flops"]["hlo_dots_total"] >= counted
 
 
 def test_expert_dispatch_compiles_to_ragged_all_to_alls_for_described_h100s(tmp_path):

@@ -72,7 +72,8 @@ def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
     """A roofline estimate of one device's step from compiled HLO: every kernel takes max(FLOPs / peak_flops,
     bytes / bandwidth) and they run one after another (one stream), times how often its computation runs; 8-bit
     matmul FLOPs count at EIGHT_BIT_SPEEDUP x peak_flops.
-    Matmul FLOPs inside custom calls (cuDNN attention) are not seen, so those count by their bytes only.
+    A custom call shaped as a grouped matmul (tokamax's ragged_dot) counts its FLOPs (hlo.instruction_flops); other
+    custom calls (cuDNN attention) count by their bytes only.
     Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
     module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
     mult, _ = hlo_lib.multiplicities(module)
