@@ -314,11 +314,14 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
             raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is not installed "
                               f"(pip install 'jaxtrain[kernels]')")
         # A Pallas kernel is a custom call XLA cannot partition: it would see the experts gathered whole along
-        # `expert` (and repeat every expert's work there) or the MLP width gathered along `tensor`.
-        if split := [a for a in ("expert", "tensor") if mesh_shape[a] > 1]:
+        # `expert` (and repeat every expert's work there) or the MLP width gathered along `tensor`. The
+        # all-to-all dispatch hands it each device's own experts and rows.
+        local = ("tensor",) if m.moe_dispatch == "all_to_all" else ("expert", "tensor")
+        if split := [a for a in local if mesh_shape[a] > 1]:
             raise ConfigError("model.moe_kernel", f"{m.moe_kernel}'s kernel runs each device's tokens through "
                               f"whole expert weights; with mesh.{split[0]}={mesh_shape[split[0]]} XLA would gather "
-                              f"them there (use 'xla', or data/fsdp/sequence axes)")
+                              f"them there (use 'xla', or data/fsdp/sequence axes"
+                              f"{'' if split[0] == 'tensor' else ', or model.moe_dispatch=all_to_all'})")
     g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:
         g.positive_int("moe_top_k")

@@ -619,6 +619,9 @@ def test_bad_config_raises(overrides, field):
     ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"expert": 2}}, "with mesh.expert=2 XLA would"),
     ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"tensor": 2}}, "with mesh.tensor=2 XLA would"),
     ({"moe_kernel": "tokamax", "moe_routing": "dropless", "mesh": {"fsdp": 2, "sequence": 2}}, None),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "moe_dispatch": "all_to_all", "mesh": {"expert": 4}}, None),
+    ({"moe_kernel": "tokamax", "moe_routing": "dropless", "moe_dispatch": "all_to_all", "mesh": {"tensor": 2}},
+     "with mesh.tensor=2 XLA would"),
     ({"moe_kernel": "tokamax", "moe_routing": "dropless"}, None),
     ({"moe_dispatch": "ragged"}, "moe_dispatch: unknown expert dispatch 'ragged'"),
     ({"moe_dispatch": "all_to_all"}, "moe_dispatch: all_to_all dispatches dropless routing; this model has capacity"),
@@ -640,7 +643,7 @@ def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, mon
     if reason is None:
         config_lib.validate(cfg, 8)
     else:
-        field = "moe_dispatch" if "moe_dispatch" in setting else "moe_kernel"
+        field = "moe_kernel" if "moe_kernel" in setting else "moe_dispatch"
         with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: .*{reason.removeprefix(field + ': ')}"):
             config_lib.validate(cfg, 8)
 
