@@ -33,8 +33,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 DEEPSEEK = {"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scale": 2.5}
 
 
-@pytest.mark.parametrize("form,routing", [("padded", {}), ("ragged", {}), ("padded", DEEPSEEK)],
-                         ids=["padded", "ragged", "padded_sigmoid_groups"])
+@pytest.mark.parametrize("form,routing", [("padded", {}), ("ragged", {}), ("padded", DEEPSEEK),
+                                          ("padded", {"moe_kernel": "tokamax"})],
+                         ids=["padded", "ragged", "padded_sigmoid_groups", "padded_tokamax"])
 @pytest.mark.parametrize("axes,preset", [({"fsdp": 2, "expert": 4}, "fsdp"), ({"expert": 8}, "fsdp"),
                                          ({"data": 2, "expert": 4}, "dp")], ids=["expert4_fsdp2", "expert8",
                                                                                   "data2_expert4"])
@@ -42,6 +43,10 @@ def test_all_to_all_layer_equals_one_device(axes, preset, form, routing, monkeyp
     if form == "ragged":
         monkeypatch.setattr(experts, "_ragged", lambda: True)
         monkeypatch.setattr(experts, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    if routing.get("moe_kernel") == "tokamax":  # on CPU its XLA fallback, behind its own wrapper
+        from jaxtrain.compat import tokamax as tokamax_flags
+
+        tokamax_flags.install()  # as an entry point does: tokamax would take pytest's arguments for its flags
     cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", moe_dispatch="all_to_all", **routing)
     compiled, _ = layer_on_mesh_equals_one_device(cfg, graphdef, params, axes, preset)
 
