@@ -6,9 +6,10 @@ every expert shard and the partial outputs all-reduced). `dispatch(local_fn, n_e
 over the mesh axes that split the tokens, `expert` among them: each device sorts its rows' assignments by
 expert, sends each to the expert's device, runs its own experts over what it received (`local_fn`, a grouped
 matmul over rows sorted by local expert), and sends the results back. On GPU and TPU `ragged_all_to_all` moves
-only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the worst case (all of a
-device's rows), a static-shape `all_to_all`. Gradients are the same exchanges transposed.
-tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one emulated on CPU).
+only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the worst case (as
+many rows as a device can send one device), a static-shape `all_to_all`. Gradients are the same exchanges
+transposed. tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one
+emulated on CPU).
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
     n, k = experts.shape
     shards = jax.lax.axis_size(AXIS)
     per_shard = n_experts // shards
-    m = n * k  # this device's assignments; what it receives is at most shards * m rows (all sent to it)
+    m = n * k  # this device's assignments
+    # A token's k choices are distinct experts, so at most min(k, per_shard) of its rows go to one device: the
+    # most any device sends another (the worst case a buffer must hold: every source's rows to one device).
+    cap = n * min(k, per_shard)
     d = x.shape[-1]
 
     flat = experts.reshape(m)
@@ -106,23 +110,24 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
         before_me = jnp.arange(shards)[:, None] < jax.lax.axis_index(AXIS)
         there = jnp.sum(jnp.where(before_me, sent, 0), axis=0)  # where my rows start on each destination
         base = jnp.cumsum(recv) - recv
-        received = _ragged_all_to_all(rows, jnp.zeros((shards * m, d), rows.dtype), start, send, there, recv,
+        received = _ragged_all_to_all(rows, jnp.zeros((shards * cap, d), rows.dtype), start, send, there, recv,
                                       axis_name=AXIS)
-    else:  # a buffer per destination, padded to m rows
-        base = jnp.arange(shards) * m
-        valid = slot[None, :] < send[:, None]
-        buffer = jnp.where(valid[..., None], jnp.take(rows, jnp.minimum(start[:, None] + slot[None, :], m - 1),
+    else:  # a buffer per destination, padded to cap rows
+        base = jnp.arange(shards) * cap
+        valid = slot[None, :cap] < send[:, None]
+        buffer = jnp.where(valid[..., None], jnp.take(rows, jnp.minimum(start[:, None] + slot[None, :cap], m - 1),
                                                       axis=0), 0)
-        received = jax.lax.all_to_all(buffer, AXIS, 0, 0, tiled=True).reshape(shards * m, d)
+        received = jax.lax.all_to_all(buffer, AXIS, 0, 0, tiled=True).reshape(shards * cap, d)
 
     # Each source's rows arrive sorted by expert: segment (source, local expert) starts at base + its offset.
     seg_start = (base[:, None] + jnp.cumsum(counts, axis=1) - counts).reshape(-1)
     seg_size = counts.reshape(-1)
-    at = jnp.arange(shards * m)
+    at = jnp.arange(shards * cap)
     seg = jnp.maximum(jnp.searchsorted(seg_start, at, side="right") - 1, 0)
     local = jnp.where(at < seg_start[seg] + seg_size[seg], seg % per_shard, per_shard)  # per_shard: padding
     order2 = jnp.argsort(local, stable=True)
-    inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(shards * m, dtype=order2.dtype), unique_indices=True)
+    inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(shards * cap, dtype=order2.dtype),
+                                                     unique_indices=True)
     out = local_fn(w, jnp.take(received, order2, axis=0), counts.sum(axis=0))
     out = jnp.take(out, inverse2, axis=0)  # back in the received layout
 
@@ -130,7 +135,7 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
         theirs = jax.lax.all_to_all(start, AXIS, 0, 0, tiled=True)  # where each source kept what it sent me
         mine = _ragged_all_to_all(out, jnp.zeros((m, d), out.dtype), base, recv, theirs, send, axis_name=AXIS)
     else:
-        back = jax.lax.all_to_all(out.reshape(shards, m, d), AXIS, 0, 0, tiled=True)
+        back = jax.lax.all_to_all(out.reshape(shards, cap, d), AXIS, 0, 0, tiled=True)
         destination = jnp.sum(slot[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
         mine = back[destination, slot - start[destination]]  # [m, d] in sorted order
     return jnp.take(mine, inverse, axis=0).reshape(n, k, -1)
