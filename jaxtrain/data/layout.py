@@ -128,15 +128,17 @@ def check_manifest(manifest, path: str) -> None:
             if row["file"] in seen:
                 raise bad(f"{where}.file", f"{row['file']} is listed twice")
             seen.add(row["file"])
-        _check_numbering(name, [row["file"] for row in rows], bad)
+        if name == "train":  # prepare leaves out held-out shards that got no documents; train shards are all kept
+            _check_numbering(name, [row["file"] for row in rows], bad)
 
 
 _NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.array_record")
 
 
 def _check_numbering(split: str, names: list[str], bad) -> None:
-    """A split's shards named `<stem>-<i>-of-<n>` (as every writer names them) must be all n of them: a shard
-    removed from the list would otherwise go unnoticed. Names of another form (hand-made dirs) are not checked."""
+    """The train split's shards named `<stem>-<i>-of-<n>` (as every writer names them) must be all n of them: a
+    shard removed from the list would otherwise go unnoticed. Names of another form (hand-made dirs) are not
+    checked."""
     groups: dict[tuple[str, int], set[int]] = {}
     for name in names:
         if m := _NUMBERED.fullmatch(name):
