@@ -269,13 +269,15 @@ def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
 
 def summarize(stats: dict) -> dict:
     """Routing statistics (`route`'s, any leading dims, all of which are summed) -> the f32 scalars
-    {"load_balance_loss", "dropped_fraction"} of all those tokens together."""
+    {"load_balance_loss", "dropped_fraction", "max_load"} of all those tokens together; max_load is the busiest
+    expert's share of the assignments over an even share (1 when balanced, E when every token picks one)."""
     routed, prob = (jnp.sum(stats[k], axis=tuple(range(stats[k].ndim - 1))) for k in ("routed", "prob"))
     assignments = jnp.sum(routed)
     fraction_routed = routed / assignments  # f_e
     mean_prob = prob / jnp.sum(stats["tokens"])  # P_e
     return {"load_balance_loss": routed.shape[-1] * jnp.sum(fraction_routed * mean_prob),
-            "dropped_fraction": jnp.sum(stats["dropped"]) / assignments}
+            "dropped_fraction": jnp.sum(stats["dropped"]) / assignments,
+            "max_load": routed.shape[-1] * jnp.max(fraction_routed)}
 
 
 def check_config(cfg: ModelConfig) -> None:
