@@ -44,6 +44,13 @@ def _mine(first, own, end, tile: int):
     return (row >= own) & (row < end)
 
 
+def _write_own(out, y, first, own, end, tile: int):
+    """`out` with the tile's own rows (from `first`) replaced by `y`'s; its other rows left as they are."""
+    keep = jax.lax.dynamic_slice_in_dim(out, first, tile)
+    y = jnp.where(_mine(first, own, end, tile)[:, None], y.astype(out.dtype), keep)
+    return jax.lax.dynamic_update_slice_in_dim(out, y, first, 0)
+
+
 def ragged_dot(x, w, sizes, tile: int = TILE):
     """x [m, k] (rows sorted by group), w [G, k, n], sizes [G] -> [m, n]: each group's rows times its weight."""
     m = x.shape[0]
@@ -51,11 +58,8 @@ def ragged_dot(x, w, sizes, tile: int = TILE):
     first, group, own, end, used = _plan(sizes, m, tile)
 
     def product(i, out):  # each tile writes its group's rows only: tiles may overlap others' rows
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(x, first[i], tile), w[group[i]],
-                    preferred_element_type=jnp.float32).astype(out.dtype)
-        keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
-        y = jnp.where(_mine(first[i], own[i], end[i], tile)[:, None], y, keep)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
+        y = jnp.dot(jax.lax.dynamic_slice_in_dim(x, first[i], tile), w[group[i]], preferred_element_type=jnp.float32)
+        return _write_own(out, y, first[i], own[i], end[i], tile)
 
     return jax.lax.fori_loop(0, used, product, jnp.zeros((m, w.shape[-1]), x.dtype))
 
@@ -98,11 +102,8 @@ def _expert_mlp(act, tile, rows, sizes, w_gate_up, w_down):
 
     def body(i, out):
         x = jax.lax.dynamic_slice_in_dim(rows, first[i], tile)
-        y = jnp.dot(_hidden(act, x, w_gate_up[group[i]]), w_down[group[i]],
-                    preferred_element_type=jnp.float32).astype(out.dtype)
-        keep = jax.lax.dynamic_slice_in_dim(out, first[i], tile)
-        y = jnp.where(_mine(first[i], own[i], end[i], tile)[:, None], y, keep)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
+        y = jnp.dot(_hidden(act, x, w_gate_up[group[i]]), w_down[group[i]], preferred_element_type=jnp.float32)
+        return _write_own(out, y, first[i], own[i], end[i], tile)
 
     return jax.lax.fori_loop(0, used, body, jnp.zeros((rows.shape[0], w_down.shape[-1]), rows.dtype))
 
@@ -123,8 +124,7 @@ def _expert_mlp_bwd(act, tile, residuals, dy):
         hidden, pull = jax.vjp(lambda x, w: _hidden(act, x, w), x, w_gate_up[e])
         d_down = d_down.at[e].add(jnp.dot(hidden.T, g, preferred_element_type=jnp.float32))
         dxi, dw = pull(jnp.dot(g, w_down[e].T, preferred_element_type=jnp.float32).astype(hidden.dtype))
-        keep = jax.lax.dynamic_slice_in_dim(dx, first[i], tile)
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, jnp.where(mine, dxi, keep), first[i], 0)
+        dx = _write_own(dx, dxi, first[i], own[i], end[i], tile)
         return dx, d_gate_up.at[e].add(dw.astype(jnp.float32)), d_down
 
     zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731

@@ -64,7 +64,7 @@ def choose(logits: jax.Array, top_k: int, renormalize: bool = True, score: str =
         probs = jax.nn.softmax(logits, axis=-1)
         top_probs, top_idx = _top_k(probs, top_k)
         gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
-        return probs, top_idx, gates * scale if scale != 1 else gates
+        return probs, top_idx, gates * scale
     scores = jax.nn.sigmoid(logits)
     candidates = scores
     if groups > 1:
@@ -243,9 +243,10 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
 def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
     one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`."""
-    if tiled_here(kernel) and adapters == (None, None):  # the hidden activations of the routed rows only
+    tiled = tiled_here(kernel)
+    if tiled and adapters == (None, None):  # the hidden activations of the routed rows only
         return cpu_grouped.expert_mlp(rows, sizes, w_gate_up, w_down, act)
-    matmul = grouped_matmul(kernel, tiled_here(kernel))
+    matmul = grouped_matmul(kernel, tiled)
     m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape
     joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(m, ways, width)

@@ -25,12 +25,6 @@ from jaxtrain.parallel import mesh as mesh_lib
 AXIS = "expert"
 
 
-def ways() -> int:
-    """How many expert shards the active mesh has (1 outside `activation_sharding`)."""
-    active = mesh_lib._ACTIVE.get()
-    return 1 if active is None else active[0].shape.get(AXIS, 1)
-
-
 def _token_axes(rules, mesh, name: str) -> tuple[str, ...]:
     return tuple(a for a in rules.get(name, ()) if mesh.shape[a] > 1)
 
@@ -39,7 +33,7 @@ def can_dispatch(batch: int, tokens: int) -> bool:
     """Whether the active mesh splits a [batch, tokens] input over `expert` evenly, as `dispatch` needs, outside a
     pipeline's stage vmap (not yet tested there: the layer then gathers, as with `moe_dispatch="gather"`)."""
     active = mesh_lib._ACTIVE.get()
-    if active is None or ways() == 1 or mesh_lib._HELD.get():
+    if active is None or active[0].shape.get(AXIS, 1) == 1 or mesh_lib._HELD.get():
         return False
     mesh, rules = active
     batch_axes, seq_axes = _token_axes(rules, mesh, "batch"), _token_axes(rules, mesh, "seq")
@@ -51,8 +45,8 @@ def dispatch(local_fn, n_experts: int):
     """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> [B, T, d] in x's dtype: sum_j gates[..., j]
     * expert_{experts[..., j]}(x). `weights` is a pytree whose leaves all lead with the expert dim (sharded over
     `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
-    sorted by local expert, group sizes [E / ways]) -> [M, d]; rows past the groups' sum are padding (a ragged_dot
-    gives them zeros). Needs `can_dispatch`."""
+    sorted by local expert, group sizes [experts per shard]) -> [M, d]; rows past the groups' sum are padding (a
+    ragged_dot gives them zeros). Needs `can_dispatch`."""
     def run(weights, x, experts, gates):
         mesh, rules = mesh_lib._ACTIVE.get()
         batch_axes, seq_axes = _token_axes(rules, mesh, "batch"), _token_axes(rules, mesh, "seq")
@@ -96,7 +90,7 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
 
     flat = experts.reshape(m)
     order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype), unique_indices=True)
+    inverse = _inverse(order)
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
     send = sizes.reshape(shards, per_shard).sum(axis=1)  # rows for each destination, contiguous in `rows`
@@ -126,8 +120,7 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
     seg = jnp.maximum(jnp.searchsorted(seg_start, at, side="right") - 1, 0)
     local = jnp.where(at < seg_start[seg] + seg_size[seg], seg % per_shard, per_shard)  # per_shard: padding
     order2 = jnp.argsort(local, stable=True)
-    inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(shards * cap, dtype=order2.dtype),
-                                                     unique_indices=True)
+    inverse2 = _inverse(order2)
     out = local_fn(w, jnp.take(received, order2, axis=0), counts.sum(axis=0))
     out = jnp.take(out, inverse2, axis=0)  # back in the received layout
 
@@ -139,3 +132,8 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
         destination = jnp.sum(slot[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
         mine = back[destination, slot - start[destination]]  # [m, d] in sorted order
     return jnp.take(mine, inverse, axis=0).reshape(n, k, -1)
+
+
+def _inverse(order):
+    """The inverse of the permutation `order`, as a scatter rather than another sort."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
