@@ -171,7 +171,8 @@ MESHES = {"mistral": {"sequence": 2, "fsdp": 2, "tensor": 2}, "mixtral": {"exper
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# Llama's options are the defaults every test in tests/parallel trains; Qwen3's q/k norms are Qwen3-MoE's and Gemma 3's.
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"llama", "qwen3"}))
 def test_family_trains_on_8_devices_like_one(name, tiny_config, tmp_path):
     """The family's options (read from its tiny HF config) on the tiny model: fsdp x tensor, the MoE families on
     the expert axis, Mistral's window under sequence parallelism."""
