@@ -104,6 +104,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     if cfg.model.sliding_window and cfg.model.global_every and cfg.pipeline.stages > 1:
         raise ConfigError("model.global_every", f"sliding and global layers mixed (every {cfg.model.global_every}) "
                           f"do not run in a pipeline yet; set pipeline.stages=1")
+    if cfg.model.first_dense_layers and cfg.pipeline.stages > 1:
+        raise ConfigError("model.first_dense_layers", f"{cfg.model.first_dense_layers} dense layers before the "
+                          f"mixture-of-experts ones do not run in a pipeline yet; set pipeline.stages=1")
     if cfg.model.init_adapters and (not cfg.model.init_from or not cfg.model.lora_rank):
         raise ConfigError("model.init_adapters", "PEFT adapters start a LoRA run over their base model: set "
                           "model.init_from to the base's directory and model.lora_rank to the adapters' r")

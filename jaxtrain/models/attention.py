@@ -76,7 +76,7 @@ def _f32(spec: str, a, b):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def _probs(logits, mask, scale: float, softcap: float = 0.0):
+def masked_softmax(logits, mask, scale: float, softcap: float = 0.0):
     """Softmax of the scaled (and capped) f32 logits over the keys, masked logits set to -0.7 * float32 max."""
     scaled = logits * jnp.float32(scale)
     if softcap:
@@ -87,7 +87,7 @@ def _probs(logits, mask, scale: float, softcap: float = 0.0):
 def attend(q, k, v, mask, scale: float, softcap: float = 0.0):
     """Softmax attention over all of k, v (as many heads as q), the math of `jax.nn.dot_product_attention`'s XLA
     path: logits and softmax in f32 (`_probs`)."""
-    probs = _probs(_f32("btnd,bsnd->bnts", q, k), mask, scale, softcap)
+    probs = masked_softmax(_f32("btnd,bsnd->bnts", q, k), mask, scale, softcap)
     return _f32("bnts,bsnd->btnd", probs.astype(v.dtype), v).astype(q.dtype)
 
 
@@ -111,7 +111,7 @@ def _blocked_fwd(q, k, v, mask, block, scale):
     qh, kh, vh = _heads_major(q), _heads_major(k), _heads_major(v)
     outs, probs = [], []
     for s, e in _spans(q.shape[1], block):
-        p = _probs(_f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e]), mask[:, :, s:e, :e], scale)
+        p = masked_softmax(_f32("bntd,bnsd->bnts", qh[:, :, s:e], kh[:, :, :e]), mask[:, :, s:e, :e], scale)
         outs.append(_f32("bnts,bnsd->bntd", p.astype(v.dtype), vh[:, :, :e]))
         probs.append(p)
     out = _heads_major(jnp.concatenate(outs, axis=2).astype(q.dtype))

@@ -123,6 +123,19 @@ class ModelConfig:
     qk_norm: bool = False
     attn_scale: float = 0.0
     attn_softcap: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2/V3, jaxtrain.models.mla) when kv_lora_rank > 0: keys and values
+    # from a kv_lora_rank-wide latent per token, queries through a q_lora_rank one (0 = a full projection). Each
+    # head's query and key are qk_nope_head_dim wide plus head_dim rotated by RoPE (transformers' head_dim is that
+    # part, qk_rope_head_dim), its value v_head_dim; n_kv_heads is unused. rope_interleave: the rotated pairs are
+    # interleaved in the weights (DeepSeek's checkpoints). rope_mscale, rope_mscale_all_dim: YaRN's mscale and
+    # mscale_all_dim (0 = unset), which set its cos/sin factor and, for latent attention, the logits' scale.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     # Sliding-window attention: a query sees the newest `sliding_window` positions up to itself (0 = all). With
     # `global_every` = n, layers n-1, 2n-1, ... see everything (Gemma 3: 6; 0 = every layer slides, as Mistral),
     # and the sliding layers' RoPE base is `rope_local_theta` (0 = rope_theta), unscaled.
@@ -161,6 +174,14 @@ class ModelConfig:
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0
+    # DeepSeek-V3's mixture: the first `first_dense_layers` layers have a dense MLP of width `dense_d_ff` instead;
+    # every other layer adds `n_shared_experts` shared experts (one MLP of width n_shared_experts * d_ff that every
+    # token passes through) to its routed ones; `moe_score_bias`: the router's per-expert correction bias
+    # (e_score_correction_bias), added to the sigmoid scores to choose experts but not to the gates.
+    first_dense_layers: int = 0
+    dense_d_ff: int = 0
+    n_shared_experts: int = 0
+    moe_score_bias: bool = False
     # Dropless's grouped matmul: "xla" (jax.lax.ragged_dot; on GPUs XLA runs it as one dense matmul over every
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
@@ -300,6 +321,19 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if m.lora_dropout and "experts" in lora_target_names(m.lora_targets, m.n_experts):
             raise ConfigError("model.lora_dropout", "the experts' adapters take no dropout (nor do PEFT's); set it "
                               "to 0 or leave 'experts' out of model.lora_targets")
+    if g.positive_int("kv_lora_rank", allow_zero=True):
+        _check_latent_attention(g, m)
+    if g.positive_int("first_dense_layers", allow_zero=True):
+        if m.first_dense_layers >= m.n_layers:
+            raise ConfigError("model.first_dense_layers", f"{m.first_dense_layers} leaves none of the "
+                              f"model.n_layers={m.n_layers} layers a mixture of experts")
+        g.positive_int("dense_d_ff")
+    for f in ("first_dense_layers", "n_shared_experts"):
+        if g.positive_int(f, allow_zero=True) and not m.n_experts:
+            raise ConfigError(f"model.{f}", f"{m[f]} belongs to a mixture of experts; model.n_experts is 0")
+    if m.moe_score_bias and m.moe_score != "sigmoid":
+        raise ConfigError("model.moe_score_bias", "the correction bias is added to sigmoid scores (DeepSeek-V3): "
+                          "set model.moe_score=sigmoid")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("moe_kernel", MOE_KERNELS, what="grouped-matmul kernel")
     g.choice("moe_dispatch", MOE_DISPATCHES, what="expert dispatch")
@@ -355,6 +389,25 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     elif mesh_shape["expert"] > 1:
         raise ConfigError("mesh.expert", f"size {mesh_shape['expert']} needs a mixture of experts "
                           f"(model.n_experts > 0)")
+
+
+def _check_latent_attention(g: Group, m) -> None:
+    """The fields of multi-head latent attention (model.kv_lora_rank > 0) and the options it does not combine with."""
+    g.positive_int("q_lora_rank", allow_zero=True)
+    g.positive_int("qk_nope_head_dim")
+    g.positive_int("v_head_dim")
+    g.number("rope_mscale", lo=0)
+    g.number("rope_mscale_all_dim", lo=0)
+    for field, why in (("sliding_window", "no sliding window"), ("qkv_bias", "no q/k/v biases"),
+                       ("qk_norm", "no per-head q/k norms (its latents have norms of their own)"),
+                       ("attn_softcap", "no logit soft-capping")):
+        if m[field]:
+            raise ConfigError(f"model.{field}", f"{m[field]!r}: latent attention (model.kv_lora_rank) has {why}")
+    if m.attention_impl != "xla":
+        raise ConfigError("model.attention_impl", f"{m.attention_impl}: latent attention runs XLA's kernel only")
+    if m.lora_rank and (attn := sorted(lora_target_names(m.lora_targets, m.n_experts) & {"q", "k", "v", "o"})):
+        raise ConfigError("model.lora_targets", f"{','.join(attn)}: LoRA on latent attention's projections is not "
+                          f"supported yet; adapt 'experts' only")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

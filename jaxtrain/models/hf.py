@@ -48,7 +48,10 @@ FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
           "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
           "rope_attention_factor", "qkv_bias", "qk_norm", "attn_scale", "attn_softcap", "sliding_window",
           "global_every", "rope_local_theta", "mlp_activation", "norm_offset", "post_norms", "embed_scale",
-          "final_softcap", "n_experts", "moe_top_k", "moe_renormalize")
+          "final_softcap", "n_experts", "moe_top_k", "moe_renormalize", "moe_score", "moe_groups", "moe_topk_groups",
+          "moe_routed_scale", "moe_score_bias", "n_shared_experts", "first_dense_layers", "dense_d_ff",
+          "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave", "rope_mscale",
+          "rope_mscale_all_dim")
 _DEFAULTS = ModelConfig(dtype="float32", param_dtype="float32")
 
 
@@ -86,13 +89,20 @@ def family_of(model_cfg: ModelConfig):
     return family
 
 
+def layers_of(stack: str, model_cfg: ModelConfig) -> range:
+    """The model's layers a stack of blocks holds: "dense_blocks" the first `first_dense_layers`, "blocks" the
+    rest (all of them, without a dense stack)."""
+    return range(model_cfg.first_dense_layers) if stack == "dense_blocks" else range(
+        model_cfg.first_dense_layers, model_cfg.n_layers)
+
+
 def _hf_names(path: tuple[str, ...], model_cfg: ModelConfig, table: dict) -> tuple[list[str], object, int]:
     """HF tensor names of one jaxtrain param (one per layer, and per expert, of a stacked param), its layout and
     how many leading axes the names enumerate."""
     if path not in table:
         raise HFError(f"{'.'.join(path)}: the {model_cfg.family} family has no Hugging Face name for this parameter")
     name, layout = table[path]
-    layers = range(model_cfg.n_layers) if "{i}" in name else [None]
+    layers = layers_of(path[0], model_cfg) if "{i}" in name else [None]
     experts = range(model_cfg.n_experts) if "{e}" in name else [None]
     names = [name.format(i=i, e=e) for i in layers for e in experts]
     return names, layout, ("{i}" in name) + ("{e}" in name)
@@ -525,6 +535,9 @@ def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
     tensors = _read_tensors(hf_dir)
     # Older exports saved RoPE's frequency buffer; it is recomputed from rope_theta on both sides.
     tensors = {k: v for k, v in tensors.items() if not k.endswith(".rotary_emb.inv_freq")}
+    # What the family's checkpoints hold beyond the model (DeepSeek's multi-token prediction layers).
+    if skipped := getattr(families.get(fields["family"]), "skipped", None):
+        tensors = {k: v for k, v in tensors.items() if not skipped(k, fields)}
     if fields["tie_embeddings"] and "lm_head.weight" in tensors:
         # Some exporters write the tied head anyway; harmless only if it really is the embedding.
         head = tensors.pop("lm_head.weight")

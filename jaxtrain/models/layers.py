@@ -170,14 +170,15 @@ def param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = No
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis (`dim`, default d_model). With `cfg.norm_offset` the scale is 1 + w, w from 0
-    (Gemma's form, whose checkpoints store w)."""
+    """RMSNorm over the last axis (`dim`, default d_model; `eps`, default cfg.norm_eps). With `cfg.norm_offset` the
+    scale is 1 + w, w from 0 (Gemma's form, whose checkpoints store w)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dim: int | None = None, names=("norm",)):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dim: int | None = None, names=("norm",),
+                 eps: float | None = None):
         dim = cfg.d_model if dim is None else dim
         self.scale = nnx.Param(jnp.full((dim,), 0.0 if cfg.norm_offset else 1.0, jnp.dtype(cfg.param_dtype)),
                                out_sharding=names, eager_sharding=False)
-        self.eps, self.offset = cfg.norm_eps, float(cfg.norm_offset)
+        self.eps, self.offset = cfg.norm_eps if eps is None else eps, float(cfg.norm_offset)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -220,9 +221,16 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray,
         ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - lo) / ((hi - lo) or 0.001), 0, 1)
         keep = 1 - ramp  # 1: the high frequencies, extrapolated as they are; 0: interpolated (divided by factor)
         scaled = freqs / np.float32(factor) * (1 - keep) + freqs * keep
-        attention = cfg.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        attention = cfg.rope_attention_factor or yarn_mscale(factor)
+        if not cfg.rope_attention_factor and cfg.rope_mscale and cfg.rope_mscale_all_dim:  # DeepSeek's form
+            attention = yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(factor, cfg.rope_mscale_all_dim)
         return scaled.astype(np.float32), float(attention)
     return freqs, 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the positions are not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rotary(positions, rope_freqs: tuple[np.ndarray, float]):

@@ -50,14 +50,15 @@ def _top_k(probs: jax.Array, k: int):
 
 
 def choose(logits: jax.Array, top_k: int, renormalize: bool = True, score: str = "softmax", groups: int = 1,
-           topk_groups: int = 1, scale: float = 1.0):
+           topk_groups: int = 1, scale: float = 1.0, bias: jax.Array | None = None):
     """Router logits [..., E] -> (probs [..., E] f32, experts [..., k] int32 best first, gates [..., k] f32).
 
     "softmax" (Mixtral, Qwen3-MoE): probs the softmax; gates the top-k probabilities, renormalised to sum to 1 if
     `renormalize` (norm_topk_prob). "sigmoid" (DeepSeek-V3): each expert's score its sigmoid; with `groups` > 1 the
     experts form that many groups, each scored by its two best, and only the best `topk_groups` groups' experts
     compete; gates are the chosen scores (renormalised: over their sum + 1e-20); probs, for the balance statistics,
-    the scores normalised to sum to 1. Either way the gates are then multiplied by `scale`
+    the scores normalised to sum to 1; `bias` [E] (e_score_correction_bias) is added to the scores that choose
+    groups and experts, not to the gates. Either way the gates are then multiplied by `scale`
     (routed_scaling_factor)."""
     logits = logits.astype(jnp.float32)
     if score == "softmax":
@@ -66,13 +67,14 @@ def choose(logits: jax.Array, top_k: int, renormalize: bool = True, score: str =
         gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True) if renormalize else top_probs
         return probs, top_idx, gates * scale
     scores = jax.nn.sigmoid(logits)
-    candidates = scores
+    # The bias only steers the choice (an argmax): it gets no gradient, and is balanced outside it.
+    candidates = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
     if groups > 1:
         n_experts = scores.shape[-1]
-        grouped = scores.reshape(*scores.shape[:-1], groups, n_experts // groups)
+        grouped = candidates.reshape(*scores.shape[:-1], groups, n_experts // groups)
         group_score = jnp.sum(_top_k(grouped, min(2, n_experts // groups))[0], axis=-1)  # [..., groups]
         kept = jnp.any(jax.nn.one_hot(_top_k(group_score, topk_groups)[1], groups, dtype=jnp.bool_), axis=-2)
-        candidates = jnp.where(jnp.repeat(kept, n_experts // groups, axis=-1), scores, -jnp.inf)
+        candidates = jnp.where(jnp.repeat(kept, n_experts // groups, axis=-1), candidates, -jnp.inf)
     _, top_idx = _top_k(candidates, top_k)
     gates = jnp.take_along_axis(scores, top_idx, axis=-1)
     if renormalize:
@@ -297,6 +299,8 @@ class MoE(nnx.Module):
         self.cfg = cfg
         d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
         self.w_router = param(rngs, (d, e), ("embed", None), cfg)
+        if cfg.moe_score_bias:  # DeepSeek-V3's e_score_correction_bias: float32, as transformers keeps it
+            self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
         self.w_gate = param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_up = param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg)
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg,
@@ -304,6 +308,11 @@ class MoE(nnx.Module):
         # LoRA: one A for gate and up (B's outputs [2, f]), as PEFT adapts Hugging Face's fused gate_up_proj.
         lora.add(self, "w_gate_up", "experts", (e, d, 2, f), ("experts", "embed", None, "mlp"), 1, cfg, rngs, lead=1)
         lora.add(self, "w_down", "experts", (e, f, d), ("experts", "mlp", "embed"), 1, cfg, rngs, lead=1)
+
+    def routing(self) -> dict:
+        """`choose`'s options: the config's, and the correction bias where the router has one."""
+        bias = {"bias": self.score_bias[...]} if hasattr(self, "score_bias") else {}
+        return {**routing_options(self.cfg), **bias}
 
     def gate_up_weights(self, dt):
         """w_gate and w_up [E, d, f] joined as [E, d, T, 2f/T], T the ways "mlp" is split (1 if that does not divide
@@ -339,7 +348,7 @@ class MoE(nnx.Module):
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         dispatch, combine, stats = route(logits, cfg.moe_top_k,
                                          capacity(cfg.moe_capacity_factor, group, cfg.moe_top_k, cfg.n_experts),
-                                         **routing_options(cfg))
+                                         **self.routing())
         dispatch = constrain(dispatch.astype(dt), (*seq, None, None))
         combine = constrain(combine.astype(dt), (*seq, None, None))
 
@@ -369,7 +378,7 @@ class MoE(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
         logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
-        experts, gates, stats = dropless_route(logits, cfg.moe_top_k, **routing_options(cfg))  # stats per row
+        experts, gates, stats = dropless_route(logits, cfg.moe_top_k, **self.routing())  # stats per row
         weights = (self.gate_up_weights(dt), weight(self.w_down, dt),
                    (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
 

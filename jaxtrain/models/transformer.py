@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import lora, moe
+from jaxtrain.models import lora, mla, moe
 from jaxtrain.models.attention import attention_mask, causal_attention
 from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
@@ -100,12 +100,13 @@ class Attention(nnx.Module):
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.grad_dtype), contract=2, keys=keys)
 
-    def decode(self, x, tables, mask, cache_k, cache_v, slots, ring_from=None):
-        """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache_k/v: one layer's [B, L, kv, hd]; the
-        new K/V go to `slots` [T]. Returns (output [B, T, d], cache_k, cache_v). `ring_from`: the cache is a
-        sliding window's ring, maybe shorter than T, so the queries attend to what it held before this call
-        followed by the new keys (mask [.., T, L + T]); then the len(slots) new K/V from `ring_from` on are kept."""
+    def decode(self, x, tables, mask, cache: dict, slots, ring_from=None):
+        """x: [B, T, d] rotated by `tables` (`rotary` at its positions); cache: one layer's {"k", "v"} [B, L, kv, hd];
+        the new K/V go to `slots` [T]. Returns (output [B, T, d], cache). `ring_from`: the cache is a sliding
+        window's ring, maybe shorter than T, so the queries attend to what it held before this call followed by the
+        new keys (mask [.., T, L + T]); then the len(slots) new K/V from `ring_from` on are kept."""
         dt = x.dtype
+        cache_k, cache_v = cache["k"], cache["v"]
         q, k, v = self.qkv(x)
         q, k = rope(q, tables), rope(k, tables)
         if ring_from is not None:
@@ -118,12 +119,14 @@ class Attention(nnx.Module):
         mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], keys.shape[1]))
         out = self.attend(q, keys, values, mask, decoding=True)
         out = adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant), contract=2)
-        return out, cache_k, cache_v
+        return out, {"k": cache_k, "v": cache_v}
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
-        d, f = cfg.d_model, cfg.d_ff
+    """The gated MLP, `width` wide (default d_ff)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32", width: int | None = None):
+        d, f = cfg.d_model, cfg.d_ff if width is None else width
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -151,18 +154,29 @@ def adapted(module, name: str, x, y, contract: int = 1, keys=None):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
+    """Attention (latent attention with model.kv_lora_rank), then the MLP: a mixture of experts where the model has
+    one, plus its shared experts, or a dense MLP (`dense`: DeepSeek-V3's first layers, dense_d_ff wide)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32", dense: bool = False):
         self.attn_norm = RMSNorm(cfg, rngs)
-        self.attn = Attention(cfg, rngs, grad_dtype)
+        self.attn = (mla.LatentAttention if cfg.kv_lora_rank else Attention)(cfg, rngs, grad_dtype)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = moe.MoE(cfg, rngs) if cfg.n_experts else MLP(cfg, rngs, grad_dtype)
+        if cfg.n_experts and not dense:
+            self.mlp = moe.MoE(cfg, rngs)
+            if cfg.n_shared_experts:
+                self.shared_mlp = MLP(cfg, rngs, grad_dtype, width=cfg.n_shared_experts * cfg.d_ff)
+        else:
+            self.mlp = MLP(cfg, rngs, grad_dtype, width=cfg.dense_d_ff if dense else None)
         if cfg.post_norms:  # Gemma: each sublayer's output is normed before the residual add
             self.attn_post_norm = RMSNorm(cfg, rngs)
             self.mlp_post_norm = RMSNorm(cfg, rngs)
 
     def feed_forward(self, x, keys=None):
         """(output, stats): stats are the MoE's routing counts per batch row (moe.route), or nothing."""
-        out, stats = self.mlp(self.mlp_norm(x)) if self.mlp_is_moe else (self.mlp(self.mlp_norm(x), keys), {})
+        h = self.mlp_norm(x)
+        out, stats = self.mlp(h) if self.mlp_is_moe else (self.mlp(h, keys), {})
+        if hasattr(self, "shared_mlp"):
+            out = out + self.shared_mlp(h, keys)
         return (self.mlp_post_norm(out) if self.post_norms else out), stats
 
     @property
@@ -181,10 +195,11 @@ class Block(nnx.Module):
         out, stats = self.feed_forward(x, keys)
         return constrain(x + out, ("batch", "seq", "act_embed")), stats
 
-    def decode(self, x, tables, mask, cache_k, cache_v, slots, ring_from=None):
-        out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), tables, mask, cache_k, cache_v, slots, ring_from)
+    def decode(self, x, tables, mask, cache: dict, slots, ring_from=None):
+        """One layer's cache in and out: {"k", "v"}, or latent attention's {"latent", "rope_key"}."""
+        out, cache = self.attn.decode(self.attn_norm(x), tables, mask, cache, slots, ring_from)
         x = x + (self.attn_post_norm(out) if self.post_norms else out)
-        return x + self.feed_forward(x)[0], cache_k, cache_v
+        return x + self.feed_forward(x)[0], cache
 
 
 class Transformer(nnx.Module):
@@ -193,13 +208,9 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout = Layout()):
         self.cfg, self.layout = cfg, layout
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, rngs, layout.grad_reduce_dtype)
-
-        self.blocks = make_blocks(rngs)
+        if cfg.first_dense_layers:  # DeepSeek-V3: a stack of its own, run before `blocks`
+            self.dense_blocks = stacked_blocks(cfg, rngs, layout, cfg.first_dense_layers, dense=True)
+        self.blocks = stacked_blocks(cfg, rngs, layout, cfg.n_layers - cfg.first_dense_layers)
         self.final_norm = RMSNorm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
@@ -252,12 +263,11 @@ class Transformer(nnx.Module):
                 uniform = local is not None
                 mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
                 tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
-
-                def layer(carry, state):
-                    x, stats = nnx.merge(block_def, state)(carry[0], tables, mask, carry[1])
-                    return (x, lora.next_keys(carry[1])), stats
-
-                xs = block_state
+                layer, xs = stack_layer(block_def, tables, mask), block_state
+                if cfg.first_dense_layers:  # their own stack first (no windows, no pipeline: config validation)
+                    dense_def, dense_state = nnx.split(self.dense_blocks)
+                    (x, dropout_keys), _ = jax.lax.scan(remat(stack_layer(dense_def, tables, mask)),
+                                                        (x, dropout_keys), dense_state, unroll=cfg.scan_unroll)
             else:  # sliding and global layers: each layer picks its mask and RoPE tables
                 masks = attention_mask(segment_ids, cfg.sliding_window), attention_mask(segment_ids)
                 tables = (rotary_lookup(positions, rope_frequencies(cfg, local=True)),
@@ -317,7 +327,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         batch, t = tokens.shape
-        cache_len = cache["k"].shape[2]
+        cache_len = cache["latent" if "latent" in cache else "k"].shape[2]
         positions = start + jnp.arange(t, dtype=jnp.int32)
         slots = positions % cache_len
         # The position each slot holds once this call has written: the newest p <= end with p % L == slot.
@@ -333,6 +343,7 @@ class Transformer(nnx.Module):
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
         # each read from where it is stored, and the cache holds them in the model's order.
         stored_at = np.argsort(layer_order(cfg, self.layout)).astype(np.int32)
+        dense = cfg.first_dense_layers  # their own stack, before `blocks`: the first `dense` layers of the cache
         block = lambda at: nnx.merge(block_def, jax.tree.map(
             lambda w: jax.lax.dynamic_index_in_dim(w, at, keepdims=False), block_state))
         local = local_layers(cfg)
@@ -346,14 +357,20 @@ class Transformer(nnx.Module):
         masks = mask, (mask & (query - key < cfg.sliding_window)) if local is not None else mask
 
         def layer(x, layer_in):
-            at, slide, cache_k, cache_v = layer_in
+            at, slide, layer_cache = layer_in
             pick = lambda a, b: jnp.where(slide, b, a)
-            x, cache_k, cache_v = block(at).decode(x, jax.tree.map(pick, *tables), pick(*masks)[None, None], cache_k,
-                                                   cache_v, slots)
-            return x, (cache_k, cache_v)
+            return block(at).decode(x, jax.tree.map(pick, *tables), pick(*masks)[None, None], layer_cache, slots)
 
-        x, (new_k, new_v) = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides), cache["k"], cache["v"]))
-        return self._logits(x, last_index), {"k": new_k, "v": new_v}
+        if dense:  # no sliding windows with them (config validation)
+            dense_def, dense_state = nnx.split(self.dense_blocks)
+            first_cache = jax.tree.map(lambda c: c[:dense], cache)
+            x, first = jax.lax.scan(lambda x, xs: nnx.merge(dense_def, xs[0]).decode(
+                x, tables[0], mask[None, None], xs[1], slots), x, (dense_state, first_cache))
+            cache = jax.tree.map(lambda c: c[dense:], cache)
+        x, cache = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides[dense:]), cache))
+        if dense:
+            cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, cache)
+        return self._logits(x, last_index), cache
 
     def _layers_with_rings(self, x, cache, block, stored_at, tables, mask, slots, positions, last_index):
         """`decode`'s layers when the sliding-window layers keep only their window: a global layer reads and
@@ -382,9 +399,9 @@ class Transformer(nnx.Module):
                 def branch(x, caches):
                     names = f"k{kind}", f"v{kind}"
                     k, v = (jax.lax.dynamic_index_in_dim(caches[n], i, keepdims=False) for n in names)
-                    x, k, v = block(at).decode(x, table, mask[None, None], k, v, slots, ring_from)
-                    return x, {**caches, **{n: jax.lax.dynamic_update_index_in_dim(caches[n], new, i, 0)
-                                            for n, new in zip(names, (k, v))}}
+                    x, new = block(at).decode(x, table, mask[None, None], {"k": k, "v": v}, slots, ring_from)
+                    return x, {**caches, **{n: jax.lax.dynamic_update_index_in_dim(caches[n], new[n[0]], i, 0)
+                                            for n in names}}
                 return branch
 
             return jax.lax.cond(slide, run("_local", tables[1], ring_mask, ring_slots, ring_from),
@@ -396,6 +413,26 @@ class Transformer(nnx.Module):
     def _logits(self, x, last_index):
         x = self.final_norm(x[:, x.shape[1] - 1 if last_index is None else last_index])
         return self.cap(project(x, self.head().astype(jnp.dtype(self.cfg.dtype))))
+
+
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout, count: int, dense: bool = False):
+    """`count` Blocks stacked on a leading "layers" axis (one scan runs them)."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+        return Block(cfg, rngs, layout.grad_reduce_dtype, dense)
+
+    return make_blocks(rngs)
+
+
+def stack_layer(block_def, tables, mask):
+    """The scan body over stacked blocks of `block_def` whose layers share RoPE tables and mask: carry (x, LoRA
+    dropout keys, folded per layer: lora.next_keys), xs one layer's state, out its MoE routing stats."""
+    def layer(carry, state):
+        x, stats = nnx.merge(block_def, state)(carry[0], tables, mask, carry[1])
+        return (x, lora.next_keys(carry[1])), stats
+
+    return layer
 
 
 def local_layers(cfg: ModelConfig) -> np.ndarray | None:
@@ -415,16 +452,20 @@ def layer_means(stats) -> dict:
 
 
 def layer_order(cfg: ModelConfig, layout: Layout = Layout()) -> tuple[int, ...]:
-    """The model's layer at each position of the stacked blocks in a training state for `cfg` run as `layout`: its
-    own order, unless the pipeline is circular (jaxtrain.parallel.pipeline.layer_order)."""
-    return pipeline_parallel.layer_order(cfg.n_layers, layout.pipeline_stages, layout.pipeline_repeats)
+    """The model's layer at each position of the stacked `blocks` (counted after DeepSeek-V3's dense first layers,
+    a stack of their own) in a training state for `cfg` run as `layout`: its own order, unless the pipeline is
+    circular (jaxtrain.parallel.pipeline.layer_order)."""
+    return pipeline_parallel.layer_order(cfg.n_layers - cfg.first_dense_layers, layout.pipeline_stages,
+                                         layout.pipeline_repeats)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
     """Empty K/V cache for `Transformer.decode`: {"k", "v"}: [layers, batch, length, kv_heads, head_dim]. When
     the sliding window is shorter than `length`, those layers get their own ring instead, {"k_local",
     "v_local"}: [local layers, batch, sliding_window, ...], and "k", "v" hold the global layers (a 1-slot
-    placeholder when there are none)."""
+    placeholder when there are none). Latent attention caches its latents instead (jaxtrain.models.mla.init_cache)."""
+    if cfg.kv_lora_rank:
+        return mla.init_cache(cfg, cfg.n_layers, batch, length)
     local = local_layers(cfg)
     tail = (cfg.n_kv_heads, cfg.head_dim)
     if local is None or cfg.sliding_window >= length:
@@ -451,23 +492,38 @@ def from_params(cfg: ModelConfig, params: dict, layout: Layout = Layout()):
 
 def matmul_params(cfg: ModelConfig, stored: bool = False) -> int:
     """Parameters that take part in a matmul per token (the input embedding is a gather, not counted;
-    the output projection is, tied or not; of a mixture of experts, the top-k experts only). `stored`: every
-    expert instead, i.e. the matmul weights the state holds."""
-    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    mlp = 3 * cfg.d_model * cfg.d_ff
+    the output projection is, tied or not; of a mixture of experts, the top-k experts only, and its shared ones).
+    `stored`: every expert instead, i.e. the matmul weights the state holds."""
+    d, (qk, v) = cfg.d_model, head_widths(cfg)
+    if cfg.kv_lora_rank:  # latent attention: the low-rank projections
+        q = cfg.q_lora_rank * (d + cfg.n_heads * qk) if cfg.q_lora_rank else d * cfg.n_heads * qk
+        attn = q + d * (cfg.kv_lora_rank + cfg.head_dim) + cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + v)
+        attn += cfg.n_heads * v * d
+    else:
+        attn = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * d * cfg.d_ff
     if cfg.n_experts:  # the router, and the experts a token is routed to (MoE FLOPs count active params)
-        mlp = cfg.d_model * cfg.n_experts + (cfg.n_experts if stored else cfg.moe_top_k) * mlp
-    return cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
+        mlp = d * cfg.n_experts + (cfg.n_experts if stored else cfg.moe_top_k) * mlp + cfg.n_shared_experts * mlp
+    dense = cfg.first_dense_layers
+    return (cfg.n_layers - dense) * (attn + mlp) + dense * (attn + 3 * d * cfg.dense_d_ff) + d * cfg.vocab_size
+
+
+def head_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(a head's query/key width, its value width): head_dim both, or latent attention's nope + rope and v."""
+    if cfg.kv_lora_rank:
+        return cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim
+    return cfg.head_dim, cfg.head_dim
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token, counted as MaxText does for a dense decoder:
     6 * N_matmul (forward 2, backward 4) plus causal attention 6 * L * S * H * d_head
-    (QK^T and AV are 2 * 2 * S * H * d_head per token forward, halved for causality, times 3 for fwd+bwd).
+    (QK^T and AV are 2 * 2 * S * H * d_head per token forward, halved for causality, times 3 for fwd+bwd; with
+    latent attention's wider keys than values, 3 * L * S * H * (d_qk + d_v)).
     A sliding-window layer (window w < S) counts the keys its queries see: about w - w^2 / 2S on average, not
     S / 2. Remat recomputation is not counted: MFU measures useful work."""
     spans = np.full(cfg.n_layers, float(seq_len))  # twice the average keys per query
     local, w = local_layers(cfg), cfg.sliding_window
     if local is not None and w < seq_len:
         spans[local] = 2.0 * w - w * w / seq_len
-    return 6.0 * matmul_params(cfg) + 6.0 * float(spans.sum()) * cfg.n_heads * cfg.head_dim
+    return 6.0 * matmul_params(cfg) + 3.0 * float(spans.sum()) * cfg.n_heads * sum(head_widths(cfg))

@@ -45,6 +45,14 @@ FAMILIES = {
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
         decoder_sparse_step=1, mlp_only_layers=[])),
+    # Latent attention with both low-rank projections and interleaved YaRN (DeepSeek's mscales), one dense layer,
+    # then 8 experts in 4 groups (2 chosen), a shared expert and the scaled gates.
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
+        v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=5000.0, factor=4.0, original_max_position_embeddings=32,
+                             mscale=0.8, mscale_all_dim=0.9))),
 }
 
 
@@ -62,6 +70,9 @@ def make_hf_dir(path, name, seed=0):
             # dropped tensor would go unseen: random ones check that each is mapped where it belongs.
             if key.endswith("bias") or "norm" in key:
                 p.add_(0.5 * torch.randn_like(p))
+        for key, b in model.named_buffers():  # DeepSeek's router bias, a buffer
+            if key.endswith("e_score_correction_bias"):
+                b.add_(0.5 * torch.randn_like(b))
         if model.config.tie_word_embeddings:  # else a token's own embedding dominates the tied head's logits, and
             model.get_input_embeddings().weight.mul_(0.1)  # greedy decoding only repeats the last prompt token
     model.save_pretrained(path)
@@ -167,7 +178,7 @@ def test_unsupported_family_settings_are_named(tmp_path, field, value, named):
 SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "tie_embeddings",
                "norm_eps")
 MESHES = {"mistral": {"sequence": 2, "fsdp": 2, "tensor": 2}, "mixtral": {"expert": 2, "fsdp": 2, "tensor": 2},
-          "qwen3_moe": {"expert": 2, "fsdp": 2, "tensor": 2}}
+          "qwen3_moe": {"expert": 2, "fsdp": 2, "tensor": 2}, "deepseek_v3": {"expert": 2, "fsdp": 2, "tensor": 2}}
 
 
 @pytest.mark.slow

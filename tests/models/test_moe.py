@@ -512,13 +512,25 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, pres
     assert sorted_sizes == {x.shape[0] * x.shape[1] * cfg.moe_top_k * axes["expert"] // 8}, sorted_sizes
 
 
+# A tiny DeepSeek-V3: latent attention, a dense first layer, 8 experts in 4 groups (2 chosen) with the correction
+# bias and scaled gates, and a shared expert.
+DEEPSEEK_V3 = {"model.kv_lora_rank": 16, "model.q_lora_rank": 24, "model.qk_nope_head_dim": 12,
+               "model.v_head_dim": 10, "model.head_dim": 8, "model.rope_interleave": True,
+               "model.first_dense_layers": 1, "model.dense_d_ff": 48, "model.n_shared_experts": 1,
+               "model.n_experts": 8, "model.moe_score": "sigmoid", "model.moe_score_bias": True,
+               "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5,
+               "model.moe_renormalize": True}
+
+
 @pytest.mark.slow  # about 25 s each on 2 cores
-@pytest.mark.parametrize("mesh,dispatch", [({"fsdp": 2, "expert": 4}, "gather"),
-                                           ({"data": 2, "expert": 4}, "all_to_all")],
-                         ids=["fsdp2_expert4_gather", "data2_expert4_all_to_all"])
-def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh, dispatch):
-    """The whole model (the tiny config, 4 experts of top 2, dropless) on 8 devices with an expert axis, its tokens
-    reaching the experts by either dispatch: the loss, the routing scalars and every gradient as on one device."""
+@pytest.mark.parametrize("mesh,dispatch,model", [({"fsdp": 2, "expert": 4}, "gather", {}),
+                                                 ({"data": 2, "expert": 4}, "all_to_all", {}),
+                                                 ({"expert": 8}, "all_to_all", DEEPSEEK_V3)],
+                         ids=["fsdp2_expert4_gather", "data2_expert4_all_to_all", "expert8_all_to_all_deepseek_v3"])
+def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mesh, dispatch, model):
+    """The whole model (the tiny config, 4 experts of top 2, dropless; or a tiny DeepSeek-V3) on 8 devices with an
+    expert axis, its tokens reaching the experts by either dispatch: the loss, the routing scalars and every
+    gradient as on one device."""
     from parallel_worker import leaf_errors, synthetic_batches
 
     from jaxtrain import config as config_lib, objectives, trainer as trainer_lib
@@ -526,7 +538,7 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
     cfg = tiny_config(**{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()},
                       **{"mesh.rules": "fsdp" if "fsdp" in mesh else "dp", "model.n_experts": 4, "model.moe_top_k": 2,
                          "model.moe_routing": "dropless", "model.moe_renormalize": False,
-                         "model.moe_dispatch": dispatch})
+                         "model.moe_dispatch": dispatch, **model})
     facts = config_lib.validate(cfg, 8)
     one = cfg.copy_and_resolve_references()
     one.mesh.update({a: 1 for a in mesh})
@@ -659,12 +671,25 @@ def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, mon
      "3 exceeds the 1 x 2 experts"),
     ({"moe_routed_scale": 0.0}, "moe_routed_scale", ""),
     ({"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2, "moe_routed_scale": 2.5}, None, None),
+    # DeepSeek-V3's fields (MLA, moe_score_bias, the dense first layers, shared experts).
+    ({"moe_score_bias": True}, "moe_score_bias", "added to sigmoid scores"),
+    ({"first_dense_layers": 4, "dense_d_ff": 64}, "first_dense_layers", "leaves none of the model.n_layers=4"),
+    ({"first_dense_layers": 1}, "dense_d_ff", "must be a positive integer, got 0"),
+    ({"n_experts": 0, "n_shared_experts": 1}, "n_shared_experts", "model.n_experts is 0"),
+    ({"kv_lora_rank": 16}, "qk_nope_head_dim", "must be a positive integer, got 0"),
+    ({"kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "sliding_window": 4}, "sliding_window",
+     "latent attention (model.kv_lora_rank) has no sliding window"),
+    ({"kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "lora_rank": 4}, "lora_targets",
+     "k,o,q,v: LoRA on latent attention's projections is not supported yet"),
+    ({"kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "lora_rank": 4, "lora_targets": "experts",
+      "first_dense_layers": 1, "dense_d_ff": 64, "n_shared_experts": 1, "moe_score": "sigmoid",
+      "moe_score_bias": True}, None, None),
 ])
 def test_router_settings_are_checked_at_config_time(setting, field, reason):
     from jaxtrain import config as config_lib
 
     cfg = config_lib.base_config()
-    cfg.model.update(n_experts=8, **setting)
+    cfg.model.update(**{"n_experts": 8, **setting})
     if field is None:
         config_lib.validate(cfg, 1)
     else:

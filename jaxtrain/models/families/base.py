@@ -109,7 +109,7 @@ ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn":
 ROPE_KEYS = {"none": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                      "truncate"}}
+                      "truncate", "mscale", "mscale_all_dim"}}
 
 
 def rope_fields(c: HFConfig, source: tuple[str, dict]) -> dict:
@@ -133,7 +133,9 @@ def rope_fields(c: HFConfig, source: tuple[str, dict]) -> dict:
         if rope.get("truncate", True) is not True:
             c.refuse(f"{field}.truncate", "false is not supported")
         out.update(rope_beta_fast=sub.number("beta_fast", 32.0), rope_beta_slow=sub.number("beta_slow", 1.0),
-                   rope_attention_factor=sub.number("attention_factor", 0.0, positive=False))
+                   rope_attention_factor=sub.number("attention_factor", 0.0, positive=False),
+                   rope_mscale=sub.number("mscale", 0.0, positive=False),
+                   rope_mscale_all_dim=sub.number("mscale_all_dim", 0.0, positive=False))
     return out
 
 
@@ -150,6 +152,9 @@ def rope_hf(cfg: ModelConfig) -> dict:
         out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
         if cfg.rope_attention_factor:
             out["attention_factor"] = cfg.rope_attention_factor
+        for key, value in (("mscale", cfg.rope_mscale), ("mscale_all_dim", cfg.rope_mscale_all_dim)):
+            if value:
+                out[key] = value
     return out
 
 
