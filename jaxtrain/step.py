@@ -106,7 +106,8 @@ def sum_with_feedback(grads, residual, dtype):
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
                     offload: bool = False, lora: bool = False, loss: objectives.Loss | None = None,
-                    reference: bool = False, dropout_seed: int | None = None) -> Callable:
+                    reference: bool = False, dropout_seed: int | None = None,
+                    rebalance: Callable | None = None) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -118,6 +119,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     they are, bit for bit. `loss`: what is minimised (default: the language model's cross-entropy); `reference`:
     its objective keeps the state's "reference" (objectives.Objective.reference), whose log-probs join each batch.
     `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step.
+    `rebalance(params, expert_load, finite) -> params`: a change to the params outside the gradient, from the
+    step's per-layer expert loads (the MoE routers' bias balancing: models.transformer.router_balancer).
     A state with a RESIDUAL item (optim.grad_reduce_error_feedback) has the sum over the data-parallel replicas
     carry each replica's rounding error over to the next step in it."""
     loss_fn = loss or objectives.LANGUAGE_MODEL.loss(None)
@@ -185,6 +188,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             trained, opt_state, residual = unless_non_finite(finite, update, (trained, opt_state, residual),
                                                              mesh_lib.compile_platform())
             params = whole(trained)
+            # Per-layer, per-expert assignments: for the balancing hook, not a scalar to report.
+            expert_load = aux.pop("moe/expert_load", None)
+            if rebalance is not None and expert_load is not None:
+                params = rebalance(params, expert_load, finite)
             if offload:
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}

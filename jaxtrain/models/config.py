@@ -59,6 +59,7 @@ MOE_ROUTINGS = ("capacity", "dropless")
 MOE_KERNELS = ("xla", "tokamax")
 MOE_DISPATCHES = ("gather", "all_to_all")
 MOE_SCORES = ("softmax", "sigmoid")
+MOE_AUX_LOSSES = ("batch", "sequence")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
@@ -182,6 +183,13 @@ class ModelConfig:
     dense_d_ff: int = 0
     n_shared_experts: int = 0
     moe_score_bias: bool = False
+    # Auxiliary-loss-free balancing (DeepSeek-V3: 0.001): after each step every layer's correction bias moves by
+    # this much toward its under-loaded experts (+rate below the layer's mean load, -rate above), outside the
+    # gradient; 0 = the bias stays as it is. Needs moe_score_bias.
+    moe_bias_rate: float = 0.0
+    # The load-balancing loss (moe_aux_weight) over the whole batch, or each sequence's (a batch row's) averaged
+    # over the rows: DeepSeek-V3's complementary sequence-wise loss.
+    moe_aux_loss: str = "batch"
     # Dropless's grouped matmul: "xla" (jax.lax.ragged_dot; on GPUs XLA runs it as one dense matmul over every
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
@@ -334,6 +342,10 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     if m.moe_score_bias and m.moe_score != "sigmoid":
         raise ConfigError("model.moe_score_bias", "the correction bias is added to sigmoid scores (DeepSeek-V3): "
                           "set model.moe_score=sigmoid")
+    if g.number("moe_bias_rate", lo=0) and not m.moe_score_bias:
+        raise ConfigError("model.moe_bias_rate", f"{m.moe_bias_rate} balances the router's correction bias, which "
+                          f"this model has not: set model.moe_score_bias=True")
+    g.choice("moe_aux_loss", MOE_AUX_LOSSES, what="balance loss")
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("moe_kernel", MOE_KERNELS, what="grouped-matmul kernel")
     g.choice("moe_dispatch", MOE_DISPATCHES, what="expert dispatch")

@@ -270,16 +270,22 @@ def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
             "dropped": jnp.zeros(leading), "tokens": jnp.zeros(leading)}
 
 
-def summarize(stats: dict) -> dict:
+def summarize(stats: dict, per_sequence: bool = False) -> dict:
     """Routing statistics (`route`'s, any leading dims, all of which are summed) -> the f32 scalars
     {"load_balance_loss", "dropped_fraction", "max_load"} of all those tokens together; max_load is the busiest
-    expert's share of the assignments over an even share (1 when balanced, E when every token picks one)."""
+    expert's share of the assignments over an even share (1 when balanced, E when every token picks one).
+    `per_sequence`: the balance loss is each leading index's (a batch row's) own, averaged over them (DeepSeek-V3's
+    sequence-wise loss); stats then have one leading dim."""
     routed, prob = (jnp.sum(stats[k], axis=tuple(range(stats[k].ndim - 1))) for k in ("routed", "prob"))
     assignments = jnp.sum(routed)
     fraction_routed = routed / assignments  # f_e
-    mean_prob = prob / jnp.sum(stats["tokens"])  # P_e
-    return {"load_balance_loss": routed.shape[-1] * jnp.sum(fraction_routed * mean_prob),
-            "dropped_fraction": jnp.sum(stats["dropped"]) / assignments,
+    if per_sequence:
+        f = stats["routed"] / jnp.maximum(jnp.sum(stats["routed"], axis=-1, keepdims=True), 1)
+        p = stats["prob"] / jnp.maximum(stats["tokens"], 1)[..., None]
+        balance = routed.shape[-1] * jnp.mean(jnp.sum(f * p, axis=-1))
+    else:
+        balance = routed.shape[-1] * jnp.sum(fraction_routed * prob / jnp.sum(stats["tokens"]))  # E sum f_e P_e
+    return {"load_balance_loss": balance, "dropped_fraction": jnp.sum(stats["dropped"]) / assignments,
             "max_load": routed.shape[-1] * jnp.max(fraction_routed)}
 
 

@@ -17,6 +17,8 @@ layers keep a ring of their own window only.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -312,7 +314,7 @@ class Transformer(nnx.Module):
             x = constrain(carry["x"], ("batch", "seq", "act_embed"))
             stats = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), carry["moe"])
 
-        return self.final_norm(x), layer_means(stats)
+        return self.final_norm(x), layer_means(stats, cfg.moe_aux_loss == "sequence")
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty K/V cache for `decode` (the module-level `init_cache` for this model's config)."""
@@ -443,12 +445,36 @@ def local_layers(cfg: ModelConfig) -> np.ndarray | None:
     return (index + 1) % cfg.global_every != 0 if cfg.global_every else np.ones(cfg.n_layers, bool)
 
 
-def layer_means(stats) -> dict:
-    """MoE routing stats [layers, rows, ...] -> each layer's load-balancing loss and dropped fraction over all the
-    rows, averaged over the layers; {} for a dense model."""
+def layer_means(stats, per_sequence: bool = False) -> dict:
+    """MoE routing stats [layers, rows, ...] -> each layer's load-balancing loss (each row's, averaged, if
+    `per_sequence`) and dropped fraction over all the rows, averaged over the layers, and "expert_load" [layers,
+    experts]: the assignments each expert took; {} for a dense model."""
     if not stats:
         return {}
-    return jax.tree.map(jnp.mean, jax.vmap(moe.summarize)(stats))
+    means = jax.tree.map(jnp.mean, jax.vmap(functools.partial(moe.summarize, per_sequence=per_sequence))(stats))
+    return {**means, "expert_load": jnp.sum(stats["routed"], axis=1)}
+
+
+def router_balancer(cfg: ModelConfig, layout: Layout = Layout()):
+    """DeepSeek-V3's auxiliary-loss-free balancing as the train step's hook (model.moe_bias_rate), or None:
+    f(params, expert_load [layers, experts] in the model's order (`layer_means`), apply) -> the params with each
+    layer's router correction bias moved by the rate toward its under-loaded experts where `apply` (a finite step):
+    +rate where an expert took fewer assignments than the layer's mean, -rate where more."""
+    if not (cfg.moe_score_bias and cfg.moe_bias_rate):
+        return None
+    stored = np.asarray(layer_order(cfg, layout))  # the stacked blocks may be in a pipeline's order
+
+    def balance(params, expert_load, apply):
+        load = expert_load[stored]
+        move = jnp.where(apply, cfg.moe_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load), 0.0)
+
+        def moved(path, leaf):
+            names = tuple(str(getattr(k, "key", k)) for k in path)
+            return leaf + move.astype(leaf.dtype) if names == ("blocks", "mlp", "score_bias") else leaf
+
+        return jax.tree_util.tree_map_with_path(moved, params)
+
+    return balance
 
 
 def layer_order(cfg: ModelConfig, layout: Layout = Layout()) -> tuple[int, ...]:

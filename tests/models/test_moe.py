@@ -738,3 +738,54 @@ def test_tokamax_on_gpus_refuses_a_release_older_than_jax_s_mosaic_gpu_api(monke
     with pytest.raises(config_lib.ConfigError, match=r"^model.moe_kernel: tokamax 0.0.12 predates jax 0.11.2's "
                        r"Mosaic GPU API; install tokamax>=0.0.13 \(or use 'xla'\)$"):
         model_config.check_backend(cfg.model, "gpu")
+
+
+def test_aux_loss_free_balancing_moves_each_router_bias_by_the_rate_and_evens_the_load(tiny_config):
+    """model.moe_bias_rate (DeepSeek-V3's balancing without an auxiliary loss): a step moves each layer's correction
+    bias by +rate for the experts that took fewer assignments than the layer's mean and -rate for those that took
+    more (numpy, from a forward pass's loads on the step's params). With the learning rate near 0 and every
+    router's bias skewed to expert 0, steps of it alone even the load out."""
+    from parallel_worker import synthetic_batches
+
+    from jaxtrain import config as config_lib, trainer as trainer_lib
+
+    rate = 0.1
+    cfg = tiny_config(**{"model.n_experts": 8, "model.moe_top_k": 2, "model.moe_routing": "dropless",
+                         "model.moe_score": "sigmoid", "model.moe_score_bias": True, "model.moe_bias_rate": rate,
+                         "model.moe_aux_weight": 0.0, "optim.lr": 1e-9})
+    trainer = trainer_on(cfg, {}, config_lib.validate(cfg, 8).rules, devices=jax.devices()[:1])
+    state = trainer.init()
+    skew = np.zeros((2, 8), np.float32)
+    skew[:, 0] = 1.0  # sigmoid scores are in (0, 1): expert 0 wins every choice
+    mlp = state["params"]["blocks"]["mlp"]
+    mlp["score_bias"] = jax.device_put(skew, jax.devices()[0])
+    mlp["w_router"] = mlp["w_router"] * 30  # scores spread over (0, 1), not all near 0.5: a bias step moves a few
+    batches = [trainer_lib.global_batch(b, trainer.batch_sharding) for b in synthetic_batches(12, 8, 32, 512)]
+
+    model = nnx.merge(trainer.graphdef, state["params"])
+    load = np.asarray(model.hidden(batches[0]["tokens"], batches[0]["positions"], batches[0]["segment_ids"])[1][
+        "expert_load"])  # [layers, experts]
+    assert (load[:, 0] == 8 * 32).all()  # every token chose expert 0
+    want = skew + rate * np.sign(load.mean(axis=-1, keepdims=True) - load)
+    state, first = trainer.train_step(state, batches[0])
+    np.testing.assert_array_equal(np.asarray(state["params"]["blocks"]["mlp"]["score_bias"]), want)
+    for batch in batches[1:]:
+        state, last = trainer.train_step(state, batch)
+    assert float(first["moe/max_load"]) == pytest.approx(4.0)  # expert 0's half of the assignments x 8
+    assert float(last["moe/max_load"]) < 1.6, float(last["moe/max_load"])  # 1.48 (2.90 after the first step)
+    assert "moe/expert_load" not in last  # for the hook, not a reported scalar
+
+
+def test_the_sequence_wise_balance_loss_is_each_row_s_averaged():
+    """model.moe_aux_loss=sequence: E * sum_e f_e * P_e of each batch row (its routed fractions and mean router
+    probabilities), averaged over the rows (numpy); "batch" takes the f and P of all rows together."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 10, 8)), jnp.float32)  # 3 rows of 10 tokens, 8 experts
+    _, _, stats = moe.dropless_route(logits, 2, score="sigmoid")
+    routed, prob = np.asarray(stats["routed"]), np.asarray(stats["prob"])
+    per_row = 8 * np.sum(routed / routed.sum(-1, keepdims=True) * prob / 10, axis=-1)
+    got = moe.summarize(stats, per_sequence=True)["load_balance_loss"]
+    np.testing.assert_allclose(float(got), per_row.mean(), rtol=1e-6)
+    whole = 8 * np.sum(routed.sum(0) / routed.sum() * prob.sum(0) / 30)
+    np.testing.assert_allclose(float(moe.summarize(stats)["load_balance_loss"]), whole, rtol=1e-6)
+    assert abs(per_row.mean() - whole) > 1e-3  # the two differ here
