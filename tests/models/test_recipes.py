@@ -11,15 +11,24 @@ from jaxtrain.models import families
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.py"))
 # Published totals (Hugging Face model cards), in billions.
 PARAMS = {"llama3_1b": 1.24, "llama3_8b": 8.03, "qwen3_0_6b": 0.60, "qwen3_8b": 8.19, "mistral_7b": 7.25,
-          "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7, "qwen3_moe_30b_a3b": 30.5}
+          "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7, "qwen3_moe_30b_a3b": 30.5,
+          "deepseek_v3_671b": 671, "moonlight_16b_a3b": 16.0}
 
 
 def n_params(m) -> float:
-    attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 2 * m.head_dim * m.qk_norm
-    mlp = 3 * m.d_model * m.d_ff * max(m.n_experts, 1) + m.d_model * m.n_experts
-    norms = m.d_model * (4 if m.post_norms else 2)
-    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-    return (m.n_layers * (attn + mlp + norms) + embed + m.d_model) / 1e9
+    d, h = m.d_model, m.n_heads
+    if m.kv_lora_rank:  # latent attention: low-rank projections and their norms
+        qk = m.qk_nope_head_dim + m.head_dim
+        q = m.q_lora_rank * (d + 1 + h * qk) if m.q_lora_rank else d * h * qk
+        attn = (q + d * (m.kv_lora_rank + m.head_dim) + m.kv_lora_rank * (1 + h * (m.qk_nope_head_dim + m.v_head_dim))
+                + h * m.v_head_dim * d)
+    else:
+        attn = d * m.head_dim * (2 * h + 2 * m.n_kv_heads) + 2 * m.head_dim * m.qk_norm
+    mlp = 3 * d * m.d_ff * (max(m.n_experts, 1) + m.n_shared_experts) + (d + m.moe_score_bias) * m.n_experts
+    norms = d * (4 if m.post_norms else 2)
+    embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
+    dense = m.first_dense_layers * (attn + 3 * d * m.dense_d_ff + norms)
+    return ((m.n_layers - m.first_dense_layers) * (attn + mlp + norms) + dense + embed + d) / 1e9
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
