@@ -198,6 +198,11 @@ class ModelConfig:
     # expert shard and all-reduces the partial outputs) or "all_to_all" (each routed row sent once to its expert's
     # device and back: jaxtrain.parallel.experts). The same function; only the communication differs.
     moe_dispatch: str = "gather"
+    # all_to_all's receive buffer from each source: 0 = the worst case (nothing dropped; on GPU/TPU memory and
+    # grouped-matmul rows for every routed row landing on one device), f > 0 = ceil(f * rows / expert shards), a
+    # balanced share times f; the rows past it are dropped (their output 0, the residual carries them) and counted
+    # in moe/dropped_fraction.
+    moe_dispatch_capacity: float = 0.0
     # The layers' weight matmuls in "fp8" or "int8" (jaxtrain.models.quant), or "none": a compute choice, the
     # weights stay in param_dtype.
     quant: str = "none"
@@ -349,6 +354,9 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     g.choice("moe_routing", MOE_ROUTINGS, what="routing")
     g.choice("moe_kernel", MOE_KERNELS, what="grouped-matmul kernel")
     g.choice("moe_dispatch", MOE_DISPATCHES, what="expert dispatch")
+    if g.number("moe_dispatch_capacity", lo=0) and m.moe_dispatch != "all_to_all":
+        raise ConfigError("model.moe_dispatch_capacity", f"{m.moe_dispatch_capacity} bounds all_to_all's receive "
+                          f"buffer; model.moe_dispatch is {m.moe_dispatch!r}")
     if m.moe_dispatch != "gather" and not (m.n_experts and m.moe_routing == "dropless"):
         raise ConfigError("model.moe_dispatch", f"{m.moe_dispatch} dispatches dropless routing; this model has "
                           f"{'capacity routing' if m.n_experts else 'no experts'} (use 'gather')")

@@ -399,8 +399,9 @@ class MoE(nnx.Module):
             # Each routed row sent once to its expert's device and back (parallel/experts.py).
             local = lambda w, rows, sizes: expert_mlp(rows, sizes, w[0], w[1], activation(cfg.mlp_activation), w[2],
                                                       cfg.moe_kernel)
-            y = expert_parallel.dispatch(local, cfg.n_experts)(weights, x, experts, gates)
-            return constrain(y, ("batch", "seq", "act_embed")), stats
+            y, dropped = expert_parallel.dispatch(local, cfg.n_experts, cfg.moe_dispatch_capacity)(
+                weights, x, experts, gates)
+            return constrain(y, ("batch", "seq", "act_embed")), {**stats, "dropped": jnp.sum(dropped, axis=1)}
         # Each batch and sequence shard sorts and runs only its own tokens; XLA would otherwise gather every
         # token onto every device and repeat the whole call's work on each data/fsdp replica. Along `expert` the
         # tokens are still gathered: each device multiplies them by its own experts (there XLA's ragged_dot, a

@@ -6,9 +6,10 @@ every expert shard and the partial outputs all-reduced). `dispatch(local_fn, n_e
 over the mesh axes that split the tokens, `expert` among them: each device sorts its rows' assignments by
 expert, sends each to the expert's device, runs its own experts over what it received (`local_fn`, a grouped
 matmul over rows sorted by local expert), and sends the results back. On GPU and TPU `ragged_all_to_all` moves
-only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the worst case (as
-many rows as a device can send one device), a static-shape `all_to_all`. Gradients are the same exchanges
-transposed. tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one
+only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the most a source may
+send it, a static-shape `all_to_all`. That bound is the worst case (every row a device can send one device), or,
+with `capacity` f > 0, ceil(f * rows / shards): a balanced share times f, the rows past it dropped (their output
+0, the residual carries them) and counted. Gradients are the same exchanges transposed. tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one
 emulated on CPU).
 """
 
@@ -41,9 +42,10 @@ def can_dispatch(batch: int, tokens: int) -> bool:
             and tokens % math.prod(mesh.shape[a] for a in seq_axes) == 0)
 
 
-def dispatch(local_fn, n_experts: int):
-    """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> [B, T, d] in x's dtype: sum_j gates[..., j]
-    * expert_{experts[..., j]}(x). `weights` is a pytree whose leaves all lead with the expert dim (sharded over
+def dispatch(local_fn, n_experts: int, capacity: float = 0.0):
+    """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> (y [B, T, d] in x's dtype: sum_j
+    gates[..., j] * expert_{experts[..., j]}(x) over the kept assignments, dropped [B, T]: each token's assignments
+    past the receive bound `capacity` sets, f32; 0 with capacity 0). `weights` is a pytree whose leaves all lead with the expert dim (sharded over
     `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
     sorted by local expert, group sizes [experts per shard]) -> [M, d]; rows past the groups' sum are padding (a
     ragged_dot gives them zeros). Needs `can_dispatch`."""
@@ -60,11 +62,13 @@ def dispatch(local_fn, n_experts: int):
             w = jax.tree.map(lambda a, dtype: a.astype(dtype), w, dtypes)
             with mesh_lib.activation_sharding(mesh, mesh_lib._without(rules, tuple(manual))):
                 b, t, d = x.shape
-                y = _exchange(local_fn, w, x.reshape(b * t, d), experts.reshape(b * t, -1), n_experts)
-                return jnp.einsum("nk,nkd->nd", gates.reshape(b * t, -1).astype(x.dtype), y).reshape(b, t, d)
+                y, dropped = _exchange(local_fn, w, x.reshape(b * t, d), experts.reshape(b * t, -1), n_experts,
+                                       capacity)
+                y = jnp.einsum("nk,nkd->nd", gates.reshape(b * t, -1).astype(x.dtype), y).reshape(b, t, d)
+                return y, jnp.sum(dropped, axis=-1, dtype=jnp.float32).reshape(b, t)
 
         return jax.shard_map(inner, mesh=mesh, in_specs=(jax.tree.map(lambda _: P(AXIS), weights), spec, spec, spec),
-                             out_specs=spec, axis_names=manual, check_vma=False)(weights, x, experts, gates)
+                             out_specs=(spec, spec), axis_names=manual, check_vma=False)(weights, x, experts, gates)
 
     return run
 
@@ -77,8 +81,9 @@ def _ragged() -> bool:
 _ragged_all_to_all = jax.lax.ragged_all_to_all  # a module attribute: tests run the ragged path on CPU emulated
 
 
-def _exchange(local_fn, w, x, experts, n_experts: int):
-    """One device's part: x [n, d], experts [n, k] -> each assignment's expert output [n, k, d]."""
+def _exchange(local_fn, w, x, experts, n_experts: int, capacity: float = 0.0):
+    """One device's part: x [n, d], experts [n, k] -> (each assignment's expert output [n, k, d], 0 where dropped;
+    which assignments were dropped [n, k] bool)."""
     n, k = experts.shape
     shards = jax.lax.axis_size(AXIS)
     per_shard = n_experts // shards
@@ -86,18 +91,24 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
     # A token's k choices are distinct experts, so at most min(k, per_shard) of its rows go to one device: the
     # most any device sends another (the worst case a buffer must hold: every source's rows to one device).
     cap = n * min(k, per_shard)
+    if capacity:  # a balanced share of the rows, times the factor
+        cap = min(cap, max(1, math.ceil(capacity * m / shards)))
     d = x.shape[-1]
 
     flat = experts.reshape(m)
     order = jnp.argsort(flat, stable=True)  # sorted position -> assignment (token * k + j)
     inverse = _inverse(order)
     rows = jnp.take(x, order // k, axis=0)
-    sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
-    send = sizes.reshape(shards, per_shard).sum(axis=1)  # rows for each destination, contiguous in `rows`
-    start = jnp.cumsum(send) - send
-    counts = jax.lax.all_to_all(sizes.reshape(shards, per_shard), AXIS, 0, 0, tiled=True)  # [source, local expert]
+    sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1).reshape(shards, per_shard)
+    wanted = sizes.sum(axis=1)  # rows for each destination, contiguous in `rows`
+    start = jnp.cumsum(wanted) - wanted
+    send = jnp.minimum(wanted, cap)  # the first `cap` of them go (in expert order); the rest are dropped
+    sizes = jnp.clip(send[:, None] - (jnp.cumsum(sizes, axis=1) - sizes), 0, sizes)  # what goes, per local expert
+    counts = jax.lax.all_to_all(sizes, AXIS, 0, 0, tiled=True)  # [source, local expert]
     recv = counts.sum(axis=1)
     slot = jnp.arange(m)
+    destination = jnp.sum(slot[:, None] >= jnp.cumsum(wanted)[None, :], axis=-1)  # of each sorted row
+    dropped = slot - start[destination] >= send[destination]
 
     if _ragged():  # received compactly, sources in order; only real rows cross the network
         sent = jax.lax.all_gather(send, AXIS)  # [source, destination]
@@ -129,9 +140,9 @@ def _exchange(local_fn, w, x, experts, n_experts: int):
         mine = _ragged_all_to_all(out, jnp.zeros((m, d), out.dtype), base, recv, theirs, send, axis_name=AXIS)
     else:
         back = jax.lax.all_to_all(out.reshape(shards, cap, d), AXIS, 0, 0, tiled=True)
-        destination = jnp.sum(slot[:, None] >= jnp.cumsum(send)[None, :], axis=-1)  # of each sorted row
-        mine = back[destination, slot - start[destination]]  # [m, d] in sorted order
-    return jnp.take(mine, inverse, axis=0).reshape(n, k, -1)
+        mine = back[destination, jnp.minimum(slot - start[destination], cap - 1)]  # [m, d] in sorted order
+        mine = jnp.where(dropped[:, None], 0, mine)
+    return jnp.take(mine, inverse, axis=0).reshape(n, k, -1), jnp.take(dropped, inverse).reshape(n, k)
 
 
 def _inverse(order):

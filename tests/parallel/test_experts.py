@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from models.test_moe import build, layer_on_mesh_equals_one_device
@@ -60,3 +61,34 @@ def test_all_to_all_layer_equals_one_device(axes, preset, form, routing, monkeyp
     sizes = [int(n) for line in others for dims in re.findall(r"\w\d+\[([\d,]*)\]", line.split("(")[0]) for n in
              dims.split(",") if n]
     assert others and max(sizes) <= 12, others
+
+
+@pytest.mark.parametrize("form", ["padded", "ragged"])
+def test_a_bounded_receive_buffer_drops_the_rows_past_it_and_counts_them(form, monkeypatch):
+    """model.moe_dispatch_capacity=1: each source sends a device at most a balanced share of its rows (a quarter of
+    its 2 x 8 assignments on expert 4 x fsdp 2). With the router's logits all 0 every token picks experts 0 and 1,
+    both on the first expert shard: each device's first 4 tokens keep expert 0 (its rows sorted by expert come
+    first), everything else is dropped, 3/4 of the assignments, and counted. With expert 1's weights at 0 the kept
+    outputs are the one-device layer's."""
+    from models.test_moe import apply
+
+    from jaxtrain.parallel import mesh as mesh_lib
+
+    if form == "ragged":
+        monkeypatch.setattr(experts, "_ragged", lambda: True)
+        monkeypatch.setattr(experts, "_ragged_all_to_all", emulated_ragged_all_to_all)
+    cfg, graphdef, params = build(n_experts=8, moe_routing="dropless", moe_dispatch="all_to_all",
+                                  moe_dispatch_capacity=1.0)
+    params["w_router"][:] = 0
+    for name in ("w_gate", "w_up", "w_down"):
+        params[name][1] = 0
+    x = np.random.default_rng(12).normal(size=(8, 8, cfg.d_model)).astype(np.float32)
+    want_y, _ = jax.jit(apply, static_argnums=0)(graphdef, params, x)  # 0.5 * expert 0 (expert 1 gives 0)
+
+    mesh, rules = mesh_lib.make_mesh({"fsdp": 2, "expert": 4}), mesh_lib.resolve_rules("fsdp")
+    with mesh_lib.activation_sharding(mesh, rules):
+        y, aux = jax.jit(apply, static_argnums=0)(graphdef, params, jax.device_put(
+            x, mesh_lib.batch_sharding(mesh, rules)))
+    kept = (np.arange(8) < 4)[None, :, None]  # each device holds one row of 8 tokens
+    np.testing.assert_allclose(np.asarray(y), np.where(kept, np.asarray(want_y), 0), rtol=1e-6, atol=1e-6)
+    assert float(aux["dropped_fraction"]) == 0.75
