@@ -120,7 +120,8 @@ class LogHook(Hook):
                   "skipped_steps": len(fetched) - sum(bool(m["finite"]) for m in fetched)}
         record.update({k: float(np.mean([m[k] for m in finite])) for k in finite[0] if "/" in k})
         self.writer.write_scalars(step, record)
-        extra = (f" | moe drop {100 * record['moe/dropped_fraction']:.1f}% load max {record['moe/max_load']:.2f}"
+        extra = (f" | moe drop {100 * record['moe/dropped_fraction']:.1f}% load min {record['moe/min_load']:.2f} "
+                 f"max {record['moe/max_load']:.2f}"
                  if "moe/max_load" in record else "")
         if shown := [fmt.format(scale * record[k]) for k, (scale, fmt) in self.progress.items() if k in record]:
             extra += " | " + " ".join(shown)

@@ -272,8 +272,9 @@ def zero_stats(leading: tuple[int, ...], n_experts: int) -> dict:
 
 def summarize(stats: dict, per_sequence: bool = False) -> dict:
     """Routing statistics (`route`'s, any leading dims, all of which are summed) -> the f32 scalars
-    {"load_balance_loss", "dropped_fraction", "max_load"} of all those tokens together; max_load is the busiest
-    expert's share of the assignments over an even share (1 when balanced, E when every token picks one).
+    {"load_balance_loss", "dropped_fraction", "max_load", "min_load"} of all those tokens together; max_load is
+    the busiest expert's share of the assignments over an even share (1 when balanced, E when every token picks
+    one), min_load the idlest's (1 when balanced, 0 when an expert gets nothing).
     `per_sequence`: the balance loss is each leading index's (a batch row's) own, averaged over them (DeepSeek-V3's
     sequence-wise loss); stats then have one leading dim."""
     routed, prob = (jnp.sum(stats[k], axis=tuple(range(stats[k].ndim - 1))) for k in ("routed", "prob"))
@@ -286,7 +287,8 @@ def summarize(stats: dict, per_sequence: bool = False) -> dict:
     else:
         balance = routed.shape[-1] * jnp.sum(fraction_routed * prob / jnp.sum(stats["tokens"]))  # E sum f_e P_e
     return {"load_balance_loss": balance, "dropped_fraction": jnp.sum(stats["dropped"]) / assignments,
-            "max_load": routed.shape[-1] * jnp.max(fraction_routed)}
+            "max_load": routed.shape[-1] * jnp.max(fraction_routed),
+            "min_load": routed.shape[-1] * jnp.min(fraction_routed)}
 
 
 def check_config(cfg: ModelConfig) -> None:

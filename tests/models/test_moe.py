@@ -202,17 +202,19 @@ def test_capacity_formula():
     assert moe.capacity(100.0, 8, 2, 4) == 8  # at most one slot per token
 
 
-def test_load_balance_loss_and_max_load_are_one_when_balanced_and_e_when_collapsed():
+def test_load_balance_loss_and_max_load_are_one_when_balanced_and_e_when_collapsed():  # min_load 1 and 0
     E = 4
     # Every token routes to its own expert with the same confidence: balanced, so the loss is exactly 1.
     balanced = jnp.eye(E)[None] * 3.0
     assert float(route(balanced, 1, 4)[2]["load_balance_loss"]) == pytest.approx(1.0, rel=1e-6)
     assert float(route(balanced, 1, 4)[2]["max_load"]) == pytest.approx(1.0, rel=1e-6)
+    assert float(route(balanced, 1, 4)[2]["min_load"]) == pytest.approx(1.0, rel=1e-6)
     # Every token sends everything to expert 0: f_0 = 1, P_0 ~ 1, loss ~ E; that expert has E even shares.
     collapsed = jnp.zeros((2, 5, E)).at[..., 0].set(30.0)
     aux = route(collapsed, 1, moe.capacity(1.0, 5, 1, E))[2]
     assert float(aux["load_balance_loss"]) == pytest.approx(E, rel=1e-5)
     assert float(aux["max_load"]) == pytest.approx(E, rel=1e-6)
+    assert float(aux["min_load"]) == 0
     assert float(aux["dropped_fraction"]) == pytest.approx(1 - 2 / 5)  # capacity 2 of the 5 tokens per group
 
 
