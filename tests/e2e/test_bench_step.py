@@ -126,23 +126,26 @@ def test_bench_ragged_dot_exits_1_when_the_kernel_jaxtrain_runs_differs_from_xla
     assert result["vs_xla"] == {"fwd": 0, "dx": 0, "dw": 0} and 0.15 < result["own_dw_vs_xla"] < 0.25
 
 
-def test_bench_revs_times_another_commit_and_this_checkout_in_turn(tmp_path):
-    """scripts/bench_revs.sh against HEAD, one round: one JSON line per tree, the same synthetic batch, and the
-    other commit's worktree removed afterwards; a revision git does not know exits 2 before anything runs."""
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, check=False).returncode:
-        pytest.skip(f"{REPO} has no commits yet")
+def test_bench_revs_times_other_commits_and_this_checkout_in_turn(tmp_path):
+    """scripts/bench_revs.sh against HEAD~1 and HEAD, one round: one JSON line per tree, the same synthetic batch,
+    a ratio to each baseline, and the other commits' worktrees removed afterwards; a revision git does not know
+    exits 2 before anything runs."""
+    if subprocess.run(["git", "rev-parse", "HEAD~1"], cwd=REPO, capture_output=True, check=False).returncode:
+        pytest.skip(f"{REPO} has fewer than two commits")
     env = dict(os.environ, JAX_PLATFORMS="cpu", ROUNDS="1", OUT=str(tmp_path / "revs.jsonl"), PY=sys.executable)
     env.pop("XLA_FLAGS", None)
     bad = subprocess.run(["bash", "scripts/bench_revs.sh", "no-such-rev"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "bench_revs: no commit 'no-such-rev'"
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
-    proc = subprocess.run(["bash", "scripts/bench_revs.sh", "HEAD", "--config", "configs/tiny.py", "--steps", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(["bash", "scripts/bench_revs.sh", "HEAD~1,HEAD", "--config", "configs/tiny.py",
+                           "--steps", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "revs.jsonl").read_text().splitlines()]
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    assert [r["tree"] for r in rows] == [head.stdout.strip(), "this checkout"]
+    base, head = (subprocess.run(["git", "rev-parse", "--short=7", rev], cwd=REPO, capture_output=True,
+                                 text=True).stdout.strip() for rev in ("HEAD~1", "HEAD"))
+    assert [r["tree"] for r in rows] == [base, head, "this checkout"]
     assert all(r["step_ms"] > 0 and r["config"] == "runs/tiny" for r in rows)
-    assert f"this checkout / {head.stdout.strip()}: " in proc.stdout.splitlines()[-1]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()[-2:]] == [f"this checkout / {base}",
+                                                                             f"this checkout / {head}"]
     assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
