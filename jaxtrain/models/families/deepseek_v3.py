@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (also Kimi K2 and Moonlight): multi-head latent attention (jaxtrain.models.mla), the first
+"""DeepSeek-V3 (and Moonlight, whose config.json says deepseek_v3): multi-head latent attention (jaxtrain.models.mla), the first
 `first_k_dense_replace` layers dense, the rest a sigmoid-scored mixture of routed experts with group-limited top-k,
 a correction bias on the choice, routed_scaling_factor, and shared experts beside them.
 
