@@ -1,6 +1,6 @@
-"""DeepSeek-V3 (and Moonlight, whose config.json says deepseek_v3): multi-head latent attention (jaxtrain.models.mla), the first
-`first_k_dense_replace` layers dense, the rest a sigmoid-scored mixture of routed experts with group-limited top-k,
-a correction bias on the choice, routed_scaling_factor, and shared experts beside them.
+"""DeepSeek-V3 (and Moonlight, whose config.json says deepseek_v3): multi-head latent attention
+(jaxtrain.models.mla), the first `first_k_dense_replace` layers dense, the rest a sigmoid-scored mixture of routed
+experts with group-limited top-k, a correction bias on the choice, routed_scaling_factor, and shared experts.
 
 The multi-token prediction modules DeepSeek's checkpoints hold after the last layer (`num_nextn_predict_layers`)
 are not read: transformers skips them too.
