@@ -177,6 +177,8 @@ def validate_distributed(cfg: ml_collections.ConfigDict) -> None:
 # adapters (a new alpha would change the function the saved adapters compute, and their export).
 RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
+                "model.kv_lora_rank", "model.q_lora_rank", "model.qk_nope_head_dim", "model.v_head_dim",
+                "model.first_dense_layers", "model.dense_d_ff", "model.n_shared_experts", "model.moe_score_bias",
                 "model.lora_rank", "model.lora_targets", "model.lora_alpha",
                 "optim.name", "optim.moments_dtype", "train.seed", "train.objective", "data.corpus", "data.vocab_size",
                 "data.heldout_docs")
