@@ -9,8 +9,8 @@ matmul over rows sorted by local expert), and sends the results back. On GPU and
 only the real rows; XLA:CPU has none, so there each destination gets a buffer padded to the most a source may
 send it, a static-shape `all_to_all`. That bound is the worst case (every row a device can send one device), or,
 with `capacity` f > 0, ceil(f * rows / shards): a balanced share times f, the rows past it dropped (their output
-0, the residual carries them) and counted. Gradients are the same exchanges transposed. tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one
-emulated on CPU).
+0, the residual carries them) and counted. Gradients are the same exchanges transposed.
+tests/parallel/test_experts.py checks both forms equal the one-device layer (the ragged one emulated on CPU).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def can_dispatch(batch: int, tokens: int) -> bool:
 def dispatch(local_fn, n_experts: int, capacity: float = 0.0):
     """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> (y [B, T, d] in x's dtype: sum_j
     gates[..., j] * expert_{experts[..., j]}(x) over the kept assignments, dropped [B, T]: each token's assignments
-    past the receive bound `capacity` sets, f32; 0 with capacity 0). `weights` is a pytree whose leaves all lead with the expert dim (sharded over
-    `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
+    past the receive bound `capacity` sets, f32; 0 with capacity 0). `weights` is a pytree whose leaves all lead
+    with the expert dim (sharded over `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
     sorted by local expert, group sizes [experts per shard]) -> [M, d]; rows past the groups' sum are padding (a
     ragged_dot gives them zeros). Needs `can_dispatch`."""
     def run(weights, x, experts, gates):
