@@ -2,6 +2,7 @@
 
     python scripts/bench_moe.py [--config configs/bench_cpu.py] [--experts 8] [--top_k 2] [--expert_d_ff 512]
                                 [--capacity_factor 1.25] [--steps 3] [--gathered] [--tokamax] [--all_to_all]
+                                [--dispatch_capacity 0]
 
 The config's MLPs become `--experts` experts of width `--expert_d_ff`, each token routed to its top `--top_k`
 (the defaults keep a token's active MLP width at bench_cpu's 1024). The model is built with `model.moe_routing`
@@ -12,7 +13,8 @@ so XLA gathers every token onto every device; run it on a mesh, e.g.
 XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.data=8 --config.train.batch_size=8.
 `--tokamax` adds "dropless_tokamax" (`model.moe_kernel=tokamax`; on CPU its XLA fallback, so there it measures
 only the wrapper's cost). `--all_to_all` adds "dropless_all_to_all" (`model.moe_dispatch=all_to_all`: each routed
-row sent to its expert's device and back; run it on a mesh with an expert axis). Ends with one JSON line, e.g.
+row sent to its expert's device and back; run it on a mesh with an expert axis), its receive buffer bounded by
+`--dispatch_capacity` (model.moe_dispatch_capacity; 0 = the worst case). Ends with one JSON line, e.g.
 {"capacity": {"tokens_per_sec": ..., ...}, "dropless": {...}, "dropless_over_capacity": ...}
 """
 
@@ -34,7 +36,8 @@ def moe_config(base, name: str):
     cfg.model.update(n_experts=_EXPERTS.value, moe_top_k=_TOP_K.value, d_ff=_EXPERT_D_FF.value,
                      moe_capacity_factor=_CAPACITY_FACTOR.value, moe_routing=name.split("_")[0],
                      moe_kernel="tokamax" if name == "dropless_tokamax" else "xla",
-                     moe_dispatch="all_to_all" if name == "dropless_all_to_all" else "gather")
+                     moe_dispatch="all_to_all" if name == "dropless_all_to_all" else "gather",
+                     moe_dispatch_capacity=_DISPATCH_CAPACITY.value if name == "dropless_all_to_all" else 0.0)
     return cfg
 
 
@@ -98,7 +101,8 @@ def main(argv):
               file=sys.stderr)
     print(json.dumps({**result, "dropless_over_capacity": ratio, "config": base.workdir, "experts": _EXPERTS.value,
                       "top_k": _TOP_K.value, "expert_d_ff": _EXPERT_D_FF.value,
-                      "capacity_factor": _CAPACITY_FACTOR.value, "devices": jax.device_count(),
+                      "capacity_factor": _CAPACITY_FACTOR.value, "dispatch_capacity": _DISPATCH_CAPACITY.value,
+                      "devices": jax.device_count(),
                       "device_kind": jax.devices()[0].device_kind, "dtype": dtype}))
 
 
@@ -113,4 +117,5 @@ if __name__ == "__main__":
     _GATHERED = flags.DEFINE_bool("gathered", False, "Also time dropless without the per-shard sort.")
     _TOKAMAX = flags.DEFINE_bool("tokamax", False, "Also time dropless with model.moe_kernel=tokamax.")
     _ALL_TO_ALL = flags.DEFINE_bool("all_to_all", False, "Also time dropless with model.moe_dispatch=all_to_all.")
+    _DISPATCH_CAPACITY = flags.DEFINE_float("dispatch_capacity", 0.0, "all_to_all's model.moe_dispatch_capacity.")
     app.run(main)
