@@ -268,7 +268,7 @@ def _adapter_tensors(model_cfg: ModelConfig):
         experts = bool(model_cfg.n_experts) and weight_path[1:] in families.base.EXPERT_ADAPTERS
         if experts:
             module = families.base.EXPERT_ADAPTERS[weight_path[1:]]
-            names, lead = [module.format(i=i) for i in range(model_cfg.n_layers)], 1
+            names, lead = [module.format(i=i) for i in layers_of(path[0], model_cfg)], 1
         else:
             names, _, lead = _hf_names(weight_path, model_cfg, table)
             names = [n.removesuffix(".weight") for n in names]

@@ -104,24 +104,31 @@ def test_bad_expert_targets_name_their_field(tiny_config, override, message):
         config_lib.validate(tiny_config(**{"model.lora_rank": 4, "model.lora_targets": "experts"}), 8)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
     """Export: PEFT's PeftModel loads `hf export --adapters` (target_parameters on the fused experts) onto the
     transformers base and gives our logits. Import: PEFT's own save_pretrained of random expert adapters gives
-    PEFT's logits in jaxtrain."""
+    PEFT's logits in jaxtrain. DeepSeek-V3 (its first layer dense, so the experts' layer is model.layers.1) adapts
+    its experts only."""
     config_cls, model_cls, extra = {
         "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(num_experts=4, num_experts_per_tok=2,
                                                                     moe_intermediate_size=24, norm_topk_prob=True,
                                                                     head_dim=4)),
+        "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+            num_key_value_heads=4, head_dim=4, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=8, n_shared_experts=1, first_k_dense_replace=1)),
     }[family]
+    modules = [] if family == "deepseek_v3" else ["q_proj"]  # no adapters on latent attention yet
     torch.manual_seed(0)
-    model_cls(config_cls(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                         initializer_range=0.3, **extra)).save_pretrained(tmp_path / "base")
+    model_cls(config_cls(**{"vocab_size": 64, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+                            "initializer_range": 0.3, **extra})).save_pretrained(tmp_path / "base")
     fields, base = hf.import_dir(tmp_path / "base")
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32", "loss_chunk_tokens": 0,
-                         "lora_rank": 2, "lora_alpha": 4.0, "lora_targets": "q,experts"})
+                         "lora_rank": 2, "lora_alpha": 4.0,
+                         "lora_targets": ",".join(["q"] * bool(modules) + ["experts"])})
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 9), 0, 64))
 
     def peft_logits(model):
@@ -137,13 +144,13 @@ def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
     adapters = _random_b(lora.split(init_params(cfg))[0])
     ours = hf.export_adapters(lora.join(adapters, base), cfg, tmp_path / "ours")
     config = json.loads((ours / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["q_proj"]
+    assert config["target_modules"] == modules
     assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
     theirs = peft_logits(peft.PeftModel.from_pretrained(hf_base(), ours))
     np.testing.assert_allclose(theirs, _logits(cfg, lora.join(adapters, base), tokens), rtol=1e-4, atol=1e-4)
 
     model = peft.get_peft_model(hf_base(), peft.LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        r=2, lora_alpha=4, target_modules=modules, target_parameters=["experts.gate_up_proj", "experts.down_proj"],
         init_lora_weights=False))  # B random: the check has teeth
     model.save_pretrained(tmp_path / "theirs")
     imported = hf.import_adapters(tmp_path / "theirs", cfg)
