@@ -192,7 +192,8 @@ def check_resumable(saved: dict, cfg: ml_collections.ConfigDict, workdir: str) -
         was, now = saved.get(group, {}).get(key, base_config()[group][key]), cfg[group][key]
         same = was == now
         if field == "model.lora_targets":  # the same adapters, however named ("all", or listed)
-            same = len({model_lib.lora_target_names(v, cfg.model.n_experts) for v in (was, now)}) == 1
+            same = len({model_lib.lora_target_names(v, cfg.model.n_experts, bool(cfg.model.kv_lora_rank))
+                        for v in (was, now)}) == 1
         if field == "model.lora_alpha" and not cfg.model.lora_rank:
             same = True  # no adapters: the alpha scales nothing
         if not same:

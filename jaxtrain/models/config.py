@@ -63,17 +63,19 @@ MOE_AUX_LOSSES = ("batch", "sequence")
 QUANT_MODES = ("none", "fp8", "int8")  # jaxtrain.models.quant
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")  # optim.grad_reduce_dtype
-# model.lora_targets' names (jaxtrain.models.lora): the attention projections, a dense MLP's, and a mixture of
-# experts' experts (their gate and up projections together, as Hugging Face stores them, and down).
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
+# model.lora_targets' names (jaxtrain.models.lora): the attention projections (latent attention's: q, its keys and
+# values together as kv, o), a dense MLP's, and a mixture of experts' experts (their gate and up projections
+# together, as Hugging Face stores them, and down).
+LORA_TARGETS = ("q", "k", "v", "o", "kv", "gate", "up", "down", "experts")
 DENSE_MLP_TARGETS = ("gate", "up", "down")
 
 
-def lora_target_names(lora_targets: str, n_experts: int) -> frozenset[str]:
-    """model.lora_targets as the set of LORA_TARGETS it names ("all": every one the model has)."""
+def lora_target_names(lora_targets: str, n_experts: int, latent: bool = False) -> frozenset[str]:
+    """model.lora_targets as the set of LORA_TARGETS it names ("all": every one the model has; `latent`: its
+    attention is latent, model.kv_lora_rank > 0)."""
     names = {t.strip() for t in str(lora_targets).split(",") if t.strip()}
     if names == {"all"}:
-        names = {"q", "k", "v", "o", *(("experts",) if n_experts else DENSE_MLP_TARGETS)}
+        names = {"q", *(("kv",) if latent else ("k", "v")), "o", *(("experts",) if n_experts else DENSE_MLP_TARGETS)}
     return frozenset(names)
 
 
@@ -328,10 +330,13 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if m.n_experts and (dense := [t for t in names if t in DENSE_MLP_TARGETS]):
             raise ConfigError("model.lora_targets", f"{','.join(dense)}: a mixture of experts has no dense MLP; "
                               "'experts' adapts its experts")
+        if "kv" in names and not m.kv_lora_rank:
+            raise ConfigError("model.lora_targets", "'kv' adapts latent attention's key-value projections; this "
+                              "model's attention is not latent (model.kv_lora_rank is 0): use 'k,v'")
         if not m.n_experts and "experts" in names:
             raise ConfigError("model.lora_targets", "'experts': the model has no mixture of experts "
                               "(model.n_experts is 0)")
-        if m.lora_dropout and "experts" in lora_target_names(m.lora_targets, m.n_experts):
+        if m.lora_dropout and "experts" in lora_target_names(m.lora_targets, m.n_experts, bool(m.kv_lora_rank)):
             raise ConfigError("model.lora_dropout", "the experts' adapters take no dropout (nor do PEFT's); set it "
                               "to 0 or leave 'experts' out of model.lora_targets")
     if g.positive_int("kv_lora_rank", allow_zero=True):
@@ -425,9 +430,9 @@ def _check_latent_attention(g: Group, m) -> None:
             raise ConfigError(f"model.{field}", f"{m[field]!r}: latent attention (model.kv_lora_rank) has {why}")
     if m.attention_impl != "xla":
         raise ConfigError("model.attention_impl", f"{m.attention_impl}: latent attention runs XLA's kernel only")
-    if m.lora_rank and (attn := sorted(lora_target_names(m.lora_targets, m.n_experts) & {"q", "k", "v", "o"})):
-        raise ConfigError("model.lora_targets", f"{','.join(attn)}: LoRA on latent attention's projections is not "
-                          f"supported yet; adapt 'experts' only")
+    if m.lora_rank and (kv := sorted(lora_target_names(m.lora_targets, m.n_experts, True) & {"k", "v"})):
+        raise ConfigError("model.lora_targets", f"{','.join(kv)}: latent attention's keys and values come from one "
+                          f"latent; adapt them together as 'kv'")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

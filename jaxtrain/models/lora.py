@@ -24,13 +24,15 @@ from jaxtrain.models.config import ModelConfig, lora_target_names
 SUFFIXES = ("_lora_a", "_lora_b")
 # An adapter over several weights joined along B's first output axis (the experts' gate and up, as HF fuses them).
 JOINED = {"w_gate_up": ("w_gate", "w_up")}
-# Each adapted weight's index in the dropout keys, so that projections of one input draw different masks.
-_DROPOUT_STREAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Each adapted weight's index in the dropout keys, so that projections of one input draw different masks. Index 7
+# (None) is the next layer's keys' (_NEXT_LAYER), fixed when latent attention's streams were added after it.
+_DROPOUT_STREAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", None, "wq_a", "wq_b", "wkv_a", "wkv_b")
+_NEXT_LAYER = 7
 
 
 def targets(cfg: ModelConfig) -> frozenset[str]:
     """The model.lora_targets names (q, ..., experts) that carry adapters; empty without LoRA."""
-    return lora_target_names(cfg.lora_targets, cfg.n_experts) if cfg.lora_rank else frozenset()
+    return lora_target_names(cfg.lora_targets, cfg.n_experts, bool(cfg.kv_lora_rank)) if cfg.lora_rank else frozenset()
 
 
 def add(module: nnx.Module, name: str, target: str, w_shape: tuple, w_names: tuple, contract: int,
@@ -86,7 +88,7 @@ def next_keys(keys):
     """The per-row dropout keys of the next layer (each layer draws from its own); None stays None."""
     if keys is None:
         return None
-    return jax.vmap(lambda k: jax.random.key_data(_fold(k, len(_DROPOUT_STREAMS))))(keys)
+    return jax.vmap(lambda k: jax.random.key_data(_fold(k, _NEXT_LAYER)))(keys)
 
 
 def _fold(key_data, n: int):

@@ -9,6 +9,7 @@ kv_lora_rank + head_dim wide per token whatever the number of heads.
 
 `rope_interleave` (DeepSeek's checkpoints): the rotated part's pairs are interleaved (x0, x1), (x2, x3), ...; both
 queries and keys are de-interleaved before the rotate-half RoPE, as transformers does, which leaves q·k unchanged.
+LoRA (model.lora_targets q, kv, o) adapts the query projections, the two key-value ones, and the output.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models import lora
 from jaxtrain.models.attention import causal_attention, masked_softmax
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import RMSNorm, param, project, rope, weight, yarn_mscale
@@ -59,23 +61,33 @@ class LatentAttention(nnx.Module):
                            cfg)
         self.wo = param(rngs, (h, cfg.v_head_dim, d), ("q_heads", "head_dim", "embed"), cfg,
                         std=cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        for name, target in (("wq_a", "q"), ("wq_b", "q"), ("wq", "q"), ("wkv_a", "kv"), ("wkv_b", "kv"), ("wo", "o")):
+            if hasattr(self, name):
+                w = getattr(self, name)
+                lora.add(self, name, target, w.shape, w.get_metadata()["out_sharding"], 2 if name == "wo" else 1,
+                         cfg, rngs)
 
-    def _project(self, x, w, contract: int = 1):
-        return project(x, weight(w, x.dtype), contract=contract, quant=self.cfg.quant, grad_dtype=self.grad_dtype)
+    def _project(self, x, name: str, keys=None):
+        """x through the weight `name`, plus its LoRA adapters' term where it has them."""
+        contract = 2 if name == "wo" else 1
+        y = project(x, weight(getattr(self, name), x.dtype), contract=contract, quant=self.cfg.quant,
+                    grad_dtype=self.grad_dtype)
+        d = lora.delta(self, name, x, contract, project, keys)
+        return y if d is None else y + d.astype(y.dtype)
 
-    def queries(self, x, tables):
+    def queries(self, x, tables, keys=None):
         """(q_nope [B, T, heads, qk_nope_head_dim], q_rope [B, T, heads, head_dim] rotated)."""
         if self.cfg.q_lora_rank:
-            q = self._project(self.q_norm(self._project(x, self.wq_a)), self.wq_b)
+            q = self._project(self.q_norm(self._project(x, "wq_a", keys)), "wq_b", keys)
         else:
-            q = self._project(x, self.wq)
+            q = self._project(x, "wq", keys)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         q_nope, q_rope = q[..., :self.cfg.qk_nope_head_dim], q[..., self.cfg.qk_nope_head_dim:]
         return q_nope, rope(self._rope_order(q_rope), tables)
 
-    def latent(self, x, tables):
+    def latent(self, x, tables, keys=None):
         """(c [B, T, kv_lora_rank] normed, k_rope [B, T, head_dim] rotated): what the cache holds per position."""
-        c_and_rope = self._project(x, self.wkv_a)
+        c_and_rope = self._project(x, "wkv_a", keys)
         c, k_rope = c_and_rope[..., :self.cfg.kv_lora_rank], c_and_rope[..., self.cfg.kv_lora_rank:]
         return self.kv_norm(c), rope(self._rope_order(k_rope)[:, :, None], tables)[:, :, 0]
 
@@ -84,9 +96,9 @@ class LatentAttention(nnx.Module):
 
     def __call__(self, x, rotary_tables, mask, keys=None):
         cfg = self.cfg
-        q_nope, q_rope = self.queries(x, rotary_tables)
-        c, k_rope = self.latent(x, rotary_tables)
-        kv = self._project(c, self.wkv_b)  # [B, T, heads, nope + v]
+        q_nope, q_rope = self.queries(x, rotary_tables, keys)
+        c, k_rope = self.latent(x, rotary_tables, keys)
+        kv = self._project(c, "wkv_b", keys)  # [B, T, heads, nope + v]
         k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], cfg.head_dim))],
@@ -100,7 +112,7 @@ class LatentAttention(nnx.Module):
         out = causal_attention(q, k, v, constrain(mask, ("batch", None, "seq", None)), cfg.attention_block,
                                cfg.attention_impl, logit_scale(cfg))[..., :v_dim]
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return self._project(out, self.wo, contract=2)
+        return self._project(out, "wo", keys)
 
     def decode(self, x, tables, mask, cache: dict, slots, ring_from=None):
         """The absorbed form against the latent cache {"latent": [B, L, kv_lora_rank], "rope_key": [B, L,
@@ -113,6 +125,8 @@ class LatentAttention(nnx.Module):
                  "rope_key": cache["rope_key"].at[:, slots].set(k_rope.astype(cache["rope_key"].dtype))}
         latents, rope_keys = cache["latent"].astype(dt), cache["rope_key"].astype(dt)
         w_kv = weight(self.wkv_b, dt)
+        if (ab := lora.factors(self, "wkv_b", dt)) is not None:  # absorbed: the adapted weight, folded in
+            w_kv = w_kv + jnp.einsum("rk,khn->rhn", ab[0], ab[1])
         w_k, w_v = w_kv[..., :cfg.qk_nope_head_dim], w_kv[..., cfg.qk_nope_head_dim:]
         q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w_k, preferred_element_type=jnp.float32)
         logits = (jnp.einsum("bthr,bsr->bhts", q_latent, latents, preferred_element_type=jnp.float32)
@@ -121,7 +135,7 @@ class LatentAttention(nnx.Module):
         probs = masked_softmax(logits, mask, logit_scale(cfg))
         out_latent = jnp.einsum("bhts,bsr->bthr", probs.astype(dt), latents, preferred_element_type=jnp.float32)
         out = jnp.einsum("bthr,rhv->bthv", out_latent.astype(dt), w_v, preferred_element_type=jnp.float32)
-        return self._project(out.astype(dt), self.wo, contract=2), cache
+        return self._project(out.astype(dt), "wo"), cache
 
 
 def init_cache(cfg: ModelConfig, layers: int, batch: int, length: int) -> dict:

@@ -2,6 +2,7 @@
 (the base bit for bit unchanged, no optimizer state for it), adapters shard like their weights, and 8 devices
 equal one."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -357,3 +358,29 @@ def test_a_run_starts_from_a_peft_adapter_directory(tmp_path, tiny_config):
     for bad, field in (({"model.init_from": ""}, "model.init_adapters"), ({"model.lora_alpha": 16.0}, "model.init_adapters")):
         with pytest.raises(ConfigError, match=field):  # the run's input checks, before its workdir exists
             train.check_inputs(tiny_config(**{**lora_run, **bad}))
+
+
+def test_latent_attention_adapters_decode_from_the_latent_cache_and_merge():
+    """LoRA on latent attention (lora_targets q,kv,o: both query projections, both key-value ones, the output) with
+    every adapter non-zero: decoding from the latent cache, where the key-value up-projection's adapters are folded
+    into it, gives the forward's last logits, and the merged weights give the adapted model's logits."""
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48, kv_lora_rank=16,
+                      q_lora_rank=12, qk_nope_head_dim=8, v_head_dim=6, rope_interleave=True, lora_rank=4,
+                      lora_targets="q,kv,o", dtype="float32", param_dtype="float32")
+    rng = np.random.default_rng(1)  # numpy: a jax draw per shape would compile a program each
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.1 * rng.normal(size=x.shape).astype(np.float32),
+                          init_params(cfg))  # B non-zero
+    adapted = sorted(k for k in params["blocks"]["attn"] if lora.is_adapter(k))
+    assert adapted == [f"{w}_lora_{s}" for w in ("wkv_a", "wkv_b", "wo", "wq_a", "wq_b") for s in "ab"]
+    tokens = jnp.arange(16).reshape(2, 8) % 128
+    positions, segments = jnp.broadcast_to(jnp.arange(8), (2, 8)), jnp.ones((2, 8), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(cfg, params):
+        model = nnx.merge(*transformer.from_params(cfg, params))
+        return model(tokens, positions, segments), model.decode(tokens, model.init_cache(2, 16), 0)[0]
+
+    full, decoded = run(cfg, params)
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(full)[:, -1], rtol=1e-5, atol=1e-5)
+    merged, _ = run(dataclasses.replace(cfg, lora_rank=0), lora.merged(params, cfg))
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(full), rtol=1e-5, atol=1e-5)

@@ -109,7 +109,7 @@ def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
     """Export: PEFT's PeftModel loads `hf export --adapters` (target_parameters on the fused experts) onto the
     transformers base and gives our logits. Import: PEFT's own save_pretrained of random expert adapters gives
     PEFT's logits in jaxtrain. DeepSeek-V3 (its first layer dense, so the experts' layer is model.layers.1) adapts
-    its experts only."""
+    latent attention's query, key-value and output projections beside its experts."""
     config_cls, model_cls, extra = {
         "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(num_experts=4, num_experts_per_tok=2,
@@ -120,7 +120,7 @@ def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
             qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
             moe_intermediate_size=8, n_shared_experts=1, first_k_dense_replace=1)),
     }[family]
-    modules = [] if family == "deepseek_v3" else ["q_proj"]  # no adapters on latent attention yet
+    modules = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"] if family == "deepseek_v3" else ["q_proj"]
     torch.manual_seed(0)
     model_cls(config_cls(**{"vocab_size": 64, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
                             "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
@@ -128,7 +128,7 @@ def test_peft_computes_our_expert_adapters_and_we_compute_its(tmp_path, family):
     fields, base = hf.import_dir(tmp_path / "base")
     cfg = ModelConfig(**{**fields, "dtype": "float32", "param_dtype": "float32", "loss_chunk_tokens": 0,
                          "lora_rank": 2, "lora_alpha": 4.0,
-                         "lora_targets": ",".join(["q"] * bool(modules) + ["experts"])})
+                         "lora_targets": "q,kv,o,experts" if family == "deepseek_v3" else "q,experts"})
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 9), 0, 64))
 
     def peft_logits(model):
