@@ -346,6 +346,9 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
             raise ConfigError("model.first_dense_layers", f"{m.first_dense_layers} leaves none of the "
                               f"model.n_layers={m.n_layers} layers a mixture of experts")
         g.positive_int("dense_d_ff")
+        if m.sliding_window:  # their stack runs with the global layers' mask only (transformer.hidden)
+            raise ConfigError("model.first_dense_layers", f"{m.first_dense_layers} dense first layers do not combine "
+                              f"with sliding windows (model.sliding_window={m.sliding_window}) yet")
     for f in ("first_dense_layers", "n_shared_experts"):
         if g.positive_int(f, allow_zero=True) and not m.n_experts:
             raise ConfigError(f"model.{f}", f"{m[f]} belongs to a mixture of experts; model.n_experts is 0")

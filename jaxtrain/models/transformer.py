@@ -266,7 +266,7 @@ class Transformer(nnx.Module):
                 mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
                 tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
                 layer, xs = stack_layer(block_def, tables, mask), block_state
-                if cfg.first_dense_layers:  # their own stack first (no windows, no pipeline: config validation)
+                if cfg.first_dense_layers:  # their own stack first (no windows, no pipeline: config.check_config)
                     dense_def, dense_state = nnx.split(self.dense_blocks)
                     (x, dropout_keys), _ = jax.lax.scan(remat(stack_layer(dense_def, tables, mask)),
                                                         (x, dropout_keys), dense_state, unroll=cfg.scan_unroll)

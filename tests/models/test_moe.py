@@ -677,6 +677,8 @@ def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, mon
     ({"moe_score_bias": True}, "moe_score_bias", "added to sigmoid scores"),
     ({"first_dense_layers": 4, "dense_d_ff": 64}, "first_dense_layers", "leaves none of the model.n_layers=4"),
     ({"first_dense_layers": 1}, "dense_d_ff", "must be a positive integer, got 0"),
+    ({"first_dense_layers": 1, "dense_d_ff": 64, "sliding_window": 8}, "first_dense_layers",
+     "do not combine with sliding windows"),
     ({"n_experts": 0, "n_shared_experts": 1}, "n_shared_experts", "model.n_experts is 0"),
     ({"kv_lora_rank": 16}, "qk_nope_head_dim", "must be a positive integer, got 0"),
     ({"kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "sliding_window": 4}, "sliding_window",
