@@ -192,9 +192,7 @@ def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Traine
 
 def make_checkpointer(config, workdir: Path, print_fn=print, run_id: str | None = None) -> ckpt_lib.Checkpointer:
     c = config.checkpoint
-    # The order of the stacked `blocks` (DeepSeek-V3's dense first layers are a stack of their own, never pipelined).
-    order = pipeline_parallel.layer_order(config.model.n_layers - config.model.first_dense_layers,
-                                          config.pipeline.stages, config.pipeline.repeats)
+    order = transformer.layer_order(config.model, config_lib.layout(config))
     return ckpt_lib.Checkpointer(ckpt_lib.directory(c, workdir), keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.models import cpu_bf16, quant as quant_lib
+from jaxtrain.models import cpu_bf16, lora, quant as quant_lib
 from jaxtrain.models.config import WEIGHT_MATMUL, ModelConfig
 from jaxtrain.parallel.mesh import constrain, split_ways
 
@@ -50,6 +50,13 @@ def project(x, w, contract: int = 1, preferred_element_type=None, quant: str = "
             y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=preferred_element_type)
         y = y.reshape(*x.shape[:x.ndim - contract], *w.shape[contract:])
     return checkpoint_name(y, WEIGHT_MATMUL)
+
+
+def adapted(module, name: str, x, y, contract: int = 1, keys=None):
+    """y, the projection of x by module's weight `name`, plus its LoRA adapters' term where it has them (x
+    dropped out by `keys`, lora.dropout's per-row keys, in training)."""
+    d = lora.delta(module, name, x, contract, project, keys)
+    return y if d is None else y + d.astype(y.dtype)
 
 
 def project_fused(x, weights, name: str, act_name: str, quant: str = "none", grad_dtype=None):

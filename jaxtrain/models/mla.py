@@ -20,7 +20,7 @@ from flax import nnx
 from jaxtrain.models import lora
 from jaxtrain.models.attention import causal_attention, masked_softmax
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import RMSNorm, param, project, rope, weight, yarn_mscale
+from jaxtrain.models.layers import RMSNorm, adapted, param, project, rope, weight, yarn_mscale
 from jaxtrain.parallel.mesh import constrain
 
 # The latent norms' epsilon: transformers builds them with its RMSNorm's default, not config.rms_norm_eps.
@@ -72,8 +72,7 @@ class LatentAttention(nnx.Module):
         contract = 2 if name == "wo" else 1
         y = project(x, weight(getattr(self, name), x.dtype), contract=contract, quant=self.cfg.quant,
                     grad_dtype=self.grad_dtype)
-        d = lora.delta(self, name, x, contract, project, keys)
-        return y if d is None else y + d.astype(y.dtype)
+        return adapted(self, name, x, y, contract, keys)
 
     def queries(self, x, tables, keys=None):
         """(q_nope [B, T, heads, qk_nope_head_dim], q_rope [B, T, heads, head_dim] rotated)."""

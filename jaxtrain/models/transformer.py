@@ -30,6 +30,7 @@ from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
     RMSNorm,
     activation,
+    adapted,
     param,
     project,
     project_fused,
@@ -146,13 +147,6 @@ class MLP(nnx.Module):
         hidden = constrain(self.act(gate) * up, ("batch", "seq", "act_mlp"))
         return adapted(self, "w_down", hidden, project(hidden, weight(self.w_down, dt), quant=self.quant,
                                                        grad_dtype=self.grad_dtype), keys=keys)
-
-
-def adapted(module, name: str, x, y, contract: int = 1, keys=None):
-    """y, the projection of x by module's weight `name`, plus its LoRA adapters' term where it has them (x
-    dropped out by `keys`, lora.dropout's per-row keys, in training)."""
-    d = lora.delta(module, name, x, contract, project, keys)
-    return y if d is None else y + d.astype(y.dtype)
 
 
 class Block(nnx.Module):

@@ -46,9 +46,9 @@ def dispatch(local_fn, n_experts: int, capacity: float = 0.0):
     """f(weights, x [B, T, d], experts [B, T, k] int, gates [B, T, k]) -> (y [B, T, d] in x's dtype: sum_j
     gates[..., j] * expert_{experts[..., j]}(x) over the kept assignments, dropped [B, T]: each token's assignments
     past the receive bound `capacity` sets, f32; 0 with capacity 0). `weights` is a pytree whose leaves all lead
-    with the expert dim (sharded over `expert`; other dims are gathered into the shard_map, as per_shard does). local_fn(local weights, rows [M, d]
-    sorted by local expert, group sizes [experts per shard]) -> [M, d]; rows past the groups' sum are padding (a
-    ragged_dot gives them zeros). Needs `can_dispatch`."""
+    with the expert dim (sharded over `expert`; other dims are gathered into the shard_map, as per_shard does).
+    local_fn(local weights, rows [M, d] sorted by local expert, group sizes [experts per shard]) -> [M, d]; rows
+    past the groups' sum are padding (a ragged_dot gives them zeros). Needs `can_dispatch`."""
     def run(weights, x, experts, gates):
         mesh, rules = mesh_lib._ACTIVE.get()
         batch_axes, seq_axes = _token_axes(rules, mesh, "batch"), _token_axes(rules, mesh, "seq")
