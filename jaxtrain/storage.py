@@ -18,6 +18,7 @@ import io
 import os
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -168,14 +169,20 @@ def sha256(path) -> str:
     return hashlib.sha256(read_bytes(path)).hexdigest()
 
 
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11.7's AST constructor is not thread-safe: two
+# threads parsing at once raised "SystemError: AST constructor recursion depth mismatch" (the shard checks read
+# their lengths indexes from a thread pool). One .npy load at a time (a download happens outside the lock).
+_NPY_HEADER = threading.Lock()
+
+
 def load_npy(path, mmap: bool = False):
     """A .npy file: memory-mapped if local and `mmap`, else (a URL) an array-like that reads only the slices
     asked for, one range request each."""
-    if not is_url(path):
-        return np.load(path, mmap_mode="r" if mmap else None)
-    if not mmap:
-        return np.load(io.BytesIO(read_bytes(path)))
-    return RemoteNpy(str(path))
+    if is_url(path) and mmap:
+        return RemoteNpy(str(path))
+    source = io.BytesIO(read_bytes(path)) if is_url(path) else path  # a download, outside the lock
+    with _NPY_HEADER:
+        return np.load(source, mmap_mode="r" if mmap else None)
 
 
 class RemoteNpy:
@@ -188,7 +195,8 @@ class RemoteNpy:
         version = np.lib.format.read_magic(head)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
             np.lib.format.read_array_header_2_0
-        shape, fortran_order, self.dtype = read_header(head)
+        with _NPY_HEADER:
+            shape, fortran_order, self.dtype = read_header(head)
         if fortran_order or len(shape) != 1:
             raise ValueError("expected a 1-D array")
         self.shape, self._offset = tuple(shape), head.tell()
