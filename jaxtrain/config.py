@@ -104,6 +104,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     if cfg.model.sliding_window and cfg.model.global_every and cfg.pipeline.stages > 1:
         raise ConfigError("model.global_every", f"sliding and global layers mixed (every {cfg.model.global_every}) "
                           f"do not run in a pipeline yet; set pipeline.stages=1")
+    if cfg.model.mtp_layers and cfg.pipeline.stages > 1:
+        raise ConfigError("model.mtp_layers", f"{cfg.model.mtp_layers} multi-token prediction modules do not run in "
+                          f"a pipeline yet; set pipeline.stages=1 or model.mtp_layers=0")
     if cfg.model.first_dense_layers and cfg.pipeline.stages > 1:
         raise ConfigError("model.first_dense_layers", f"{cfg.model.first_dense_layers} dense layers before the "
                           f"mixture-of-experts ones do not run in a pipeline yet; set pipeline.stages=1")
@@ -179,6 +182,7 @@ RESUME_FIXED = ("model.vocab_size", "model.d_model", "model.n_layers", "model.n_
                 "model.head_dim", "model.d_ff", "model.tie_embeddings", "model.param_dtype", "model.n_experts",
                 "model.kv_lora_rank", "model.q_lora_rank", "model.qk_nope_head_dim", "model.v_head_dim",
                 "model.first_dense_layers", "model.dense_d_ff", "model.n_shared_experts", "model.moe_score_bias",
+                "model.mtp_layers",
                 "model.lora_rank", "model.lora_targets", "model.lora_alpha",
                 "optim.name", "optim.moments_dtype", "train.seed", "train.objective", "data.corpus", "data.vocab_size",
                 "data.heldout_docs")

@@ -22,6 +22,11 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.models import cross_entropy
 from jaxtrain.models import dpo as dpo_lib
 from jaxtrain.models.cross_entropy import linear_cross_entropy
+from jaxtrain.models.layers import ahead
+
+# The multi-token prediction modules' loss (model.mtp_layers): a summed metric of the lm objective, which the step
+# also minimises, weighted by model.mtp_loss_weight; "loss" stays the next-token cross-entropy alone.
+MTP_LOSS = "mtp/loss"
 
 # What a prepared data dir holds (its manifest says which): token streams of documents (chat data adds loss
 # weights), or preference pairs (`prepare --preference`).
@@ -113,17 +118,15 @@ def loss_of(config) -> Loss:
 
 # ===== What objectives share: the model's outputs on a batch ==========================================================
 
-def next_token_targets(batch):
-    """Targets are the next token; a position counts only if the next token is in the same document, and, with
-    chat data's "loss_weights", by the weight of the token it predicts (1 on assistant tokens, 0 elsewhere)."""
-    def shifted(x):
-        return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
-
+def next_token_targets(batch, k: int = 1):
+    """Targets are the next token (the k-th next: a prediction module's, k >= 2); a position counts only if that
+    token is in the same document, and, with chat data's "loss_weights", by the weight of the token it predicts
+    (1 on assistant tokens, 0 elsewhere)."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
-    targets = shifted(tokens)
-    weights = ((seg != 0) & (shifted(seg) == seg)).astype(jnp.float32)
+    targets = ahead(tokens, k)
+    weights = ((seg != 0) & (ahead(seg, k) == seg)).astype(jnp.float32)
     if "loss_weights" in batch:
-        weights = weights * shifted(batch["loss_weights"]).astype(jnp.float32)
+        weights = weights * ahead(batch["loss_weights"], k).astype(jnp.float32)
     return targets, weights
 
 
@@ -145,17 +148,26 @@ def logits(graphdef, params, batch):
 
 
 def loss_terms(graphdef, params, batch):
-    """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE))."""
+    """(summed token cross-entropy (f32), number of scored tokens, the model's aux scalars (MoE)). With
+    multi-token prediction (model.mtp_layers) aux also holds MTP_LOSS: the prediction modules' cross-entropy,
+    summed over their scored tokens and averaged over the modules."""
     model = nnx.merge(graphdef, params)
     targets, weights = next_token_targets(batch)
-    if _fused_head(model):
+    if not model.cfg.mtp_layers:
         x, aux = model.hidden(*model_inputs(batch))
-        ce_sum = linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
-                                      model.layout.grad_reduce_dtype)
-        return ce_sum, jnp.sum(weights), aux
-    out, aux = model.forward(*model_inputs(batch))
-    ce = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), targets)
-    return jnp.sum(ce * weights), jnp.sum(weights), aux
+        return _cross_entropy_sum(model, x, targets, weights), jnp.sum(weights), aux
+    x, aux, predicted = model.hidden_and_mtp(*model_inputs(batch))
+    mtp = [_cross_entropy_sum(model, h, *next_token_targets(batch, k + 2)) for k, h in enumerate(predicted)]
+    return _cross_entropy_sum(model, x, targets, weights), jnp.sum(weights), {**aux, MTP_LOSS: sum(mtp) / len(mtp)}
+
+
+def _cross_entropy_sum(model, x, targets, weights):
+    """The head on hidden states `x` and its weighted cross-entropy, summed (f32)."""
+    if _fused_head(model):
+        return linear_cross_entropy(x, model.head(), targets, weights, model.cfg.loss_chunk_tokens, x.dtype,
+                                    model.layout.grad_reduce_dtype)
+    ce = optax.softmax_cross_entropy_with_integer_labels(model.logits(x).astype(jnp.float32), targets)
+    return jnp.sum(ce * weights)
 
 
 def token_log_probs(graphdef, params, batch):
@@ -176,7 +188,7 @@ def token_log_probs(graphdef, params, batch):
 def _language_model(_) -> Loss:
     def terms(graphdef, params, batch):
         ce_sum, _, aux = loss_terms(graphdef, params, batch)  # looked up at trace time (tests wrap it)
-        return ce_sum, {}, aux
+        return ce_sum, {MTP_LOSS: aux.pop(MTP_LOSS)} if MTP_LOSS in aux else {}, aux
 
     return Loss(terms, lambda batch: next_token_targets(batch)[1].sum())
 
@@ -192,7 +204,8 @@ def dpo_loss(beta: float, label_smoothing: float = 0.0) -> Loss:
     return Loss(terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]))
 
 
-LANGUAGE_MODEL = register(Objective("lm", _language_model))
+LANGUAGE_MODEL = register(Objective("lm", _language_model, metrics={
+    MTP_LOSS: Metric("multi-token prediction loss", 1.0, "mtp {:.4f}")}))  # only where model.mtp_layers > 0
 DPO = register(Objective(
     "dpo", lambda group: dpo_loss(group.beta, group.label_smoothing), config=dpo_lib.CONFIG,
     check_config=dpo_lib.check_config, data="pairs", batch_keys=("loss_weights",), reference=True,

@@ -107,7 +107,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
                     offload: bool = False, lora: bool = False, loss: objectives.Loss | None = None,
                     reference: bool = False, dropout_seed: int | None = None,
-                    rebalance: Callable | None = None) -> Callable:
+                    rebalance: Callable | None = None, mtp_weight: float = 0.0) -> Callable:
     """`aux_weight`: the weight of the model's load-balancing loss (ModelConfig.moe_aux_weight) in the gradient.
     `param_shardings`: the params' shardings, which their gradients are given as soon as they exist. Left to
     XLA, a vocabulary table's gradient (a scatter-add, or the fused loss's sum over the batch shards) was
@@ -119,6 +119,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
     they are, bit for bit. `loss`: what is minimised (default: the language model's cross-entropy); `reference`:
     its objective keeps the state's "reference" (objectives.Objective.reference), whose log-probs join each batch.
     `dropout_seed`: LoRA's dropout is on (model.lora_dropout), drawn from this seed and the step.
+    `mtp_weight` (ModelConfig.mtp_loss_weight): the weight of the multi-token prediction loss
+    (objectives.MTP_LOSS, reported apart) in what is minimised.
     `rebalance(params, expert_load, finite) -> params`: a change to the params outside the gradient, from the
     step's per-layer expert loads (the MoE routers' bias balancing: models.transformer.router_balancer).
     A state with a RESIDUAL item (optim.grad_reduce_error_feedback) has the sum over the data-parallel replicas
@@ -147,7 +149,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
                 loss = loss_sum / total
                 aux = {f"moe/{k}": v / microbatches for k, v in aux.items()}  # means over the microbatches
                 balance = aux.get("moe/load_balance_loss", 0.0)
-                return loss + aux_weight * balance, (loss, {**aux, **{k: v / total for k, v in sums.items()}})
+                sums = {k: v / total for k, v in sums.items()}
+                penalty = aux_weight * balance + mtp_weight * sums.get(objectives.MTP_LOSS, 0.0)
+                return loss + penalty, (loss, {**aux, **sums})
 
             grad_fn = jax.value_and_grad(minimised, has_aux=True)
             residual = new_residual = state.get(RESIDUAL)

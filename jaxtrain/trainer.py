@@ -178,7 +178,8 @@ def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Traine
                                  param_shardings=shardings["params"],
                                  offload=config.optim.offload, lora=lora_run, loss=loss, reference=objective.reference,
                                  dropout_seed=config.train.seed if model_cfg.lora_dropout else None,
-                                 rebalance=transformer.router_balancer(model_cfg, resolved.layout)),
+                                 rebalance=transformer.router_balancer(model_cfg, resolved.layout),
+                                 mtp_weight=model_cfg.mtp_loss_weight if model_cfg.mtp_layers else 0.0),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
     eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, loss, lora_run, objective.reference),
                         in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),

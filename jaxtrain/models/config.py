@@ -192,6 +192,12 @@ class ModelConfig:
     # The load-balancing loss (moe_aux_weight) over the whole batch, or each sequence's (a batch row's) averaged
     # over the rows: DeepSeek-V3's complementary sequence-wise loss.
     moe_aux_loss: str = "batch"
+    # Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): `mtp_layers` modules after the model, module
+    # k predicting the token k + 1 ahead of the main head's from the previous module's hidden state and the next
+    # token's embedding (transformer.Transformer.mtp). Their cross-entropy, averaged over the modules, joins the
+    # training loss with weight `mtp_loss_weight` (DeepSeek-V3: 0.3, then 0.1) and is reported as mtp/loss.
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.1
     # Dropless's grouped matmul: "xla" (jax.lax.ragged_dot; on GPUs XLA runs it as one dense matmul over every
     # expert) or "tokamax" (tokamax.ragged_dot, `pip install 'jaxtrain[kernels]'`: its Mosaic GPU kernel on
     # H100/B200, its Pallas TPU kernel, XLA's elsewhere).
@@ -348,6 +354,14 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         g.positive_int("dense_d_ff")
         if m.sliding_window:  # their stack runs with the global layers' mask only (transformer.hidden)
             raise ConfigError("model.first_dense_layers", f"{m.first_dense_layers} dense first layers do not combine "
+                              f"with sliding windows (model.sliding_window={m.sliding_window}) yet")
+    if g.positive_int("mtp_layers", allow_zero=True):
+        g.number("mtp_loss_weight", lo=0)
+        if m.lora_rank:  # their blocks would need adapters PEFT has no names for
+            raise ConfigError("model.mtp_layers", f"{m.mtp_layers} multi-token prediction modules do not train "
+                              f"under LoRA (model.lora_rank={m.lora_rank}); set model.mtp_layers=0 to leave them out")
+        if m.sliding_window:  # their blocks attend with the global mask (transformer.Transformer.mtp_states)
+            raise ConfigError("model.mtp_layers", f"{m.mtp_layers} multi-token prediction modules do not combine "
                               f"with sliding windows (model.sliding_window={m.sliding_window}) yet")
     for f in ("first_dense_layers", "n_shared_experts"):
         if g.positive_int(f, allow_zero=True) and not m.n_experts:

@@ -51,7 +51,7 @@ FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
           "final_softcap", "n_experts", "moe_top_k", "moe_renormalize", "moe_score", "moe_groups", "moe_topk_groups",
           "moe_routed_scale", "moe_score_bias", "n_shared_experts", "first_dense_layers", "dense_d_ff",
           "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave", "rope_mscale",
-          "rope_mscale_all_dim")
+          "rope_mscale_all_dim", "mtp_layers")
 _DEFAULTS = ModelConfig(dtype="float32", param_dtype="float32")
 
 
@@ -91,7 +91,9 @@ def family_of(model_cfg: ModelConfig):
 
 def layers_of(stack: str, model_cfg: ModelConfig) -> range:
     """The model's layers a stack of blocks holds: "dense_blocks" the first `first_dense_layers`, "blocks" the
-    rest (all of them, without a dense stack)."""
+    rest (all of them, without a dense stack), "mtp" the prediction modules after them."""
+    if stack == "mtp":
+        return range(model_cfg.n_layers, model_cfg.n_layers + model_cfg.mtp_layers)
     return range(model_cfg.first_dense_layers) if stack == "dense_blocks" else range(
         model_cfg.first_dense_layers, model_cfg.n_layers)
 
@@ -208,6 +210,8 @@ def export(params: dict, model_cfg: ModelConfig, out_dir, *, dtype: str | None =
         parts = x.reshape(-1, *x.shape[lead:]) if lead else x[None]
         for name, part in zip(names, parts):
             tensors[name] = _to_hf(part, layout)
+    for name, source in getattr(family_of(model_cfg), "copies", lambda _: {})(model_cfg).items():
+        tensors[name] = tensors[source]
     dtypes = {t.dtype.name for t in tensors.values()}
     if len(dtypes) != 1:  # a config.json can only name one
         raise HFError(f"params mix dtypes {sorted(dtypes)}; pass dtype= to export them as one")
@@ -471,7 +475,26 @@ def read_config(hf_dir) -> dict:
         raise HFError(f"{path}: model_type: {model_type!r} is not supported{hint}; supported: "
                       f"{families.model_types()}")
     fields = family.from_hf(HFConfig(values, path))
+    if fields.get("mtp_layers") and not _holds_layer(Path(hf_dir), fields["n_layers"]):
+        # transformers' DeepSeek-V3 writes num_nextn_predict_layers (its default 1) without the modules, which it
+        # does not hold: there are none to read.
+        fields["mtp_layers"] = 0
     return {**{f: getattr(_DEFAULTS, f) for f in FIELDS}, **fields, "family": family.NAME}
+
+
+def _holds_layer(hf_dir: Path, layer: int) -> bool:
+    """Whether the directory's weights hold a tensor of model.layers.<layer> (True when it has no weights to tell)."""
+    prefix = f"model.layers.{layer}."
+    if (hf_dir / WEIGHTS_INDEX).is_file() and not (hf_dir / WEIGHTS).is_file():
+        weight_map = _read_json(hf_dir / WEIGHTS_INDEX).get("weight_map")
+        return not isinstance(weight_map, dict) or any(str(k).startswith(prefix) for k in weight_map)
+    if not (hf_dir / WEIGHTS).is_file():
+        return True
+    try:
+        with safe_open(hf_dir / WEIGHTS, framework="np") as reader:  # the header only
+            return any(k.startswith(prefix) for k in reader.keys())
+    except SafetensorError:
+        return True  # _read_tensors names the damaged file
 
 
 def _read_json(path: Path) -> dict:
@@ -522,13 +545,16 @@ def _read_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
+def import_dir(hf_dir, *, dtype: str | None = None, mtp_layers: int | None = None) -> tuple[dict, dict]:
     """(model fields, params) of an HF directory of any family (model.safetensors or a sharded index).
 
     The params are numpy arrays in jaxtrain's pure-dict structure, float32 unless `dtype` is given (bf16 and
-    f16 checkpoints widen to f32 exactly). HFError names the config field or tensor that does not fit."""
+    f16 checkpoints widen to f32 exactly). `mtp_layers`: read only the first so many of the checkpoint's
+    multi-token prediction modules (at most its own). HFError names the config field or tensor that does not fit."""
     hf_dir = Path(hf_dir)
     fields = read_config(hf_dir)
+    if mtp_layers is not None:
+        fields["mtp_layers"] = min(mtp_layers, fields["mtp_layers"])
     if dtype is not None and dtype not in DTYPES:
         raise HFError(f"dtype: {dtype!r} is not one of {list(DTYPES)}")
     target = DTYPES[dtype or "float32"]
@@ -555,7 +581,8 @@ def import_dir(hf_dir, *, dtype: str | None = None) -> tuple[dict, dict]:
         parts = []
         for name in names:
             if name not in tensors:
-                raise HFError(f"{hf_dir}: missing tensor {name}")
+                hint = "; leave the multi-token prediction modules out: model.mtp_layers=0" if path[0] == "mtp" else ""
+                raise HFError(f"{hf_dir}: missing tensor {name}{hint}")
             w = tensors[name]
             if tuple(w.shape) != want:
                 raise HFError(f"{hf_dir}: tensor {name} has shape {list(w.shape)}, config.json implies {list(want)}")
@@ -574,6 +601,8 @@ def check_fields(fields: dict, model_cfg: ModelConfig, hf_dir) -> None:
     """HFMismatch on the first ModelConfig field (FIELDS order) that differs from the HF checkpoint's."""
     for field in FIELDS:
         ours, theirs = getattr(model_cfg, field), fields[field]
+        if field == "mtp_layers" and ours < theirs:  # a run may leave prediction modules out, not add them
+            continue
         if ours != theirs:
             raise HFMismatch(field, f"{ours!r} in the config, but the Hugging Face checkpoint {hf_dir} has "
                                     f"{theirs!r}; set --config.model.{field}={_flag_value(theirs)}")
@@ -594,7 +623,7 @@ def load_params(hf_dir, model_cfg: ModelConfig) -> dict:
     architecture field matches: HFMismatch names the first that does not, HFError anything unreadable."""
     fields = read_config(hf_dir)
     check_fields(fields, model_cfg, hf_dir)  # before reading gigabytes of weights
-    _, params = import_dir(hf_dir, dtype=model_cfg.param_dtype)
+    _, params = import_dir(hf_dir, dtype=model_cfg.param_dtype, mtp_layers=model_cfg.mtp_layers)
     return params
 
 

@@ -176,6 +176,11 @@ def param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = No
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def ahead(x, k: int):
+    """x [B, T] shifted k positions to the left along T, zeros past the end: entry i holds x[i + k]."""
+    return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis (`dim`, default d_model; `eps`, default cfg.norm_eps). With `cfg.norm_offset` the
     scale is 1 + w, w from 0 (Gemma's form, whose checkpoints store w)."""

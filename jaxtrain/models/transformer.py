@@ -31,6 +31,7 @@ from jaxtrain.models.layers import (
     RMSNorm,
     activation,
     adapted,
+    ahead,
     param,
     project,
     project_fused,
@@ -198,6 +199,28 @@ class Block(nnx.Module):
         return x + self.feed_forward(x)[0], cache
 
 
+class Predictor(nnx.Module):
+    """One multi-token prediction module (DeepSeek-V3): the embedding of the token it looks ahead to and the
+    previous hidden state, each normed, projected together to d_model, then a block (of experts where the model has
+    them) and a final norm, whose output the model's head reads and the next module takes (as transformers' MtpModel
+    chains them)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str = "float32"):
+        self.enorm, self.hnorm = RMSNorm(cfg, rngs), RMSNorm(cfg, rngs)
+        self.eh_proj = param(rngs, (2 * cfg.d_model, cfg.d_model), ("mlp", "embed"), cfg)
+        self.block = Block(cfg, rngs, grad_dtype)
+        self.norm = RMSNorm(cfg, rngs)
+        self.grad_dtype = grad_dtype
+
+    def __call__(self, h, embedded, rotary_tables, mask):
+        """h: the previous hidden state [B, T, d]; embedded: the looked-ahead tokens' embeddings -> (this module's
+        hidden state, its block's MoE routing stats)."""
+        x = jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1)
+        x = project(x, weight(self.eh_proj, h.dtype), grad_dtype=self.grad_dtype)
+        x, stats = self.block(constrain(x, ("batch", "seq", "act_embed")), rotary_tables, mask)
+        return self.norm(x), stats
+
+
 class Transformer(nnx.Module):
     """The decoder `cfg` describes, run as `layout` says (pipeline, remat, gradient-reduction dtype)."""
 
@@ -208,6 +231,8 @@ class Transformer(nnx.Module):
             self.dense_blocks = stacked_blocks(cfg, rngs, layout, cfg.first_dense_layers, dense=True)
         self.blocks = stacked_blocks(cfg, rngs, layout, cfg.n_layers - cfg.first_dense_layers)
         self.final_norm = RMSNorm(cfg, rngs)
+        if cfg.mtp_layers:  # after the model, a stack of their own (Predictor)
+            self.mtp = stacked(cfg, rngs, cfg.mtp_layers, lambda r: Predictor(cfg, r, layout.grad_reduce_dtype))
         if not cfg.tie_embeddings:
             self.unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
 
@@ -220,8 +245,12 @@ class Transformer(nnx.Module):
         """-> (logits, aux): aux holds per-layer means of the MoE's scalars over the batch (empty for a dense
         model). dropout_keys: uint32 key data [B, ...], one per row, which turn LoRA's dropout on (training)."""
         x, aux = self.hidden(tokens, positions, segment_ids, dropout_keys)
+        return self.logits(x), aux
+
+    def logits(self, x):
+        """The head on hidden states [B, T, d_model] (`hidden`'s, or a prediction module's: `mtp`)."""
         logits = self.cap(project(x, self.head().astype(x.dtype), grad_dtype=self.layout.grad_reduce_dtype))
-        return constrain(logits, ("batch", "seq", "act_vocab")), aux
+        return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def cap(self, logits):
         """The final logit soft-cap (Gemma 2), where the family has one."""
@@ -245,14 +274,51 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions, segment_ids, dropout_keys=None):
         """-> (final-normed hidden states [B, T, d_model] in the compute dtype, aux): `forward` before the head."""
+        x, stats = self.layers(tokens, positions, segment_ids, dropout_keys)
+        return x, layer_means(stats, self.cfg.moe_aux_loss == "sequence")
+
+    def hidden_and_mtp(self, tokens, positions, segment_ids, dropout_keys=None):
+        """-> (`hidden`'s hidden states, aux, the prediction modules' [mtp_layers, B, T, d_model]): module k (from 0)
+        at position i has seen the tokens up to i + k + 1 and predicts the one after (`mtp`). aux counts the
+        modules' routing after the model's layers."""
+        x, stats = self.layers(tokens, positions, segment_ids, dropout_keys)
+        predicted, mtp_stats = self.mtp_states(x, tokens, positions, segment_ids)
+        stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
+        return x, layer_means(stats, self.cfg.moe_aux_loss == "sequence"), predicted
+
+    def mtp_states(self, x, tokens, positions, segment_ids):
+        """The prediction modules run in turn from the final-normed hidden states `x` (DeepSeek-V3 and
+        transformers' MtpModel chain from the model's normed output): module k takes the embedding of the token
+        k + 1 ahead (`ahead`; 0 past the row's end) at each position. A module stays within each document: its
+        block's mask is the model's, and a position whose look-ahead crosses into the next document is not scored
+        (objectives.next_token_targets). -> (states [mtp_layers, B, T, d], their MoE stats [mtp_layers, B, ...])."""
+        mask = attention_mask(segment_ids)
+        tables = rotary_lookup(positions, rope_frequencies(self.cfg))
+        looked_ahead = jnp.stack([ahead(tokens, k + 1) for k in range(self.cfg.mtp_layers)])
+        embedded = self.embed_tokens(looked_ahead).astype(x.dtype)
+        mtp_def, mtp_state = nnx.split(self.mtp)
+
+        def module(h, xs):
+            h, stats = nnx.merge(mtp_def, xs[0])(h, xs[1], tables, mask)
+            return h, (h, stats)
+
+        _, (states, stats) = jax.lax.scan(self.remat(module), x, (mtp_state, embedded))
+        return states, stats
+
+    def remat(self, f):
+        """`f` under the layout's rematerialization policy."""
+        if self.layout.remat == "none":
+            return f
+        return jax.checkpoint(f, policy=REMAT_POLICIES[self.layout.remat], prevent_cse=False)
+
+    def layers(self, tokens, positions, segment_ids, dropout_keys=None):
+        """The embedding and the layers -> (final-normed hidden states, the MoE layers' routing stats [L, B, ...])."""
         cfg, run = self.cfg, self.layout
         dt = jnp.dtype(cfg.dtype)
         x = constrain(self.embed_tokens(tokens).astype(dt), ("batch", "seq", "act_embed"))
         block_def, block_state = nnx.split(self.blocks)
         local = local_layers(cfg)
-        policy = REMAT_POLICIES[run.remat]
-        remat = (lambda f: f) if run.remat == "none" else (
-            lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False))
+        remat = self.remat
 
         if run.pipeline_stages == 1:
             if local is None or local.all():  # every layer alike
@@ -308,7 +374,7 @@ class Transformer(nnx.Module):
             x = constrain(carry["x"], ("batch", "seq", "act_embed"))
             stats = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), carry["moe"])
 
-        return self.final_norm(x), layer_means(stats, cfg.moe_aux_loss == "sequence")
+        return self.final_norm(x), stats
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty K/V cache for `decode` (the module-level `init_cache` for this model's config)."""
@@ -413,12 +479,17 @@ class Transformer(nnx.Module):
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout, count: int, dense: bool = False):
     """`count` Blocks stacked on a leading "layers" axis (one scan runs them)."""
+    return stacked(cfg, rngs, count, lambda r: Block(cfg, r, layout.grad_reduce_dtype, dense))
+
+
+def stacked(cfg: ModelConfig, rngs: nnx.Rngs, count: int, make):
+    """`count` modules `make(rngs)` stacked on a leading "layers" axis."""
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_blocks(rngs):
-        return Block(cfg, rngs, layout.grad_reduce_dtype, dense)
+    def make_stack(rngs):
+        return make(rngs)
 
-    return make_blocks(rngs)
+    return make_stack(rngs)
 
 
 def stack_layer(block_def, tables, mask):
@@ -451,20 +522,25 @@ def layer_means(stats, per_sequence: bool = False) -> dict:
 
 def router_balancer(cfg: ModelConfig, layout: Layout = Layout()):
     """DeepSeek-V3's auxiliary-loss-free balancing as the train step's hook (model.moe_bias_rate), or None:
-    f(params, expert_load [layers, experts] in the model's order (`layer_means`), apply) -> the params with each
-    layer's router correction bias moved by the rate toward its under-loaded experts where `apply` (a finite step):
-    +rate where an expert took fewer assignments than the layer's mean, -rate where more."""
+    f(params, expert_load [layers, experts] in the model's order (`layer_means`; the prediction modules' after the
+    model's layers, when the loss ran them), apply) -> the params with each layer's router correction bias moved by
+    the rate toward its under-loaded experts where `apply` (a finite step): +rate where an expert took fewer
+    assignments than the layer's mean, -rate where more."""
     if not (cfg.moe_score_bias and cfg.moe_bias_rate):
         return None
     stored = np.asarray(layer_order(cfg, layout))  # the stacked blocks may be in a pipeline's order
 
     def balance(params, expert_load, apply):
-        load = expert_load[stored]
-        move = jnp.where(apply, cfg.moe_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load), 0.0)
+        loads = {("blocks", "mlp", "score_bias"): expert_load[stored]}
+        if expert_load.shape[0] > len(stored):  # the prediction modules' blocks follow (hidden_and_mtp)
+            loads[("mtp", "block", "mlp", "score_bias")] = expert_load[len(stored):]
 
         def moved(path, leaf):
-            names = tuple(str(getattr(k, "key", k)) for k in path)
-            return leaf + move.astype(leaf.dtype) if names == ("blocks", "mlp", "score_bias") else leaf
+            load = loads.get(tuple(str(getattr(k, "key", k)) for k in path))
+            if load is None:
+                return leaf
+            move = cfg.moe_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+            return leaf + jnp.where(apply, move, 0.0).astype(leaf.dtype)
 
         return jax.tree_util.tree_map_with_path(moved, params)
 
@@ -525,7 +601,9 @@ def matmul_params(cfg: ModelConfig, stored: bool = False) -> int:
     if cfg.n_experts:  # the router, and the experts a token is routed to (MoE FLOPs count active params)
         mlp = d * cfg.n_experts + (cfg.n_experts if stored else cfg.moe_top_k) * mlp + cfg.n_shared_experts * mlp
     dense = cfg.first_dense_layers
-    return (cfg.n_layers - dense) * (attn + mlp) + dense * (attn + 3 * d * cfg.dense_d_ff) + d * cfg.vocab_size
+    # A prediction module: its projection, a block, and the shared head once more per token (stored once).
+    mtp = cfg.mtp_layers * (2 * d * d + attn + mlp + (0 if stored else d * cfg.vocab_size))
+    return (cfg.n_layers - dense) * (attn + mlp) + dense * (attn + 3 * d * cfg.dense_d_ff) + d * cfg.vocab_size + mtp
 
 
 def head_widths(cfg: ModelConfig) -> tuple[int, int]:

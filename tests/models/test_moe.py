@@ -515,13 +515,13 @@ def test_dropless_layer_on_fsdp_and_expert_axes_matches_single_device(axes, pres
 
 
 # A tiny DeepSeek-V3: latent attention, a dense first layer, 8 experts in 4 groups (2 chosen) with the correction
-# bias and scaled gates, and a shared expert.
+# bias and scaled gates, a shared expert, and a multi-token prediction module.
 DEEPSEEK_V3 = {"model.kv_lora_rank": 16, "model.q_lora_rank": 24, "model.qk_nope_head_dim": 12,
                "model.v_head_dim": 10, "model.head_dim": 8, "model.rope_interleave": True,
                "model.first_dense_layers": 1, "model.dense_d_ff": 48, "model.n_shared_experts": 1,
                "model.n_experts": 8, "model.moe_score": "sigmoid", "model.moe_score_bias": True,
                "model.moe_groups": 4, "model.moe_topk_groups": 2, "model.moe_routed_scale": 2.5,
-               "model.moe_renormalize": True}
+               "model.moe_renormalize": True, "model.mtp_layers": 1}
 
 
 @pytest.mark.slow  # about 25 s each on 2 cores
@@ -553,7 +553,7 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
         def f(p, b):
             with mesh_lib.activation_sharding(t.mesh, t.rules):
                 total, count, aux = objectives.loss_terms(t.graphdef, p, b)
-                return total / count + aux["load_balance_loss"], aux
+                return total / count + aux["load_balance_loss"] + aux.get(objectives.MTP_LOSS, 0) / count, aux
         b = trainer_lib.global_batch(batch, t.batch_sharding)
         compiled = jax.jit(jax.value_and_grad(f, has_aux=True)).lower(p, b).compile()
         return compiled(p, b), compiled.as_text()
@@ -563,6 +563,9 @@ def test_dropless_model_on_an_expert_axis_matches_single_device(tiny_config, mes
                                                                                       jax.devices()[0]))
     assert (" all-to-all(" in hlo) == (dispatch == "all_to_all")
     assert grads["blocks"]["mlp"]["w_gate"].sharding.spec[1] == "expert"  # [layers, experts, d, f]
+    if model:  # DeepSeek-V3's prediction module: its experts split alike, its loss equal
+        assert grads["mtp"]["block"]["mlp"]["w_gate"].sharding.spec[1] == "expert"
+        np.testing.assert_allclose(float(aux[objectives.MTP_LOSS]), float(want_aux[objectives.MTP_LOSS]), rtol=1e-5)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     assert float(aux["dropped_fraction"]) == 0
     np.testing.assert_allclose(float(aux["load_balance_loss"]), float(want_aux["load_balance_loss"]), rtol=1e-5)

@@ -2,8 +2,10 @@
 (jaxtrain.models.mla), the first `first_k_dense_replace` layers dense, the rest a sigmoid-scored mixture of routed
 experts with group-limited top-k, a correction bias on the choice, routed_scaling_factor, and shared experts.
 
-The multi-token prediction modules DeepSeek's checkpoints hold after the last layer (`num_nextn_predict_layers`)
-are not read: transformers skips them too.
+The multi-token prediction modules after the last layer (`num_nextn_predict_layers`, model.mtp_layers) are read
+and written under DeepSeek's names: `model.layers.<n_layers + k>.` {enorm, hnorm, eh_proj, shared_head.norm} and
+the block's own. Their copies of the embedding and the head (`embed_tokens`, `shared_head.head`) are written from
+the model's and not read back: the modules share the model's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ EXPERTS = {
     ("mlp", "w_down"): ("mlp.experts.{e}.down_proj.weight", 1),
 }
 SHARED = {("shared_mlp", f"w_{p}"): (f"mlp.shared_experts.{p}_proj.weight", 1) for p in ("gate", "up", "down")}
+
+
+# A prediction module's own tensors (transformer.Predictor), beside its block's.
+PREDICTOR = {("enorm", "scale"): ("enorm.weight", None), ("hnorm", "scale"): ("hnorm.weight", None),
+             ("eh_proj",): ("eh_proj.weight", 1), ("norm", "scale"): ("shared_head.norm.weight", None)}
+SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
 def from_hf(c: base.HFConfig) -> dict:
@@ -65,7 +73,8 @@ def from_hf(c: base.HFConfig) -> dict:
             "n_shared_experts": c.size("n_shared_experts") if c.get("n_shared_experts") else 0,
             "moe_score": "sigmoid", "moe_score_bias": True, "moe_groups": groups, "moe_topk_groups": topk_groups,
             "moe_routed_scale": c.number("routed_scaling_factor", 1.0),
-            "moe_renormalize": bool(c.get("norm_topk_prob", True)), "moe_routing": "dropless"}
+            "moe_renormalize": bool(c.get("norm_topk_prob", True)), "moe_routing": "dropless",
+            "mtp_layers": c.size("num_nextn_predict_layers") if c.get("num_nextn_predict_layers") else 0}
 
 
 def to_hf(cfg) -> dict:
@@ -78,7 +87,7 @@ def to_hf(cfg) -> dict:
             "n_group": cfg.moe_groups, "topk_group": cfg.moe_topk_groups,
             "routed_scaling_factor": cfg.moe_routed_scale, "norm_topk_prob": cfg.moe_renormalize,
             "first_k_dense_replace": cfg.first_dense_layers, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-            "num_nextn_predict_layers": 0, "attention_bias": False}
+            "num_nextn_predict_layers": cfg.mtp_layers, "attention_bias": False}
 
 
 def weights(cfg) -> dict:
@@ -86,10 +95,23 @@ def weights(cfg) -> dict:
     table = base.table({**NORMS, **attention, **EXPERTS, **(SHARED if cfg.n_shared_experts else {})})
     dense = {("dense_blocks", *path): (f"model.layers.{{i}}.{name}", layout)
              for path, (name, layout) in {**NORMS, **attention, **base.MLP}.items()}
-    return {**table, **dense}
+    block = {**NORMS, **attention, **EXPERTS, **(SHARED if cfg.n_shared_experts else {})}
+    mtp = {("mtp", *path): (f"model.layers.{{i}}.{name}", layout)
+           for path, (name, layout) in {**PREDICTOR, **{("block", *p): v for p, v in block.items()}}.items()}
+    return {**table, **dense, **mtp}
+
+
+def copies(cfg) -> dict:
+    """Tensors an export writes as copies of others ({name: the name it copies}): each prediction module's
+    embedding and head, which DeepSeek's checkpoints hold."""
+    return {f"model.layers.{i}.{name}": source for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers)
+            for name, source in SHARED_COPIES.items()}
 
 
 def skipped(name: str, fields: dict) -> bool:
-    """The multi-token prediction layers after the last one (model.layers.<n_layers + j>.*), not read."""
-    match = re.match(r"model\.layers\.(\d+)\.", name)
-    return match is not None and int(match.group(1)) >= fields["n_layers"]
+    """Not read: the prediction modules' copies of the embedding and head, and the modules past
+    fields["mtp_layers"] (those a run leaves out)."""
+    match = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+    if match is None or int(match.group(1)) < fields["n_layers"]:
+        return False
+    return match.group(2) in SHARED_COPIES or int(match.group(1)) >= fields["n_layers"] + fields["mtp_layers"]
