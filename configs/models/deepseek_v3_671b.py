@@ -2,7 +2,8 @@ r"""DeepSeek-V3 (`deepseek-ai/DeepSeek-V3-Base`, model_type deepseek_v3): d_mode
 dense, SwiGLU width 18432), 128 heads of multi-head latent attention (q latent 1536, kv latent 512, 128 + 64 rotated
 query/key dims, values of 128; YaRN x40 from 4096 positions with mscale 1), 256 routed experts of width 2048 in 8
 groups (4 chosen) plus 1 shared, top-8 sigmoid routing with the correction bias and gates scaled by 2.5, vocab
-129280 untied; 671B parameters, 37B active per token. Its multi-token prediction module is not read.
+129280 untied; 671B parameters, 37B active per token. Its multi-token prediction module (one more MoE layer, 11.6B
+without its copies of the embedding and head) trains beside it with the paper's final weight, 0.1.
 
 The weights come from the Hugging Face checkpoint (bf16; DeepSeek's fp8 release needs converting first):
 `--config.model.init_from=DIR`, with data prepared by its tokenizer. Continued pretraining on GPUs: 1024 x 4096
@@ -28,6 +29,7 @@ def get_config():
                    dense_d_ff=18432, d_ff=2048, n_experts=256, n_shared_experts=1, moe_top_k=8, moe_score="sigmoid",
                    moe_score_bias=True, moe_groups=8, moe_topk_groups=4, moe_routed_scale=2.5, moe_renormalize=True,
                    moe_routing="dropless", moe_dispatch="all_to_all", moe_bias_rate=0.001, moe_aux_weight=0.0,
+                   mtp_layers=1, mtp_loss_weight=0.1,
                    remat="dots_with_no_batch_dims_saveable", loss_chunk_tokens=4096)
     c.train.update(batch_size=1024, seq_len=4096, microbatches=2, steps=5000)
     c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1, rules="fsdp")

@@ -13,6 +13,9 @@ RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "models").gl
 PARAMS = {"llama3_1b": 1.24, "llama3_8b": 8.03, "qwen3_0_6b": 0.60, "qwen3_8b": 8.19, "mistral_7b": 7.25,
           "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7, "qwen3_moe_30b_a3b": 30.5,
           "deepseek_v3_671b": 671, "moonlight_16b_a3b": 16.0}
+# The multi-token prediction modules' (DeepSeek-V3's card: 14B, counting the module's own copies of the embedding and
+# head, which the model's are here).
+MTP_PARAMS = {"deepseek_v3_671b": 14}
 
 
 def n_params(m) -> float:
@@ -28,7 +31,8 @@ def n_params(m) -> float:
     norms = d * (4 if m.post_norms else 2)
     embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
     dense = m.first_dense_layers * (attn + 3 * d * m.dense_d_ff + norms)
-    return ((m.n_layers - m.first_dense_layers) * (attn + mlp + norms) + dense + embed + d) / 1e9
+    mtp = m.mtp_layers * (attn + mlp + norms + 3 * d + 2 * d * d)  # + 2 input norms, a final one, the projection
+    return ((m.n_layers - m.first_dense_layers) * (attn + mlp + norms) + dense + embed + d) / 1e9, mtp / 1e9
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -36,7 +40,10 @@ def test_recipe_validates_with_the_published_size(path):
     cfg = files.run_python_file(path, "get_config", field="--config")
     config_lib.validate(cfg, 8)
     assert families.get(cfg.model.family) is not None
-    assert n_params(cfg.model) == pytest.approx(PARAMS[path.stem], rel=0.01)
+    model, mtp = n_params(cfg.model)
+    assert model == pytest.approx(PARAMS[path.stem], rel=0.01)
+    copies = cfg.model.mtp_layers * 2 * cfg.model.vocab_size * cfg.model.d_model / 1e9
+    assert mtp + copies == pytest.approx(MTP_PARAMS.get(path.stem, 0), rel=0.05)
 
 
 def test_every_recipe_is_listed():
@@ -55,4 +62,4 @@ def test_fine_tuning_recipes_validate_on_the_cpu_model_and_the_8b_ones(recipe):
         assert cfg.train.objective == ("dpo" if recipe.startswith("dpo") else "lm")
         if model:
             published = files.run_python_file(RECIPES[0].parent / f"{model}.py", "get_config", field="--config")
-            assert n_params(cfg.model) == n_params(published.model) == pytest.approx(PARAMS[model], rel=0.01)
+            assert n_params(cfg.model)[0] == n_params(published.model)[0] == pytest.approx(PARAMS[model], rel=0.01)
