@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import faults
+from jaxtrain import step as step_lib
 from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.errors import CheckpointError, NonFiniteLoss, Preempted
 from jaxtrain.fields import Group
@@ -129,6 +131,35 @@ class LogHook(Hook):
                    f"lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
                    f"MFU {100 * mfu:.1f}%{extra} | ETA {_duration(eta)}")
         self.last_step, self.last_time, self.last_wait = step, now, self.clock.data_wait_s
+
+
+class ExpertLoadHook(Hook):
+    """A mixture of experts' per-expert load, every `every` steps: one line of `path` (JSON) with the step and each
+    layer's experts' shares of its assignments over the steps since the last line, as multiples of an even share
+    (1 = balanced; model order, the prediction modules' layers last). Summed on the device, by every process (the
+    loads are global arrays); fetched and written by process 0 (`write`)."""
+
+    def __init__(self, path: Path, every: int, start_step: int, write: bool = True):
+        self.path, self.every, self.write = path, every, write
+        self.rewind(start_step)
+
+    def rewind(self, step):
+        self.total = None
+
+    def __call__(self, step, state, metrics, batch):
+        load = metrics.get(step_lib.EXPERT_LOAD)
+        if load is None:
+            return
+        load = jnp.where(metrics["finite"], load, 0)  # on the device: a skipped step's routing does not count
+        self.total = load if self.total is None else self.total + load
+        if step % self.every:
+            return
+        if self.write:
+            load = np.asarray(jax.device_get(self.total), np.float64)
+            shares = load * load.shape[-1] / np.maximum(load.sum(axis=-1, keepdims=True), 1.0)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "load": np.round(shares, 4).tolist()}) + "\n")
+        self.total = None
 
 
 class NonFiniteGuard(Hook):
@@ -429,6 +460,8 @@ def build(config, *, workdir: Path, start_step: int, checkpointer, data_iterator
     if profiled := profiling.parse_steps(config.log.profile_steps):
         hooks.append(ProfileHook(*profiled, workdir / "profile", start_step=start_step, print_fn=print_fn,
                                  hlo_text=hlo_text if is_main else None))
+    if config.model.n_experts:
+        hooks.append(ExpertLoadHook(workdir / "expert_load.jsonl", config.log.every_steps, start_step, is_main))
     if config.log.fingerprints:
         hooks.append(FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
                                      data_pipeline.tokens_per_batch_fingerprint))

@@ -103,6 +103,10 @@ def sum_with_feedback(grads, residual, dtype):
     return tree.unflatten([p[0] for p in pairs]), tree.unflatten([p[1] for p in pairs])
 
 
+# The step's per-layer, per-expert assignment counts [layers, experts] (a mixture of experts'), beside its scalars.
+EXPERT_LOAD = "expert_load"
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedule: Callable,
                     microbatches: int, mesh, rules, aux_weight: float = 0.0, param_shardings=None,
                     offload: bool = False, lora: bool = False, loss: objectives.Loss | None = None,
@@ -192,7 +196,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             trained, opt_state, residual = unless_non_finite(finite, update, (trained, opt_state, residual),
                                                              mesh_lib.compile_platform())
             params = whole(trained)
-            # Per-layer, per-expert assignments: for the balancing hook, not a scalar to report.
+            # Per-layer, per-expert assignments: for the balancing hook and hooks.ExpertLoadHook, not a scalar.
             expert_load = aux.pop("moe/expert_load", None)
             if rebalance is not None and expert_load is not None:
                 params = rebalance(params, expert_load, finite)
@@ -204,6 +208,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
             # "loss" is the objective alone (comparable with eval_loss); the MoE terms are reported apart.
             metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state["step"]),
                        "finite": finite, "tokens": total, **aux}
+            if expert_load is not None:
+                metrics[EXPERT_LOAD] = expert_load
             return new_state, metrics
 
     return train_step

@@ -3,6 +3,7 @@ reference, expert sharding on 8 devices against one device, and config guards; d
 against the dense reference, alone, under vmap and on 8 devices."""
 
 import functools
+import json
 import math
 import re
 
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jaxtrain import hooks as hooks_lib
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.models import moe
 from jaxtrain.models.transformer import ModelConfig
@@ -748,7 +750,7 @@ def test_tokamax_on_gpus_refuses_a_release_older_than_jax_s_mosaic_gpu_api(monke
         model_config.check_backend(cfg.model, "gpu")
 
 
-def test_aux_loss_free_balancing_moves_each_router_bias_by_the_rate_and_evens_the_load(tiny_config):
+def test_aux_loss_free_balancing_moves_each_router_bias_by_the_rate_and_evens_the_load(tiny_config, tmp_path):
     """model.moe_bias_rate (DeepSeek-V3's balancing without an auxiliary loss): a step moves each layer's correction
     bias by +rate for the experts that took fewer assignments than the layer's mean and -rate for those that took
     more (numpy, from a forward pass's loads on the step's params). With the learning rate near 0 and every
@@ -777,11 +779,19 @@ def test_aux_loss_free_balancing_moves_each_router_bias_by_the_rate_and_evens_th
     want = skew + rate * np.sign(load.mean(axis=-1, keepdims=True) - load)
     state, first = trainer.train_step(state, batches[0])
     np.testing.assert_array_equal(np.asarray(state["params"]["blocks"]["mlp"]["score_bias"]), want)
+    # The per-expert load (hooks.ExpertLoadHook, the run's expert_load.jsonl): each layer's shares of its
+    # assignments as multiples of an even share, summed over the logged steps, a skipped step's left out.
+    path = tmp_path / "expert_load.jsonl"
+    load_hook = hooks_lib.ExpertLoadHook(path, every=2, start_step=0)
+    load_hook(1, state, first, None)
+    load_hook(2, state, {**first, "finite": jnp.bool_(False), "expert_load": first["expert_load"] * 7}, None)
+    shares = load.astype(np.float64) * 8 / load.sum(-1, keepdims=True)
+    assert json.loads(path.read_text()) == {"step": 2, "load": np.round(shares, 4).tolist()}
     for batch in batches[1:]:
         state, last = trainer.train_step(state, batch)
     assert float(first["moe/max_load"]) == pytest.approx(4.0)  # expert 0's half of the assignments x 8
     assert float(last["moe/max_load"]) < 1.6, float(last["moe/max_load"])  # 1.48 (2.90 after the first step)
-    assert "moe/expert_load" not in last  # for the hook, not a reported scalar
+    assert "moe/expert_load" not in last and last["expert_load"].shape == (2, 8)  # not a scalar: apart
 
 
 def test_the_sequence_wise_balance_loss_is_each_row_s_averaged():
