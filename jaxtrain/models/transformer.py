@@ -380,12 +380,15 @@ class Transformer(nnx.Module):
         """An empty K/V cache for `decode` (the module-level `init_cache` for this model's config)."""
         return init_cache(self.cfg, batch, length)
 
-    def decode(self, tokens, cache, start, last_index=None):
+    def decode(self, tokens, cache, start, last_index=None, left_pad=None):
         """Runs `tokens` [B, T] at positions start..start+T-1 (every row alike) against `cache` (`init_cache`),
         T <= cache length. Returns (logits [B, vocab] of the token at `last_index` (default T-1), new cache).
 
         The cache is a ring buffer: each query attends to the newest cache-length positions up to its own. With
-        "k_local" (`init_cache`) the sliding-window layers have their own ring of `sliding_window` slots."""
+        "k_local" (`init_cache`) the sliding-window layers have their own ring of `sliding_window` slots.
+        `left_pad` (int [B], default none): rows of different lengths end together, row b's first left_pad[b]
+        positions being padding that no other query sees; its RoPE positions are shifted down by left_pad[b], so
+        each row computes what it would alone from position 0 (jaxtrain.models.rollout)."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         batch, t = tokens.shape
@@ -397,10 +400,12 @@ class Transformer(nnx.Module):
         slot_positions = end - (end - jnp.arange(cache_len, dtype=jnp.int32)) % cache_len
         query, key = positions[:, None], slot_positions[None, :]
         # key >= 0: slots not written yet (or written with a padded prefill's future) stay invisible.
-        mask = (key >= 0) & (key <= query) & (query - key < cache_len)
+        mask = hide_left_pad((key >= 0) & (key <= query) & (query - key < cache_len), query, key, left_pad)
 
         x = self.embed_tokens(tokens).astype(dt)
         batch_positions = jnp.broadcast_to(positions, (batch, t))
+        if left_pad is not None:
+            batch_positions = batch_positions - jnp.asarray(left_pad, jnp.int32)[:, None]
         block_def, block_state = nnx.split(self.blocks)
         # The blocks may be stored in a pipeline's order (layer_order): the loop runs the model's layers in order,
         # each read from where it is stored, and the cache holds them in the model's order.
@@ -412,7 +417,8 @@ class Transformer(nnx.Module):
         # Positions past the trained length have no lookup table: computed here.
         tables = rotary(batch_positions, rope_frequencies(cfg)), rotary(batch_positions, rope_frequencies(cfg, True))
         if "k_local" in cache:
-            x, cache = self._layers_with_rings(x, cache, block, stored_at, tables, mask, slots, positions, last_index)
+            x, cache = self._layers_with_rings(x, cache, block, stored_at, tables, mask, slots, positions, last_index,
+                                               left_pad)
             return self._logits(x, last_index), cache
 
         slides = np.zeros(cfg.n_layers, bool) if local is None else local
@@ -421,20 +427,20 @@ class Transformer(nnx.Module):
         def layer(x, layer_in):
             at, slide, layer_cache = layer_in
             pick = lambda a, b: jnp.where(slide, b, a)
-            return block(at).decode(x, jax.tree.map(pick, *tables), pick(*masks)[None, None], layer_cache, slots)
+            return block(at).decode(x, jax.tree.map(pick, *tables), pick(*masks)[:, None], layer_cache, slots)
 
         if dense:  # no sliding windows with them (config validation)
             dense_def, dense_state = nnx.split(self.dense_blocks)
             first_cache = jax.tree.map(lambda c: c[:dense], cache)
             x, first = jax.lax.scan(lambda x, xs: nnx.merge(dense_def, xs[0]).decode(
-                x, tables[0], mask[None, None], xs[1], slots), x, (dense_state, first_cache))
+                x, tables[0], mask[:, None], xs[1], slots), x, (dense_state, first_cache))
             cache = jax.tree.map(lambda c: c[dense:], cache)
         x, cache = jax.lax.scan(layer, x, (stored_at, jnp.asarray(slides[dense:]), cache))
         if dense:
             cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, cache)
         return self._logits(x, last_index), cache
 
-    def _layers_with_rings(self, x, cache, block, stored_at, tables, mask, slots, positions, last_index):
+    def _layers_with_rings(self, x, cache, block, stored_at, tables, mask, slots, positions, last_index, left_pad):
         """`decode`'s layers when the sliding-window layers keep only their window: a global layer reads and
         writes cache["k"/"v"] as there; a local layer attends to its ring (the `sliding_window` positions before
         this call) and the new keys, then keeps the newest real ones. A lax.cond per layer picks the kind."""
@@ -443,7 +449,8 @@ class Transformer(nnx.Module):
         before = positions[0] - 1  # the ring holds, in slot s, the newest p <= before with p % window == s
         ring_positions = before - (before - jnp.arange(window, dtype=jnp.int32)) % window
         query, key = positions[:, None], jnp.concatenate([ring_positions, positions])[None, :]
-        ring_mask = (key >= 0) & (key <= query) & (query - key < cfg.sliding_window)
+        ring_mask = hide_left_pad((key >= 0) & (key <= query) & (query - key < cfg.sliding_window), query, key,
+                                  left_pad)
         # The ring keeps the newest `keep` new tokens up to the last real one (a padded prefill's padding would
         # push the prompt out); padding it keeps sits in slots that read as unwritten until decoding fills them.
         keep = min(t, window)
@@ -461,7 +468,7 @@ class Transformer(nnx.Module):
                 def branch(x, caches):
                     names = f"k{kind}", f"v{kind}"
                     k, v = (jax.lax.dynamic_index_in_dim(caches[n], i, keepdims=False) for n in names)
-                    x, new = block(at).decode(x, table, mask[None, None], {"k": k, "v": v}, slots, ring_from)
+                    x, new = block(at).decode(x, table, mask[:, None], {"k": k, "v": v}, slots, ring_from)
                     return x, {**caches, **{n: jax.lax.dynamic_update_index_in_dim(caches[n], new[n[0]], i, 0)
                                             for n in names}}
                 return branch
@@ -475,6 +482,15 @@ class Transformer(nnx.Module):
     def _logits(self, x, last_index):
         x = self.final_norm(x[:, x.shape[1] - 1 if last_index is None else last_index])
         return self.cap(project(x, self.head().astype(jnp.dtype(self.cfg.dtype))))
+
+
+def hide_left_pad(mask, query, key, left_pad):
+    """`decode`'s mask [T, keys] -> [1 or B, T, keys]: with `left_pad` [B], row b's keys before left_pad[b] hidden.
+    A padding query still sees itself, so that no softmax runs over nothing."""
+    if left_pad is None:
+        return mask[None]
+    left_pad = jnp.asarray(left_pad, jnp.int32)[:, None, None]
+    return mask[None] & ((key[None] >= left_pad) | (key == query)[None])
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout, count: int, dense: bool = False):
@@ -559,18 +575,22 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
     """Empty K/V cache for `Transformer.decode`: {"k", "v"}: [layers, batch, length, kv_heads, head_dim]. When
     the sliding window is shorter than `length`, those layers get their own ring instead, {"k_local",
     "v_local"}: [local layers, batch, sliding_window, ...], and "k", "v" hold the global layers (a 1-slot
-    placeholder when there are none). Latent attention caches its latents instead (jaxtrain.models.mla.init_cache)."""
+    placeholder when there are none). Latent attention caches its latents instead (jaxtrain.models.mla.init_cache).
+    Traced inside `activation_sharding`, the cache is split like the activations: rows over the batch axes, heads
+    over the tensor axis."""
     if cfg.kv_lora_rank:
-        return mla.init_cache(cfg, cfg.n_layers, batch, length)
+        cache = mla.init_cache(cfg, cfg.n_layers, batch, length)
+        return {name: constrain(c, (None, "batch")) for name, c in cache.items()}
     local = local_layers(cfg)
     tail = (cfg.n_kv_heads, cfg.head_dim)
     if local is None or cfg.sliding_window >= length:
-        shape = (cfg.n_layers, batch, length, *tail)
-        return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
-    n_global = cfg.n_layers - int(local.sum())
-    shapes = {"": (max(n_global, 1), batch, length if n_global else 1, *tail),
-              "_local": (int(local.sum()), batch, cfg.sliding_window, *tail)}
-    return {f"{kv}{kind}": jnp.zeros(shape, cfg.dtype) for kind, shape in shapes.items() for kv in "kv"}
+        shapes = {"": (cfg.n_layers, batch, length, *tail)}
+    else:
+        n_global = cfg.n_layers - int(local.sum())
+        shapes = {"": (max(n_global, 1), batch, length if n_global else 1, *tail),
+                  "_local": (int(local.sum()), batch, cfg.sliding_window, *tail)}
+    return {f"{kv}{kind}": constrain(jnp.zeros(shape, cfg.dtype), (None, "batch", None, "act_kv_heads"))
+            for kind, shape in shapes.items() for kv in "kv"}
 
 
 def build(cfg: ModelConfig, seed: int, layout: Layout = Layout()) -> Transformer:
