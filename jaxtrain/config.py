@@ -70,7 +70,8 @@ class Resolved:
     """What `validate` resolved from a config, for the run to be built from (jaxtrain.trainer.build_trainer).
     `mesh_shape`, `rules` and `dcn`: the mesh (jaxtrain.parallel.mesh); `data_parallel`: how many ways the batch
     is split; `model`: the ModelConfig with its `auto` dtypes resolved for `backend`; `layout`: how the model
-    runs (pipeline, remat, gradient-reduction dtype); `objective`: train.objective's declaration."""
+    runs (pipeline, remat, gradient-reduction dtype); `objective`: train.objective's declaration; `reference`:
+    whether its state keeps the frozen reference model (objectives.uses_reference)."""
     mesh_shape: dict
     rules: dict
     dcn: dict
@@ -79,6 +80,7 @@ class Resolved:
     model: model_lib.ModelConfig
     layout: model_lib.Layout
     objective: objectives.Objective
+    reference: bool = False
 
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1,
@@ -136,7 +138,8 @@ def resolve(cfg: ml_collections.ConfigDict, mesh_shape: dict, rules: dict, backe
     full_shape = {axis: mesh_shape.get(axis, 1) for axis in mesh.AXES}  # a test's mesh may name some axes only
     return Resolved(mesh_shape=mesh_shape, rules=rules, dcn=dcn or {},
                     data_parallel=mesh.data_parallel_size(full_shape, rules), backend=backend,
-                    model=model_config(cfg, backend), layout=layout(cfg), objective=objectives.get(cfg.train.objective))
+                    model=model_config(cfg, backend), layout=layout(cfg), objective=objectives.get(cfg.train.objective),
+                    reference=objectives.uses_reference(cfg))
 
 
 def _check_error_feedback(cfg: ml_collections.ConfigDict, shape: dict, rules: dict) -> None:

@@ -230,6 +230,8 @@ class EvalHook(Hook):
     def run(self, step, state):
         with self.clock.paused():
             losses = self.evaluate(state)
+        if not losses:  # nothing to evaluate on (an RL objective's prompts have no eval batches yet)
+            return
         self._record(step, losses)
         self.writer.write_scalars(step, losses)
         self.print(f"eval @ step {step}: " + " | ".join(f"{metric} {loss:.4f}" for metric, loss in losses.items()))

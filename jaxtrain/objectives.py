@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxtrain import rewards as rewards_lib
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import cross_entropy
 from jaxtrain.models import dpo as dpo_lib
+from jaxtrain.models import grpo as grpo_lib
 from jaxtrain.models.cross_entropy import linear_cross_entropy
 from jaxtrain.models.layers import ahead
 
@@ -29,8 +31,8 @@ from jaxtrain.models.layers import ahead
 MTP_LOSS = "mtp/loss"
 
 # What a prepared data dir holds (its manifest says which): token streams of documents (chat data adds loss
-# weights), or preference pairs (`prepare --preference`).
-DATA_KINDS = ("documents", "pairs")
+# weights), preference pairs (`prepare --preference`), or prompts to sample from (`prepare --prompts`).
+DATA_KINDS = ("documents", "pairs", "prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +59,9 @@ class Objective:
     """`loss(group)`: the Loss for the objective's config group (`cfg.<name>`, or None without one).
     `config`: that group's defaults ({}: no group); `check_config(group)` raises ConfigError naming a bad field.
     `data`: the kind of data dir it trains on (DATA_KINDS); `batch_keys`: what its batches need beyond tokens,
-    positions and segment ids. `reference`: its extra state, the frozen starting trained weights (the state's
-    "reference"; under LoRA the starting adapters only), whose log-probs the step adds to each batch.
+    positions and segment ids (int32, unless `float_keys` names them). `reference`: its extra state, the frozen
+    starting trained weights (the state's "reference"; under LoRA the starting adapters only), whose log-probs the
+    step adds to each batch; True, or a function of its config group (`uses_reference`).
     `extra_bytes_per_param`: its memory per matmul parameter beyond the model's and the optimizer's, when every
     parameter trains (the fit check, `jaxtrain.memory`). `metrics`: what its loss reports besides the loss."""
     name: str
@@ -67,7 +70,8 @@ class Objective:
     check_config: Callable | None = None
     data: str = "documents"
     batch_keys: tuple[str, ...] = ()
-    reference: bool = False
+    float_keys: tuple[str, ...] = ()
+    reference: bool | Callable = False
     extra_bytes_per_param: int = 0
     metrics: dict[str, Metric] = dataclasses.field(default_factory=dict)
 
@@ -108,6 +112,14 @@ def by_data() -> dict[str, list[str]]:
     for objective in registered():
         kinds.setdefault(objective.data, []).append(objective.name)
     return kinds
+
+
+def uses_reference(config) -> bool:
+    """Whether train.objective's state keeps the frozen reference model, for this config."""
+    objective = get(config.train.objective)
+    if callable(objective.reference):
+        return bool(objective.reference(config[objective.name]))
+    return objective.reference
 
 
 def loss_of(config) -> Loss:
@@ -170,16 +182,19 @@ def _cross_entropy_sum(model, x, targets, weights):
     return jnp.sum(ce * weights)
 
 
-def token_log_probs(graphdef, params, batch):
-    """(each scored token's log-probability times its weight, f32 [B, T]; the model's aux scalars)."""
+def token_log_probs(graphdef, params, batch, temperature: float = 1.0):
+    """(each scored token's log-probability times its weight, f32 [B, T]; the model's aux scalars). `temperature`:
+    of softmax(logits / temperature), the distribution an RL objective's rollouts sampled from."""
     model = nnx.merge(graphdef, params)
     targets, weights = next_token_targets(batch)
     if _fused_head(model):
         x, aux = model.hidden(*model_inputs(batch))
-        log_probs = cross_entropy.token_log_probs(x, model.head(), targets, model.cfg.loss_chunk_tokens, x.dtype)
+        head = model.head() if temperature == 1.0 else model.head() / temperature
+        log_probs = cross_entropy.token_log_probs(x, head, targets, model.cfg.loss_chunk_tokens, x.dtype)
     else:
         out, aux = model.forward(*model_inputs(batch))
-        log_probs = jnp.take_along_axis(jax.nn.log_softmax(out.astype(jnp.float32)), targets[..., None], -1)[..., 0]
+        scaled = out.astype(jnp.float32) / temperature
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled), targets[..., None], -1)[..., 0]
     return log_probs * weights, aux
 
 
@@ -204,6 +219,26 @@ def dpo_loss(beta: float, label_smoothing: float = 0.0) -> Loss:
     return Loss(terms, lambda batch: dpo_lib.count_pairs(batch["segment_ids"]))
 
 
+def grpo_loss(group) -> Loss:
+    """GRPO's policy loss (jaxtrain.models.grpo) over rollout batches (jaxtrain.rollouts): the completion tokens
+    are the loss weights, each row's advantage rides in "advantages" (constant along the row). On-policy: one
+    optimizer step per rollout batch, so the ratio's denominator is the policy itself, undifferentiated."""
+    options = dict(epsilon_low=group.epsilon_low, epsilon_high=group.epsilon_high, delta=group.delta or None,
+                   beta=group.beta, kl_bias_correction=group.kl_bias_correction,
+                   importance_level=group.importance_level, loss_type=group.loss_type,
+                   max_completion_length=group.max_completion_tokens)
+
+    def terms(graphdef, params, batch):
+        log_probs, aux = token_log_probs(graphdef, params, batch, group.temperature)  # as TRL: the sampled policy's
+        mask = next_token_targets(batch)[1]
+        loss_sum, count, metrics = grpo_lib.policy_terms(
+            log_probs, None, mask, batch["advantages"][:, 0], ref_logp=batch.get("reference_log_probs"), **options)
+        return loss_sum, {k: v * count for k, v in metrics.items()}, aux  # means -> sums (the step divides)
+
+    return Loss(terms, lambda batch: grpo_lib.count(next_token_targets(batch)[1], group.loss_type,
+                                                    group.max_completion_tokens))
+
+
 LANGUAGE_MODEL = register(Objective("lm", _language_model, metrics={
     MTP_LOSS: Metric("multi-token prediction loss", 1.0, "mtp {:.4f}")}))  # only where model.mtp_layers > 0
 DPO = register(Objective(
@@ -213,3 +248,13 @@ DPO = register(Objective(
     extra_bytes_per_param=4,
     metrics={"dpo/accuracy": Metric("preference accuracy (%)", 100.0, "pref acc {:.1f}%"),
              "dpo/margin": Metric("reward margin", 1.0, "margin {:.3f}")}))
+GRPO = register(Objective(
+    "grpo", grpo_loss, config={**grpo_lib.CONFIG, **rewards_lib.CONFIG},
+    check_config=lambda group: (grpo_lib.check_config(group), rewards_lib.check_group(group)), data="prompts",
+    batch_keys=("loss_weights", "advantages"), float_keys=("advantages",),
+    reference=lambda group: group.beta > 0,  # the KL penalty's; free under LoRA (the base with adapters off)
+    extra_bytes_per_param=4,
+    metrics={"grpo/reward": Metric("reward (mean)", 1.0, "reward {:.3f}"),
+             "grpo/clip_region": Metric("clipped ratios (%)", 100.0),
+             "grpo/completion_tokens": Metric("completion length (tokens)", 1.0, "len {:.0f}"),
+             "grpo/sampler_tokens_per_sec": Metric("sampler tokens/s", 1.0, "sampler {:,.0f} tok/s")}))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain import compat, errors, faults, memory, objectives, storage
+from jaxtrain import compat, errors, faults, memory, objectives, rewards, rollouts, storage
 from jaxtrain import config as config_lib
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import workdir as workdir_lib
@@ -57,13 +57,13 @@ def run(config, print_fn=print, writers=()) -> dict:
                 "nothing to do")
             checkpointer.close()
             return {"finished": True, "step": latest, "resumed": True}
-        train_iter, eval_data = data_iterators(config, data.dir)
+        train_iter, eval_data = data_iterators(config, data, trainer)
         start, state = restore_or_init(config, trainer, checkpointer, latest, train_iter, say)
         if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
             wd.record_config(tracking.redact(config.to_dict()))
         checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs
         writer = metric_writer(config, wd.path, writers, is_main)
-        train_step = compile_step(config, trainer, data.dir, say, t_start)
+        train_step = compile_step(config, trainer, data.dir, resolved.objective, say, t_start)
         hooks = make_hooks(config, trainer, wd.path, start, checkpointer, train_iter, eval_data, writer,
                            train_step, resolved.objective, say, is_main)
         loop = Loop(trainer, train_step, train_iter, checkpointer, hooks, lambda: fresh_state(config, trainer),
@@ -150,6 +150,8 @@ def check_data(config, resolved: config_lib.Resolved) -> Data:
     pipeline.check_conversations_fit(ddir, config.train.seq_len)
     pipeline.check_data_kind(ddir, resolved.objective.name, resolved.objective.data, objectives.by_data(),
                              config.data.mixture, config.eval.sets)
+    if resolved.objective.data == "prompts":  # the rows rollouts fill, and the rewards they are scored by
+        rollouts.check(config, ddir)
     if config.model.init_from:
         hf.check_tokenizer(config.model.init_from, layout.local_tokenizer_dir(ddir) if storage.is_url(ddir) else ddir)
     return Data(ddir, tok)
@@ -183,10 +185,15 @@ def resumable_step(config, wd, checkpointer) -> int:
     return latest
 
 
-def data_iterators(config, ddir: str):
+def data_iterators(config, data: Data, trainer):
     """(the train iterator, reported metric -> its eval batches: data.dir's held-out split, then each of
-    eval.sets). One data position for all processes: see jaxtrain/data/pipeline.py."""
-    t = config.train
+    eval.sets). One data position for all processes: see jaxtrain/data/pipeline.py. An RL objective's
+    iterator is its rollouts of the current weights (jaxtrain.rollouts), with no eval batches yet."""
+    t, ddir = config.train, data.dir
+    if pipeline.data_kind(ddir) == "prompts":
+        pool = rewards.RewardPool(config.grpo.rewards, timeout_s=config.grpo.reward_timeout_s,
+                                  workers=config.grpo.reward_workers)
+        return rollouts.RolloutSource(config, trainer, ddir, data.tokenizer, pool), {}
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_iter = pipeline.train_iterator(ddir, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed,
                                          mixture=config.data.mixture, num_workers=config.data.num_workers, **hosts)
@@ -248,13 +255,16 @@ def metric_writer(config, workdir, writers, is_main: bool):
     return writer
 
 
-def compile_step(config, trainer, ddir: str, say, t_start: float):
+def compile_step(config, trainer, ddir: str, objective, say, t_start: float):
     """The train step compiled ahead of time for the data's batches: the first step is then a step, not a
     compile."""
     t = time.perf_counter()
-    abstract_batch = {k: jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len), jnp.int32,
+    keys = pipeline.batch_keys(ddir) if objective.data != "prompts" else (
+        "tokens", "positions", "segment_ids", *objective.batch_keys)
+    abstract_batch = {k: jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len),
+                                              jnp.float32 if k in objective.float_keys else jnp.int32,
                                               sharding=trainer.batch_sharding)
-                      for k in pipeline.batch_keys(ddir)}
+                      for k in keys}
     train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
     say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
     return train_step
@@ -349,9 +359,10 @@ def steps(loop: Loop, state, last: int, interrupt):
             for step in range(first, last + 1):
                 loop.step = step
                 t = time.perf_counter()
-                local = next(loop.train_iter)
+                local, host_metrics = next_batch(loop.train_iter, state, step)
                 loop.hooks.clock.data_wait_s += time.perf_counter() - t
                 state, metrics = loop.train_step(state, global_batch(local, loop.trainer.batch_sharding))
+                metrics = {**metrics, **host_metrics}
                 # At most two steps in flight: enough to overlap host work with the device, and it bounds the queue
                 # (hundreds of queued collectives time out XLA's CPU rendezvous on fake devices).
                 jax.block_until_ready(previous)
@@ -371,6 +382,14 @@ def steps(loop: Loop, state, last: int, interrupt):
                 hook.rewind(loop.step)
             loop.say(f"{rollback}: rolled back to step {loop.step}, skipping the batches up to step {rollback.step}")
     return state
+
+
+def next_batch(source, state, step: int) -> tuple[dict, dict]:
+    """(the step's process-local batch, host metrics): the data's next, or an RL objective's rollouts of the
+    current weights, sampled before the step takes (donates) them."""
+    if isinstance(source, rollouts.RolloutSource):
+        return source.batch(state["params"], step)
+    return next(source), {}
 
 
 def finish(loop: Loop, writer, record, total_steps: int) -> None:

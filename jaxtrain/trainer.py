@@ -163,11 +163,11 @@ def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Traine
     platform = (devices or jax.devices())[0].platform  # a deviceless GPU topology's too (jaxtrain.tools.plan)
     if platform != resolved.backend:
         raise ValueError(f"the config was resolved for {resolved.backend}, the devices are {platform}")
-    rules, model_cfg, objective = resolved.rules, resolved.model, resolved.objective
+    rules, model_cfg = resolved.rules, resolved.model
     mesh = mesh_lib.make_mesh(resolved.mesh_shape, devices, resolved.dcn)
     lora_run = bool(model_cfg.lora_rank)
     graphdef, abstract_state, shardings, init, optimizer = abstract_train_state(
-        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed, reference=objective.reference,
+        model_cfg, config.optim, config.train.steps, mesh, rules, config.train.seed, reference=resolved.reference,
         layout=resolved.layout)
     loss = objectives.loss_of(config)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
@@ -176,12 +176,12 @@ def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Traine
         step_lib.make_train_step(graphdef, optimizer, optim.schedule(config.optim, config.train.steps),
                                  config.train.microbatches, mesh, rules, aux_weight=model_cfg.moe_aux_weight,
                                  param_shardings=shardings["params"],
-                                 offload=config.optim.offload, lora=lora_run, loss=loss, reference=objective.reference,
+                                 offload=config.optim.offload, lora=lora_run, loss=loss, reference=resolved.reference,
                                  dropout_seed=config.train.seed if model_cfg.lora_dropout else None,
                                  rebalance=transformer.router_balancer(model_cfg, resolved.layout),
                                  mtp_weight=model_cfg.mtp_loss_weight if model_cfg.mtp_layers else 0.0),
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, replicated), donate_argnums=0)
-    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, loss, lora_run, objective.reference),
+    eval_step = jax.jit(step_lib.make_eval_step(graphdef, mesh, rules, loss, lora_run, resolved.reference),
                         in_shardings=(shardings["params"], shardings.get("reference"), batch_sharding),
                         out_shardings=replicated)
     return Trainer(mesh=mesh, rules=rules, model_cfg=model_cfg, graphdef=graphdef,

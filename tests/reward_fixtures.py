@@ -1,5 +1,6 @@
-"""Reward functions for tests/test_rewards.py, in a module of their own so that the pool's worker processes can
-import them (as `reward_fixtures`: the tests' directory is on sys.path, which the workers inherit)."""
+"""Reward functions for tests/test_rewards.py and tests/test_grpo.py, in a module of their own so that the pool's
+worker processes can import them (as `reward_fixtures`: the tests' directory is on sys.path, which the workers
+inherit)."""
 
 import os
 import time
@@ -60,3 +61,14 @@ def needs_a_missing_package(completion):
 
 
 needs_a_missing_package.requires = {"no_such_package_xyz": "no-such-package-xyz"}
+
+
+def digits_match(completion, answer):
+    """tests/test_grpo.py's: the share of the answer's digits the completion starts with, so that a tiny random
+    model's rollouts already differ in reward."""
+    digits = "".join(c for c in completion if c.isdigit())
+    return sum(a == b for a, b in zip(digits, answer)) / len(answer)
+
+
+def needs_a_field_the_prompts_lack(completion, solution):
+    return 0.0

@@ -90,15 +90,15 @@ def test_its_config_group_and_name_are_validated(smoothed, tiny_config):
     with pytest.raises(ConfigError, match=rf"^{NAME}\.epsilon: must be in \[0, 1\), got 1\.5"):
         config_lib.validate(tiny_config(**{"train.objective": NAME, f"{NAME}.epsilon": 1.5}), 8)
     assert config_lib.validate(tiny_config(**{"train.objective": NAME}), 8).objective is smoothed
-    with pytest.raises(ConfigError, match=rf"^train\.objective: 'smoothed' is not one of lm, dpo, {NAME}$"):
+    with pytest.raises(ConfigError, match=rf"^train\.objective: 'smoothed' is not one of lm, dpo, grpo, {NAME}$"):
         config_lib.validate(tiny_config(**{"train.objective": "smoothed"}), 8)
 
 
 def test_the_data_check_reads_the_declaration(smoothed, tiny_data_dir):
     """A documents objective refuses preference pairs and names the objectives for each kind of data."""
     suits = objectives.by_data()
-    assert suits == {"documents": ["lm", NAME], "pairs": ["dpo"]}
+    assert suits == {"documents": ["lm", NAME], "pairs": ["dpo"], "prompts": ["grpo"]}
     pipeline.check_data_kind(tiny_data_dir, NAME, "documents", suits)
-    with pytest.raises(ConfigError, match=rf"^train\.objective: 'dpo', but {tiny_data_dir} holds not preference "
-                                          rf"pairs; set it to lm or {NAME}, or prepare the data with --preference$"):
+    with pytest.raises(ConfigError, match=rf"^train\.objective: 'dpo', but {tiny_data_dir} holds documents; set "
+                                          rf"it to lm or {NAME}, or prepare the data with --preference$"):
         pipeline.check_data_kind(tiny_data_dir, "dpo", "pairs", suits)

@@ -152,7 +152,8 @@ def _check_numbering(split: str, names: list[str], bad) -> None:
 
 def prepared_from_sources(data_dir: str) -> bool:
     """Whether data_dir holds data made by `prepare --input` (rather than the default corpus)."""
-    return storage.exists(os.path.join(data_dir, MANIFEST)) and load_manifest(data_dir).get("corpus") == "sources"
+    return storage.exists(os.path.join(data_dir, MANIFEST)) and (
+        load_manifest(data_dir).get("corpus") == "sources" or load_manifest(data_dir).get("kind") == "prompts")
 
 
 def verified_tokenizer(data_dir: str) -> str:

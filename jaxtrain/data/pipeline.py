@@ -558,8 +558,10 @@ def check_conversations_fit(data_dir: str, seq_len: int) -> None:
 
 
 def data_kind(data_dir: str) -> str:
-    """What a prepared dir holds: "pairs" (prepare --preference) or "documents" (jaxtrain.objectives.DATA_KINDS)."""
-    return "pairs" if load_manifest(data_dir).get("pairs") else "documents"
+    """What a prepared dir holds: "pairs" (prepare --preference), "prompts" (prepare --prompts) or "documents"
+    (jaxtrain.objectives.DATA_KINDS)."""
+    manifest = load_manifest(data_dir)
+    return "prompts" if manifest.get("kind") == "prompts" else "pairs" if manifest.get("pairs") else "documents"
 
 
 def check_data_kind(data_dir: str, objective: str, kind: str, suits: dict, mixture: str = "",
@@ -572,10 +574,11 @@ def check_data_kind(data_dir: str, objective: str, kind: str, suits: dict, mixtu
     for path in dirs:
         held = data_kind(path)
         if held != kind:
-            what = "preference pairs (prepare --preference)" if held == "pairs" else "not preference pairs"
+            what = {"pairs": "preference pairs (prepare --preference)", "prompts": "prompts (prepare --prompts)",
+                    "documents": "documents"}[held]
             fix = " or ".join(suits.get(held, ())) or "another objective"
-            if held == "documents":
-                fix += ", or prepare the data with --preference"
+            if kind != "documents":
+                fix += f", or prepare the data with --{'preference' if kind == 'pairs' else kind}"
             raise ConfigError("train.objective", f"{objective!r}, but {path} holds {what}; set it to {fix}")
 
 

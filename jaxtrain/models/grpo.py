@@ -31,7 +31,9 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 CONFIG = dict(group_size=8, scale_rewards=True, reward_eps=1e-4, loss_type="dapo", epsilon_low=0.2,
               epsilon_high=0.2, delta=0.0, beta=0.0, kl_bias_correction=True, importance_level="token",
               max_completion_tokens=256, sampler_correction="none", sampler_clip_min=0.0, sampler_clip_max=3.0,
-              dynamic_sampling=False, overlong_cache=0)
+              dynamic_sampling=False, overlong_cache=0,
+              # The rollouts' sampling (models.rollout): the log-probs the loss compares are of logits / temperature.
+              temperature=1.0, top_p=1.0, top_k=0)
 
 
 def check_config(d) -> None:
@@ -59,6 +61,9 @@ def check_config(d) -> None:
     number("delta", lambda v: v == 0 or v > 1, "0 (off) or a number above 1")
     number("beta", lambda v: v >= 0, "a non-negative number")
     number("sampler_clip_max", lambda v: v > 0, "a positive number")
+    number("temperature", lambda v: v > 0, "a positive number (rollouts sample; 0 would be greedy)")
+    number("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+    number("top_k", lambda v: isinstance(v, int) and v >= 0, "a non-negative integer (0: off)")
     number("sampler_clip_min", lambda v: 0 <= v < d.sampler_clip_max, "a number in [0, sampler_clip_max)")
     choice("loss_type", LOSS_TYPES)
     choice("importance_level", IMPORTANCE_LEVELS)
@@ -190,6 +195,17 @@ def policy_terms(logp, old_logp, mask, advantages, *, ref_logp=None, sampler_wei
     if beta:
         metrics["grpo/kl"] = jnp.sum(jnp.where(mask > 0, kl, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
     return loss_sum, count, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def count(mask, loss_type: str, max_completion_length: int):
+    """What `policy_terms`' sum is divided by, for a batch's completion mask [N, T]: the rows that have completion
+    tokens (grpo), those tokens (bnpo, dapo), or those rows times max_completion_length (dr_grpo)."""
+    rows = jnp.sum(jnp.any(mask > 0, axis=-1).astype(jnp.float32))
+    if loss_type == "grpo":
+        return rows
+    if loss_type == "dr_grpo":
+        return rows * max_completion_length
+    return jnp.sum(mask.astype(jnp.float32))
 
 
 def policy_loss(logp, old_logp, mask, advantages, **options):

@@ -6,6 +6,7 @@ Usage:
   jaxtrain prepare --input hf:json:'docs/*.jsonl' tfds:my_corpus:1.0.0 --output DIR
   jaxtrain prepare --chat --input chats.jsonl --tokenizer HF_MODEL_DIR --max_len 2048 --output DIR
   jaxtrain prepare --preference --input pairs.jsonl --tokenizer HF_MODEL_DIR --max_len 4096 --output DIR
+  jaxtrain prepare --prompts --input prompts.jsonl --tokenizer HF_MODEL_DIR --heldout_prompts 100 --output DIR
   jaxtrain prepare --input 'docs/*.jsonl' --output gs://BUCKET/DIR    # prepared locally, then uploaded
   jaxtrain prepare --input 'docs/*.jsonl' --output DIR --runner DirectRunner   # the shards on Apache Beam
 """
@@ -13,7 +14,7 @@ Usage:
 from __future__ import annotations
 
 from jaxtrain import compat, storage
-from jaxtrain.data import corpus, encode, prepare, sources, writer
+from jaxtrain.data import corpus, encode, prepare, prompts, sources, writer
 from jaxtrain.tools import common
 
 
@@ -49,6 +50,11 @@ def _prepare(argv) -> int:
                         "on the assistant's tokens (docs/fine-tuning.md)")
     parser.add_argument("--preference", action="store_true", help="preference pairs for DPO ({\"prompt\", "
                         "\"chosen\", \"rejected\"}), as chat data weighted on the responses")
+    parser.add_argument("--prompts", action="store_true", help="prompts for RL (train.objective=grpo): JSONL "
+                        "records with a \"prompt\" (text, or chat messages rendered with the generation prompt) and "
+                        "any fields its rewards read, e.g. \"answer\" (docs/fine-tuning.md)")
+    parser.add_argument("--heldout_prompts", type=int, default=0, help="with --prompts: prompts held out for the "
+                        "generation evals")
     parser.add_argument("--chat_template", help="with --chat: a Jinja template file instead of the tokenizer's own")
     parser.add_argument("--max_len", type=int, help="with --chat: the most tokens a conversation keeps (train.seq_len); "
                         "with --preference: a pair's two sequences together")
@@ -63,6 +69,12 @@ def _prepare(argv) -> int:
     parser.add_argument("--truncate", choices=encode.TRUNCATE, default="left",
                         help="with --chat: a longer conversation loses its oldest tokens (left), or is dropped")
     args = parser.parse_args(argv)
+    if args.prompts:
+        if not args.input or storage.is_url(args.output):
+            parser.error("--prompts needs --input JSONL files and a local --output")
+        prompts.prepare_prompts(args.output, args.input, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                                max_prompt_tokens=args.max_len, heldout=args.heldout_prompts, seed=args.seed)
+        return 0
     chat = args.chat or args.preference
     if not chat and (args.chat_template or args.max_len):
         parser.error("--chat_template and --max_len apply to --chat and --preference data only")

@@ -144,7 +144,7 @@ def test_preference_records_in_every_form():
 def test_an_objective_that_does_not_suit_the_data_exits_before_the_workdir(pairs_dir, tiny_config, tiny_data_dir):
     out, _, _ = pairs_dir
     for objective, data_dir, said in (("lm", str(out), "holds preference pairs"),
-                                      ("dpo", tiny_data_dir, "not preference pairs")):
+                                      ("dpo", tiny_data_dir, "holds documents; set it to lm.*--preference")):
         cfg = tiny_config(**{"data.dir": data_dir, "train.seq_len": 128, "train.objective": objective,
                              "data.vocab_size": layout.load_tokenizer(data_dir).vocab_size})
         with pytest.raises(ConfigError, match=f"train.objective.*{said}"):

@@ -146,7 +146,7 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     collective_rows = _collective_rows(module, mesh_shape, rules, est["collectives"])
 
     tokens = t.batch_size * t.seq_len
-    model_flops = _model_flops(model_cfg, objective, t)
+    model_flops = _model_flops(model_cfg, resolved.reference, t)
     flops = _flop_counts(compiled, module, model_flops, num_devices)
     roof = _roofline(module, compiler, device_kind, peak_dev, model_flops / num_devices)
     step_s = model_flops / (peak_dev * num_devices * mfu)
@@ -361,12 +361,12 @@ def _collective_rows(module: dict | None, mesh_shape: dict, rules: dict, predict
     return [dict(r, axes=list(r["axes"]), ratio=_ratio(r.get("analytic_bytes"), r["bytes"])) for r in rows]
 
 
-def _model_flops(model_cfg, objective, t) -> float:
+def _model_flops(model_cfg, reference: bool, t) -> float:
     """The step's model FLOPs over all devices (`t`: the config's train group)."""
     from jaxtrain.models import transformer  # noqa: PLC0415
     tokens = t.batch_size * t.seq_len
     model_flops = transformer.train_flops_per_token(model_cfg, t.seq_len) * tokens
-    if objective.reference:  # the reference model's forward, a third of a train step's FLOPs
+    if reference:  # the reference model's forward, a third of a train step's FLOPs
         model_flops *= 4 / 3
     return model_flops
 

@@ -1,0 +1,111 @@
+"""An RL objective's batches (train.objective=grpo): prompts -> rollouts of the current weights -> rewards -> rows.
+
+Step s takes `train.batch_size / grpo.group_size` prompts (data.prompts.step_prompts: a function of the seed and s)
+and samples each `group_size` times on the training mesh with the state's own parameters (models.rollout), the
+randomness a function of (seed, s, row). Rewards run in their worker pool (jaxtrain.rewards), then the group
+advantages (models.grpo). So a resumed run samples, scores and trains on the same rows. The host-side figures
+(rewards, lengths, the sampler's speed, the sampler-trainer log-prob gap) join the step's metrics.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxtrain import objectives
+from jaxtrain import rewards as rewards_lib
+from jaxtrain.data import layout
+from jaxtrain.data import prompts as prompts_lib
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import grpo as grpo_lib
+from jaxtrain.models import rollout as rollout_lib
+from jaxtrain.trainer import global_batch
+
+
+def check(config, data_dir: str) -> None:
+    """ConfigError naming what cannot work, before anything compiles: the step's rows must be whole groups, a row
+    must hold the longest prompt and a whole completion, and every reward must be a function of the prompts'
+    fields (jaxtrain.rewards.check)."""
+    g, t = config.grpo, config.train
+    if t.batch_size % g.group_size:
+        raise ConfigError("train.batch_size", f"{t.batch_size} rows are not whole groups of grpo.group_size="
+                          f"{g.group_size} completions of a prompt")
+    manifest = layout.load_manifest(data_dir)
+    if manifest["longest"] + g.max_completion_tokens > t.seq_len:
+        raise ConfigError("grpo.max_completion_tokens", f"{g.max_completion_tokens} after the longest prompt in "
+                          f"{data_dir} ({manifest['longest']} tokens) exceeds train.seq_len={t.seq_len}")
+    rewards_lib.check_config(g.rewards, manifest["fields"], "grpo.rewards")
+
+
+class RolloutSource:
+    """The train loop's batch source for train.objective=grpo: `batch(params, step)` -> (the step's process-local
+    rows, host metrics). Its data position is the step alone (get_state/set_state keep the loop's interface)."""
+
+    def __init__(self, config, trainer, data_dir: str, tokenizer, rewards):
+        g, t = config.grpo, config.train
+        self.group, self.size, self.seed = g, g.group_size, t.seed
+        self.prompts = prompts_lib.load(data_dir)
+        self.per_step = t.batch_size // g.group_size
+        self.tokenizer, self.rewards = tokenizer, rewards
+        self.sampler = rollout_lib.make_sampler(
+            trainer.graphdef, trainer.mesh, trainer.rules, max_prompt_tokens=t.seq_len - g.max_completion_tokens,
+            max_new_tokens=g.max_completion_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+            stop_ids=[tokenizer.eos_id], seed=t.seed)
+        graphdef = trainer.graphdef
+        self.recompute = jax.jit(lambda params, b: objectives.token_log_probs(graphdef, params, b, g.temperature)[0])
+        self.batch_sharding = trainer.batch_sharding
+        self.rows = slice(jax.process_index() * t.batch_size // jax.process_count(),
+                          (jax.process_index() + 1) * t.batch_size // jax.process_count())
+
+    def close(self) -> None:
+        self.rewards.close()
+
+    def get_state(self) -> dict:
+        return {"order": prompts_lib.KIND}
+
+    def set_state(self, state: dict, allow_changed: bool = False) -> str:
+        return ""
+
+    def batch(self, params, step: int) -> tuple[dict, dict]:
+        chosen = prompts_lib.step_prompts(len(self.prompts), self.per_step, self.seed, step)
+        records = [self.prompts[i] for i in chosen for _ in range(self.size)]
+        out = self.sampler(params, [r["prompt_ids"] for r in records], step=step)
+        texts = [self.tokenizer.decode([t for t in c if t != self.tokenizer.eos_id]) for c in out.completions]
+        scores = self.rewards.score(texts, [r["fields"] for r in records], [r["id"] for r in records])
+        rewards = np.asarray(scores.total, np.float32)
+        if self.group.overlong_cache:
+            lengths = np.array([len(c) for c in out.completions])
+            rewards = rewards + np.asarray(grpo_lib.overlong_penalty(lengths, self.group.max_completion_tokens,
+                                                                     self.group.overlong_cache))
+        advantages = np.asarray(grpo_lib.advantages(rewards, self.size, self.group.scale_rewards,
+                                                    self.group.reward_eps))
+        weights = out.loss_weights.astype(np.int32)
+        kept = np.ones(len(records), bool)
+        if self.group.dynamic_sampling:  # DAPO: a group with equal rewards has no signal; out of the loss
+            kept = np.repeat(np.asarray(grpo_lib.dynamic_sampling_keep(rewards, self.size)), self.size)
+            weights = weights * kept[:, None]
+        batch = {"tokens": out.tokens, "positions": out.positions, "segment_ids": out.segment_ids,
+                 "loss_weights": weights,
+                 "advantages": np.broadcast_to(advantages[:, None], out.tokens.shape).astype(np.float32)}
+        metrics = self._metrics(params, batch, out, rewards, scores, kept)
+        return {k: np.ascontiguousarray(v[self.rows]) for k, v in batch.items()}, metrics
+
+    def _metrics(self, params, batch, out, rewards, scores, kept) -> dict:
+        """Host figures of this rollout: rewards (and each function's), completion lengths, the truncated and
+        kept shares, the sampler's speed, and how far the sampler's log-probs are from the trainer's."""
+        local = {k: np.ascontiguousarray(v[self.rows]) for k, v in batch.items() if k != "advantages"}
+        trainer = np.asarray(jax.device_get(self.recompute(params, global_batch(local, self.batch_sharding))))
+        mask = objectives.next_token_targets(batch)[1]
+        mask = np.asarray(mask)[self.rows] > 0
+        gap = (out.log_probs[self.rows] - trainer)[mask]
+        lengths = np.array([len(c) for c in out.completions], np.float32)
+        metrics = {"grpo/reward": float(rewards.mean()), "grpo/reward_std": float(rewards.std()),
+                   "grpo/completion_tokens": float(lengths.mean()),
+                   "grpo/truncated": float(np.mean(out.truncated)), "grpo/kept": float(np.mean(kept)),
+                   "grpo/sampler_tokens_per_sec": out.new_tokens / max(out.seconds, 1e-9),
+                   "grpo/sampler_logp_max_diff": float(np.abs(gap).max()) if gap.size else 0.0,
+                   "grpo/sampler_kl": float(gap.mean()) if gap.size else 0.0,
+                   "grpo/reward_failures": float(sum(scores.failures.values()))}
+        for name, column in zip(self.rewards.names, np.asarray(scores.per_function).T):
+            metrics[f"grpo/reward/{name}"] = float(column.mean())
+        return metrics

@@ -1,0 +1,112 @@
+"""GRPO as a run (train.objective=grpo): prompts prepared with `prepare --prompts`, rollouts of the trainer's own
+weights scored by reward functions, through the same train.run. The sampler's log-probs equal the trainer's in f32;
+a run stopped and resumed equals one that was not, rollouts included; bad input exits 2 naming it, before the
+workdir exists."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import chat_tokenizer_dir
+
+from jaxtrain import train
+from jaxtrain.data import layout, prompts
+from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.tools import prepare as prepare_cli
+
+QUIET = {"print_fn": lambda *a, **k: None}
+WORDS = "red green blue cat dog sun moon tree".split()
+
+
+@pytest.fixture(scope="module")
+def prompts_dir(tmp_path_factory, tiny_data_dir):
+    """Sums of two numbers as text prompts with their answers, tokenized with the tiny corpus's tokenizer."""
+    root = tmp_path_factory.mktemp("grpo")
+    rng = np.random.default_rng(0)
+    pairs = rng.integers(10, 50, (40, 2))
+    src = root / "sums.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{a} plus {b} is", "answer": str(a + b)}) + "\n"
+                           for a, b in pairs))
+    out = root / "data"
+    assert prepare_cli.main(["--prompts", "--input", str(src), "--tokenizer",
+                             os.path.join(tiny_data_dir, layout.TOKENIZER), "--heldout_prompts", "4",
+                             "--output", str(out)]) == 0
+    return str(out)
+
+
+def _grpo(tiny_config, data, **overrides):
+    return tiny_config(**{"data.dir": data, "train.objective": "grpo", "train.seq_len": 24, "train.steps": 3,
+                          "grpo.group_size": 4, "grpo.max_completion_tokens": 8, "grpo.reward_workers": 1,
+                          "grpo.rewards": "reward_fixtures:digits_match", "eval.every_steps": 0,
+                          "checkpoint.every_steps": 1, **overrides})
+
+
+def test_prepared_prompts_keep_their_fields_and_a_step_s_prompts_depend_on_the_seed_and_step_only(prompts_dir):
+    manifest = layout.load_manifest(prompts_dir)
+    assert manifest["kind"] == "prompts" and manifest["fields"] == ["answer", "prompt"]
+    train_rows, held = prompts.load(prompts_dir), prompts.load(prompts_dir, "heldout")
+    assert len(train_rows) == 36 and len(held) == 4
+    tok = layout.load_tokenizer(prompts_dir)
+    row = train_rows[0]
+    assert tok.decode(row["prompt_ids"]) == row["fields"]["prompt"]
+    first = [prompts.step_prompts(36, 4, seed=0, step=s) for s in range(1, 10)]
+    assert sorted(np.concatenate(first).tolist()) == list(range(36))  # an epoch visits each prompt once
+    np.testing.assert_array_equal(prompts.step_prompts(36, 4, seed=0, step=3), first[2])
+    assert not np.array_equal(prompts.step_prompts(36, 4, seed=1, step=3), first[2])
+
+
+def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path):
+    whole = train.run(_grpo(tiny_config, prompts_dir), **QUIET)
+    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split")
+    assert train.run(_stop_at(cfg, 2), **QUIET)["step"] == 2
+    resumed = train.run(cfg, **QUIET)
+    assert resumed["resumed"] and resumed["state_checksum"] == whole["state_checksum"]
+    lines = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
+    steps = [r for r in lines if "grpo/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        # The sampler and the trainer compute the same log-probs of what was sampled (f32, one device).
+        assert r["grpo/sampler_logp_max_diff"] < 1e-5, r
+        assert 0 <= r["grpo/reward"] <= 1 and r["grpo/completion_tokens"] >= 1
+        assert r["grpo/sampler_tokens_per_sec"] > 0 and "grpo/clip_region" in r and r["grpo/reward_failures"] == 0
+
+
+def _stop_at(cfg, step):
+    cfg = cfg.copy_and_resolve_references()
+    cfg.train.stop_at = step
+    return cfg
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"grpo.rewards": "reward_fixtures:no_such_function"}, "grpo.rewards[0]"),
+    ({"grpo.rewards": "reward_fixtures:needs_a_field_the_prompts_lack"}, "grpo.rewards[0]"),
+    ({"grpo.group_size": 1}, "grpo.group_size"),
+    ({"grpo.group_size": 3}, "train.batch_size"),
+    ({"grpo.max_completion_tokens": 20}, "grpo.max_completion_tokens"),
+])
+def test_bad_settings_exit_before_the_workdir_naming_them(tiny_config, prompts_dir, overrides, field):
+    cfg = _grpo(tiny_config, prompts_dir, **overrides)
+    with pytest.raises(ConfigError, match=f"^{field.replace('[', '.').replace(']', '.')}"):
+        train.run(cfg, **QUIET)
+    assert not os.path.exists(cfg.workdir)
+
+
+def test_a_prompts_file_without_prompts_is_named(tmp_path, tiny_data_dir):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"prompt": "1 plus 2 is"}) + "\n" + json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no `prompt` field"):
+        prompts.prepare_prompts(str(tmp_path / "out"), [str(src)],
+                                tokenizer=os.path.join(tiny_data_dir, layout.TOKENIZER), print_fn=lambda *a: None)
+    assert prepare_cli.main(["--prompts", "--input", str(src), "--tokenizer",
+                             os.path.join(tiny_data_dir, layout.TOKENIZER), "--output", str(tmp_path / "o")]) == 2
+
+
+def test_chat_prompts_are_rendered_with_the_generation_prompt(tmp_path):
+    hf = chat_tokenizer_dir(tmp_path / "hf", WORDS)
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"prompt": [{"role": "user", "content": "red cat"}], "answer": "dog"}) + "\n")
+    prompts.prepare_prompts(str(tmp_path / "out"), [str(src)], tokenizer=str(hf), print_fn=lambda *a: None)
+    row = prompts.load(str(tmp_path / "out"))[0]
+    text = layout.load_tokenizer(str(tmp_path / "out")).decode(row["prompt_ids"])
+    assert text.endswith("<|im_start|>assistant\n") and "red cat" in text and row["fields"]["answer"] == "dog"
