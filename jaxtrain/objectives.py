@@ -221,8 +221,10 @@ def dpo_loss(beta: float, label_smoothing: float = 0.0) -> Loss:
 
 def grpo_loss(group) -> Loss:
     """GRPO's policy loss (jaxtrain.models.grpo) over rollout batches (jaxtrain.rollouts): the completion tokens
-    are the loss weights, each row's advantage rides in "advantages" (constant along the row). On-policy: one
-    optimizer step per rollout batch, so the ratio's denominator is the policy itself, undifferentiated."""
+    are the loss weights, each row's advantage rides in "advantages" (constant along the row). On-policy (one
+    optimizer step per rollout) the ratio's denominator is the policy itself, undifferentiated, as TRL's; over a
+    round of several steps it is "old_log_probs", the sampling weights'."""
+    on_policy = group.rollout_batches * group.iterations == 1
     options = dict(epsilon_low=group.epsilon_low, epsilon_high=group.epsilon_high, delta=group.delta or None,
                    beta=group.beta, kl_bias_correction=group.kl_bias_correction,
                    importance_level=group.importance_level, loss_type=group.loss_type,
@@ -231,8 +233,9 @@ def grpo_loss(group) -> Loss:
     def terms(graphdef, params, batch):
         log_probs, aux = token_log_probs(graphdef, params, batch, group.temperature)  # as TRL: the sampled policy's
         mask = next_token_targets(batch)[1]
+        old = None if on_policy else batch["old_log_probs"]
         loss_sum, count, metrics = grpo_lib.policy_terms(
-            log_probs, None, mask, batch["advantages"][:, 0], ref_logp=batch.get("reference_log_probs"), **options)
+            log_probs, old, mask, batch["advantages"][:, 0], ref_logp=batch.get("reference_log_probs"), **options)
         return loss_sum, {k: v * count for k, v in metrics.items()}, aux  # means -> sums (the step divides)
 
     return Loss(terms, lambda batch: grpo_lib.count(next_token_targets(batch)[1], group.loss_type,
@@ -251,7 +254,7 @@ DPO = register(Objective(
 GRPO = register(Objective(
     "grpo", grpo_loss, config={**grpo_lib.CONFIG, **rewards_lib.CONFIG},
     check_config=lambda group: (grpo_lib.check_config(group), rewards_lib.check_group(group)), data="prompts",
-    batch_keys=("loss_weights", "advantages"), float_keys=("advantages",),
+    batch_keys=("loss_weights", "advantages", "old_log_probs"), float_keys=("advantages", "old_log_probs"),
     reference=lambda group: group.beta > 0,  # the KL penalty's; free under LoRA (the base with adapters off)
     extra_bytes_per_param=4,
     metrics={"grpo/reward": Metric("reward (mean)", 1.0, "reward {:.3f}"),

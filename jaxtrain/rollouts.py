@@ -27,6 +27,9 @@ def check(config, data_dir: str) -> None:
     must hold the longest prompt and a whole completion, and every reward must be a function of the prompts'
     fields (jaxtrain.rewards.check)."""
     g, t = config.grpo, config.train
+    if t.steps % (g.rollout_batches * g.iterations):
+        raise ConfigError("train.steps", f"{t.steps} is not whole rounds of grpo.rollout_batches x grpo.iterations "
+                          f"= {g.rollout_batches * g.iterations} steps")
     if t.batch_size % g.group_size:
         raise ConfigError("train.batch_size", f"{t.batch_size} rows are not whole groups of grpo.group_size="
                           f"{g.group_size} completions of a prompt")
@@ -39,13 +42,15 @@ def check(config, data_dir: str) -> None:
 
 class RolloutSource:
     """The train loop's batch source for train.objective=grpo: `batch(params, step)` -> (the step's process-local
-    rows, host metrics). Its data position is the step alone (get_state/set_state keep the loop's interface)."""
+    rows, host metrics). A round of `rollout_batches` x `iterations` steps takes one rollout of rollout_batches
+    train batches, made at its first step, one train batch a step, `iterations` passes over it; the round's
+    rows ride in the data state until it ends, so a run resumed inside a round trains on the same rows."""
 
     def __init__(self, config, trainer, data_dir: str, tokenizer, rewards):
         g, t = config.grpo, config.train
-        self.group, self.size, self.seed = g, g.group_size, t.seed
+        self.group, self.size, self.seed, self.batch_size = g, g.group_size, t.seed, t.batch_size
         self.prompts = prompts_lib.load(data_dir)
-        self.per_step = t.batch_size // g.group_size
+        self.per_round = t.batch_size * g.rollout_batches // g.group_size
         self.tokenizer, self.rewards = tokenizer, rewards
         self.sampler = rollout_lib.make_sampler(
             trainer.graphdef, trainer.mesh, trainer.rules, max_prompt_tokens=t.seq_len - g.max_completion_tokens,
@@ -56,20 +61,46 @@ class RolloutSource:
         self.batch_sharding = trainer.batch_sharding
         self.rows = slice(jax.process_index() * t.batch_size // jax.process_count(),
                           (jax.process_index() + 1) * t.batch_size // jax.process_count())
+        self.round = None  # (index, rows of the whole round, its metrics)
 
     def close(self) -> None:
         self.rewards.close()
 
     def get_state(self) -> dict:
-        return {"order": prompts_lib.KIND}
+        state = {"order": prompts_lib.KIND}
+        if self.round is not None:
+            index, rows, metrics = self.round
+            state["round"] = {"index": index, "metrics": metrics,
+                              "rows": {k: {"dtype": v.dtype.name, "values": v.tolist()} for k, v in rows.items()}}
+        return state
 
     def set_state(self, state: dict, allow_changed: bool = False) -> str:
+        if saved := state.get("round"):
+            rows = {k: np.asarray(v["values"], v["dtype"]) for k, v in saved["rows"].items()}
+            self.round = (saved["index"], rows, saved["metrics"])
+        else:
+            self.round = None
         return ""
 
     def batch(self, params, step: int) -> tuple[dict, dict]:
-        chosen = prompts_lib.step_prompts(len(self.prompts), self.per_step, self.seed, step)
+        per_round = self.group.rollout_batches * self.group.iterations
+        index, at = divmod(step - 1, per_round)
+        if self.round is None or self.round[0] != index:
+            self.round = (index, *self._rollout(params, index + 1))
+        _, rows, metrics = self.round
+        first = (at % self.group.rollout_batches) * self.batch_size
+        local = slice(first + self.rows.start, first + self.rows.stop)
+        batch = {k: np.ascontiguousarray(v[local]) for k, v in rows.items()}
+        if at == per_round - 1:  # the round's last step: what a checkpoint after it keeps is the step alone
+            self.round = None
+        return batch, metrics
+
+    def _rollout(self, params, index: int) -> tuple[dict, dict]:
+        """Round `index`'s rows (rollout_batches train batches: tokens, positions, segment ids, loss weights,
+        advantages, and the log-probs of the weights that sampled them) and its host metrics."""
+        chosen = prompts_lib.step_prompts(len(self.prompts), self.per_round, self.seed, index)
         records = [self.prompts[i] for i in chosen for _ in range(self.size)]
-        out = self.sampler(params, [r["prompt_ids"] for r in records], step=step)
+        out = self.sampler(params, [r["prompt_ids"] for r in records], step=index)
         texts = [self.tokenizer.decode([t for t in c if t != self.tokenizer.eos_id]) for c in out.completions]
         scores = self.rewards.score(texts, [r["fields"] for r in records], [r["id"] for r in records])
         rewards = np.asarray(scores.total, np.float32)
@@ -84,20 +115,29 @@ class RolloutSource:
         if self.group.dynamic_sampling:  # DAPO: a group with equal rewards has no signal; out of the loss
             kept = np.repeat(np.asarray(grpo_lib.dynamic_sampling_keep(rewards, self.size)), self.size)
             weights = weights * kept[:, None]
-        batch = {"tokens": out.tokens, "positions": out.positions, "segment_ids": out.segment_ids,
-                 "loss_weights": weights,
-                 "advantages": np.broadcast_to(advantages[:, None], out.tokens.shape).astype(np.float32)}
-        metrics = self._metrics(params, batch, out, rewards, scores, kept)
-        return {k: np.ascontiguousarray(v[self.rows]) for k, v in batch.items()}, metrics
+        rows = {"tokens": out.tokens, "positions": out.positions, "segment_ids": out.segment_ids,
+                "loss_weights": weights,
+                "advantages": np.broadcast_to(advantages[:, None], out.tokens.shape).astype(np.float32)}
+        trainer = self._trainer_log_probs(params, rows)
+        rows["old_log_probs"] = trainer
+        return rows, self._metrics(rows, out, trainer, rewards, scores, kept)
 
-    def _metrics(self, params, batch, out, rewards, scores, kept) -> dict:
-        """Host figures of this rollout: rewards (and each function's), completion lengths, the truncated and
-        kept shares, the sampler's speed, and how far the sampler's log-probs are from the trainer's."""
-        local = {k: np.ascontiguousarray(v[self.rows]) for k, v in batch.items() if k != "advantages"}
-        trainer = np.asarray(jax.device_get(self.recompute(params, global_batch(local, self.batch_sharding))))
-        mask = objectives.next_token_targets(batch)[1]
-        mask = np.asarray(mask)[self.rows] > 0
-        gap = (out.log_probs[self.rows] - trainer)[mask]
+    def _trainer_log_probs(self, params, rows) -> np.ndarray:
+        """The trainer's log-probs of the sampled tokens under `params`, [rows, T] (one train batch at a time):
+        the ratio's denominator for the round's later steps, and the sampler's check."""
+        out = []
+        for first in range(0, len(rows["tokens"]), self.batch_size):
+            local = {k: np.ascontiguousarray(v[first + self.rows.start:first + self.rows.stop])
+                     for k, v in rows.items() if k in ("tokens", "positions", "segment_ids", "loss_weights")}
+            out.append(np.asarray(jax.device_get(self.recompute(params, global_batch(local,
+                                                                                      self.batch_sharding)))))
+        return np.concatenate(out).astype(np.float32)
+
+    def _metrics(self, rows, out, trainer, rewards, scores, kept) -> dict:
+        """Host figures of a rollout: rewards (and each function's), completion lengths, the truncated and kept
+        shares, the sampler's speed, and how far the sampler's log-probs are from the trainer's."""
+        mask = np.asarray(objectives.next_token_targets(rows)[1]) > 0
+        gap = (out.log_probs - trainer)[mask]
         lengths = np.array([len(c) for c in out.completions], np.float32)
         metrics = {"grpo/reward": float(rewards.mean()), "grpo/reward_std": float(rewards.std()),
                    "grpo/completion_tokens": float(lengths.mean()),

@@ -56,15 +56,20 @@ def test_prepared_prompts_keep_their_fields_and_a_step_s_prompts_depend_on_the_s
     assert not np.array_equal(prompts.step_prompts(36, 4, seed=1, step=3), first[2])
 
 
-def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path):
-    whole = train.run(_grpo(tiny_config, prompts_dir), **QUIET)
-    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split")
-    assert train.run(_stop_at(cfg, 2), **QUIET)["step"] == 2
+@pytest.mark.parametrize("rounds", [{}, {"grpo.rollout_batches": 2, "grpo.iterations": 2, "train.steps": 4}],
+                         ids=["on_policy", "rounds_of_2x2"])
+def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path, rounds):
+    """Stopped at step 2 (on-policy) or 3 (inside a round of two rollout batches, two passes: its rows come back
+    from the checkpoint's data state), then resumed: the same state as a run that was not stopped."""
+    whole = train.run(_grpo(tiny_config, prompts_dir, **rounds), **QUIET)
+    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split", **rounds)
+    stop = 3 if rounds else 2
+    assert train.run(_stop_at(cfg, stop), **QUIET)["step"] == stop
     resumed = train.run(cfg, **QUIET)
     assert resumed["resumed"] and resumed["state_checksum"] == whole["state_checksum"]
     lines = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
     steps = [r for r in lines if "grpo/reward" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == list(range(1, cfg.train.steps + 1))
     for r in steps:
         # The sampler and the trainer compute the same log-probs of what was sampled (f32, one device).
         assert r["grpo/sampler_logp_max_diff"] < 1e-5, r
@@ -84,6 +89,7 @@ def _stop_at(cfg, step):
     ({"grpo.group_size": 1}, "grpo.group_size"),
     ({"grpo.group_size": 3}, "train.batch_size"),
     ({"grpo.max_completion_tokens": 20}, "grpo.max_completion_tokens"),
+    ({"grpo.iterations": 2}, "train.steps"),
 ])
 def test_bad_settings_exit_before_the_workdir_naming_them(tiny_config, prompts_dir, overrides, field):
     cfg = _grpo(tiny_config, prompts_dir, **overrides)

@@ -33,7 +33,11 @@ CONFIG = dict(group_size=8, scale_rewards=True, reward_eps=1e-4, loss_type="dapo
               max_completion_tokens=256, sampler_correction="none", sampler_clip_min=0.0, sampler_clip_max=3.0,
               dynamic_sampling=False, overlong_cache=0,
               # The rollouts' sampling (models.rollout): the log-probs the loss compares are of logits / temperature.
-              temperature=1.0, top_p=1.0, top_k=0)
+              temperature=1.0, top_p=1.0, top_k=0,
+              # A rollout samples `rollout_batches` train batches at once; the steps take them one at a time,
+              # `iterations` passes over them (PPO's epochs; TRL's steps_per_generation and num_iterations). 1 x 1
+              # is on-policy; otherwise the ratio's denominator is the sampling weights' log-probs.
+              rollout_batches=1, iterations=1)
 
 
 def check_config(d) -> None:
@@ -52,7 +56,8 @@ def check_config(d) -> None:
 
     # A group of one has no relative advantage (its reward minus its own mean is 0).
     number("group_size", lambda v: isinstance(v, int) and v >= 2, "an integer >= 2")
-    number("max_completion_tokens", lambda v: isinstance(v, int) and v >= 1, "a positive integer")
+    for field in ("max_completion_tokens", "rollout_batches", "iterations"):
+        number(field, lambda v: isinstance(v, int) and v >= 1, "a positive integer")
     number("overlong_cache", lambda v: isinstance(v, int) and 0 <= v < d.max_completion_tokens,
            "an integer in [0, max_completion_tokens)")
     number("reward_eps", lambda v: v > 0, "a positive number")
