@@ -260,4 +260,7 @@ GRPO = register(Objective(
     metrics={"grpo/reward": Metric("reward (mean)", 1.0, "reward {:.3f}"),
              "grpo/clip_region": Metric("clipped ratios (%)", 100.0),
              "grpo/completion_tokens": Metric("completion length (tokens)", 1.0, "len {:.0f}"),
-             "grpo/sampler_tokens_per_sec": Metric("sampler tokens/s", 1.0, "sampler {:,.0f} tok/s")}))
+             "grpo/sampler_tokens_per_sec": Metric("sampler tokens/s", 1.0, "sampler {:,.0f} tok/s"),
+             # The generation evals on held-out prompts (eval records; rollouts.RolloutSource.evaluate).
+             "eval_reward": Metric("held-out reward (mean)"),
+             "eval_accuracy": Metric("held-out accuracy (%)", 100.0)}))

@@ -62,6 +62,25 @@ class RolloutSource:
         self.rows = slice(jax.process_index() * t.batch_size // jax.process_count(),
                           (jax.process_index() + 1) * t.batch_size // jax.process_count())
         self.round = None  # (index, rows of the whole round, its metrics)
+        self.heldout = prompts_lib.load(data_dir, "heldout")
+
+    def evaluate(self, params, step: int) -> dict:
+        """Generation evals on the held-out prompts: `eval_samples` completions each, sampled as the rollouts are
+        (their own keys: step 2**31 + step), scored by the same rewards -> eval_reward, eval_accuracy (the share of
+        completions whose reward reaches success_reward), eval_pass@k (of prompts with one such in k) and
+        eval_completion_tokens. {} without held-out prompts."""
+        if not self.heldout:
+            return {}
+        k = self.group.eval_samples
+        records = [r for r in self.heldout for _ in range(k)]
+        out = self.sampler(params, [r["prompt_ids"] for r in records], step=2**31 + step)
+        texts = [self.tokenizer.decode([t for t in c if t != self.tokenizer.eos_id]) for c in out.completions]
+        rewards = np.asarray(self.rewards.score(texts, [r["fields"] for r in records],
+                                                [r["id"] for r in records]).total)
+        correct = (rewards >= self.group.success_reward).reshape(-1, k)
+        return {"eval_reward": float(rewards.mean()), "eval_accuracy": float(correct.mean()),
+                f"eval_pass@{k}": float(correct.any(axis=1).mean()),
+                "eval_completion_tokens": float(np.mean([len(c) for c in out.completions]))}
 
     def close(self) -> None:
         self.rewards.close()

@@ -188,12 +188,13 @@ def resumable_step(config, wd, checkpointer) -> int:
 def data_iterators(config, data: Data, trainer):
     """(the train iterator, reported metric -> its eval batches: data.dir's held-out split, then each of
     eval.sets). One data position for all processes: see jaxtrain/data/pipeline.py. An RL objective's
-    iterator is its rollouts of the current weights (jaxtrain.rollouts), with no eval batches yet."""
+    iterator is its rollouts of the current weights (jaxtrain.rollouts), which also evaluates by generating."""
     t, ddir = config.train, data.dir
     if pipeline.data_kind(ddir) == "prompts":
         pool = rewards.RewardPool(config.grpo.rewards, timeout_s=config.grpo.reward_timeout_s,
                                   workers=config.grpo.reward_workers)
-        return rollouts.RolloutSource(config, trainer, ddir, data.tokenizer, pool), {}
+        source = rollouts.RolloutSource(config, trainer, ddir, data.tokenizer, pool)
+        return source, {"rollouts": source}  # its generation evals on the held-out prompts
     hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_iter = pipeline.train_iterator(ddir, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed,
                                          mixture=config.data.mixture, num_workers=config.data.num_workers, **hosts)
@@ -275,6 +276,9 @@ def evaluate(trainer, state, eval_data: dict) -> dict:
     metrics (DPO's: "eval_dpo/accuracy", ...)."""
     out = {}
     for metric, batches in eval_data.items():
+        if isinstance(batches, rollouts.RolloutSource):
+            out.update(batches.evaluate(state["params"], int(jax.device_get(state["step"]))))
+            continue
         means = trainer.eval_metrics(state["params"], batches, state.get("reference"))
         out[metric] = means.pop("loss")
         if metric == "eval_loss":

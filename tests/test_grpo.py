@@ -70,6 +70,10 @@ def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, p
     lines = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
     steps = [r for r in lines if "grpo/reward" in r]
     assert [r["step"] for r in steps] == list(range(1, cfg.train.steps + 1))
+    # The generation evals on the 4 held-out prompts, at the start and the end: 4 completions each.
+    evals = [r for r in lines if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, cfg.train.steps]
+    assert all(r["eval_completion_tokens"] >= 1 and r["eval_accuracy"] <= r["eval_pass@4"] <= 1 for r in evals)
     for r in steps:
         # The sampler and the trainer compute the same log-probs of what was sampled (f32, one device).
         assert r["grpo/sampler_logp_max_diff"] < 1e-5, r

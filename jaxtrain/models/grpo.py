@@ -37,7 +37,10 @@ CONFIG = dict(group_size=8, scale_rewards=True, reward_eps=1e-4, loss_type="dapo
               # A rollout samples `rollout_batches` train batches at once; the steps take them one at a time,
               # `iterations` passes over them (PPO's epochs; TRL's steps_per_generation and num_iterations). 1 x 1
               # is on-policy; otherwise the ratio's denominator is the sampling weights' log-probs.
-              rollout_batches=1, iterations=1)
+              rollout_batches=1, iterations=1,
+              # The evals on the held-out prompts (eval.every_steps): `eval_samples` completions each; one counts as
+              # correct when its reward reaches `success_reward` (accuracy; pass@eval_samples per prompt).
+              eval_samples=4, success_reward=1.0)
 
 
 def check_config(d) -> None:
@@ -56,7 +59,8 @@ def check_config(d) -> None:
 
     # A group of one has no relative advantage (its reward minus its own mean is 0).
     number("group_size", lambda v: isinstance(v, int) and v >= 2, "an integer >= 2")
-    for field in ("max_completion_tokens", "rollout_batches", "iterations"):
+    number("success_reward", lambda v: True, "a number")
+    for field in ("max_completion_tokens", "rollout_batches", "iterations", "eval_samples"):
         number(field, lambda v: isinstance(v, int) and v >= 1, "a positive integer")
     number("overlong_cache", lambda v: isinstance(v, int) and 0 <= v < d.max_completion_tokens,
            "an integer in [0, max_completion_tokens)")

@@ -131,7 +131,7 @@ def lineage(records: list[dict]) -> tuple[list[dict], list[dict]]:
     train: list[dict] = []
     evals: list[dict] = []
     for r in records:
-        is_eval = any(k.startswith("eval_loss") for k in r)
+        is_eval = any(k.startswith("eval_") for k in r)
         # A step's eval record follows its train record, so an eval at s ends only the train records after s.
         while train and (train[-1]["step"] > r["step"] or (train[-1]["step"] == r["step"] and not is_eval)):
             train.pop()

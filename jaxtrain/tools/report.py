@@ -85,7 +85,7 @@ class Run:
 
     def series(self, metric: str) -> tuple[list[int], list[float]]:
         """(steps, values) of `metric` where it was logged and not null."""
-        records = self.evals if metric.startswith("eval_loss") else self.train
+        records = self.evals if metric.startswith("eval_") else self.train
         pairs = [(r["step"], r[metric]) for r in records if isinstance(r.get(metric), (int, float))]
         return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
