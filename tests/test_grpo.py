@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import chat_tokenizer_dir
+from helpers import chat_tokenizer_dir, trainer_on
 
 from jaxtrain import train
 from jaxtrain.data import layout, prompts
@@ -120,3 +120,38 @@ def test_chat_prompts_are_rendered_with_the_generation_prompt(tmp_path):
     row = prompts.load(str(tmp_path / "out"))[0]
     text = layout.load_tokenizer(str(tmp_path / "out")).decode(row["prompt_ids"])
     assert text.endswith("<|im_start|>assistant\n") and "red cat" in text and row["fields"]["answer"] == "dog"
+
+
+@pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 4}], ids=["fsdp4_tensor2",
+                                                                                           "data2_fsdp4"])
+def test_rollouts_and_updates_on_eight_devices_equal_one_device(tiny_config, prompts_dir, mesh):
+    """2 steps, each sampling its rollouts with the step's weights where the trainer keeps them (sharded), then
+    updating: the same completions, rewards, losses and gradient norms as on one device."""
+    import jax
+
+    from jaxtrain import config as config_lib
+    from jaxtrain import rewards, rollouts
+    from jaxtrain import trainer as trainer_lib
+    from jaxtrain.parallel import mesh as mesh_lib
+
+    def run(trainer, cfg):
+        tok = layout.load_tokenizer(prompts_dir)
+        with rewards.RewardPool(cfg.grpo.rewards, workers=1) as pool:
+            source = rollouts.RolloutSource(cfg, trainer, prompts_dir, tok, pool)
+            state, out = trainer.init(), []
+            for step in (1, 2):
+                batch, metrics = source.batch(state["params"], step)
+                state, m = trainer.train_step(state, trainer_lib.global_batch(batch, trainer.batch_sharding))
+                out.append((batch["tokens"], metrics["grpo/reward"], float(m["loss"]), float(m["grad_norm"])))
+        return out
+
+    # The completion's length in characters: rewards that differ within every group, so the steps move weights.
+    cfg = _grpo(tiny_config, prompts_dir, **{f"mesh.{a}": n for a, n in {"data": 1, **mesh}.items()},
+                **{"mesh.rules": "dp_fsdp_tp", "grpo.rewards": "reward_fixtures:length"})
+    eight = trainer_lib.build_trainer(cfg, config_lib.validate(cfg, 8))
+    one = trainer_on(cfg, {}, mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
+    for (tokens, reward, loss, gnorm), (want_tokens, want_reward, want_loss, want_gnorm) in zip(run(eight, cfg),
+                                                                                                run(one, cfg)):
+        np.testing.assert_array_equal(tokens, want_tokens)
+        assert reward == want_reward and want_gnorm > 1e-3
+        np.testing.assert_allclose([loss, gnorm], [want_loss, want_gnorm], rtol=1e-5, atol=1e-7)
