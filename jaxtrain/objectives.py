@@ -234,8 +234,14 @@ def grpo_loss(group) -> Loss:
         log_probs, aux = token_log_probs(graphdef, params, batch, group.temperature)  # as TRL: the sampled policy's
         mask = next_token_targets(batch)[1]
         old = None if on_policy else batch["old_log_probs"]
+        # The sampler's numerics (bf16 decode kernels) against the trainer's at the same weights, truncated or
+        # masked (grpo.sampler_correction), as TRL corrects vLLM's.
+        weights = None if group.sampler_correction == "none" else grpo_lib.sampler_weights(
+            batch["old_log_probs"], batch["sampler_log_probs"], mask, group.sampler_correction,
+            group.sampler_clip_min or None, group.sampler_clip_max)
         loss_sum, count, metrics = grpo_lib.policy_terms(
-            log_probs, old, mask, batch["advantages"][:, 0], ref_logp=batch.get("reference_log_probs"), **options)
+            log_probs, old, mask, batch["advantages"][:, 0], ref_logp=batch.get("reference_log_probs"),
+            sampler_weights=weights, **options)
         return loss_sum, {k: v * count for k, v in metrics.items()}, aux  # means -> sums (the step divides)
 
     return Loss(terms, lambda batch: grpo_lib.count(next_token_targets(batch)[1], group.loss_type,
@@ -254,7 +260,8 @@ DPO = register(Objective(
 GRPO = register(Objective(
     "grpo", grpo_loss, config={**grpo_lib.CONFIG, **rewards_lib.CONFIG},
     check_config=lambda group: (grpo_lib.check_config(group), rewards_lib.check_group(group)), data="prompts",
-    batch_keys=("loss_weights", "advantages", "old_log_probs"), float_keys=("advantages", "old_log_probs"),
+    batch_keys=("loss_weights", "advantages", "old_log_probs", "sampler_log_probs"),
+    float_keys=("advantages", "old_log_probs", "sampler_log_probs"),
     reference=lambda group: group.beta > 0,  # the KL penalty's; free under LoRA (the base with adapters off)
     extra_bytes_per_param=4,
     metrics={"grpo/reward": Metric("reward (mean)", 1.0, "reward {:.3f}"),

@@ -138,7 +138,7 @@ class RolloutSource:
                 "loss_weights": weights,
                 "advantages": np.broadcast_to(advantages[:, None], out.tokens.shape).astype(np.float32)}
         trainer = self._trainer_log_probs(params, rows)
-        rows["old_log_probs"] = trainer
+        rows["old_log_probs"], rows["sampler_log_probs"] = trainer, out.log_probs.astype(np.float32)
         return rows, self._metrics(rows, out, trainer, rewards, scores, kept)
 
     def _trainer_log_probs(self, params, rows) -> np.ndarray:

@@ -56,14 +56,15 @@ def test_prepared_prompts_keep_their_fields_and_a_step_s_prompts_depend_on_the_s
     assert not np.array_equal(prompts.step_prompts(36, 4, seed=1, step=3), first[2])
 
 
-@pytest.mark.parametrize("rounds", [{}, {"grpo.rollout_batches": 2, "grpo.iterations": 2, "train.steps": 4}],
-                         ids=["on_policy", "rounds_of_2x2"])
+@pytest.mark.parametrize("rounds", [{"grpo.sampler_correction": "token_truncate"},
+                                    {"grpo.rollout_batches": 2, "grpo.iterations": 2, "train.steps": 4}],
+                         ids=["on_policy_sampler_corrected", "rounds_of_2x2"])
 def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path, rounds):
     """Stopped at step 2 (on-policy) or 3 (inside a round of two rollout batches, two passes: its rows come back
     from the checkpoint's data state), then resumed: the same state as a run that was not stopped."""
     whole = train.run(_grpo(tiny_config, prompts_dir, **rounds), **QUIET)
     cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split", **rounds)
-    stop = 3 if rounds else 2
+    stop = 3 if "train.steps" in rounds else 2
     assert train.run(_stop_at(cfg, stop), **QUIET)["step"] == stop
     resumed = train.run(cfg, **QUIET)
     assert resumed["resumed"] and resumed["state_checksum"] == whole["state_checksum"]
