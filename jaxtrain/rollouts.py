@@ -27,6 +27,8 @@ def check(config, data_dir: str) -> None:
     must hold the longest prompt and a whole completion, and every reward must be a function of the prompts'
     fields (jaxtrain.rewards.check)."""
     g, t = config.grpo, config.train
+    if jax.process_count() > 1:  # the rollouts' host side (rewards, the round's rows) is one process's yet
+        raise ConfigError("train.objective", f"grpo runs in one process for now, not {jax.process_count()}")
     if t.steps % (g.rollout_batches * g.iterations):
         raise ConfigError("train.steps", f"{t.steps} is not whole rounds of grpo.rollout_batches x grpo.iterations "
                           f"= {g.rollout_batches * g.iterations} steps")
