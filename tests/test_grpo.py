@@ -156,3 +156,18 @@ def test_rollouts_and_updates_on_eight_devices_equal_one_device(tiny_config, pro
         np.testing.assert_array_equal(tokens, want_tokens)
         assert reward == want_reward and want_gnorm > 1e-3
         np.testing.assert_allclose([loss, gnorm], [want_loss, want_gnorm], rtol=1e-5, atol=1e-7)
+
+
+def test_the_planner_adds_the_rollouts_kv_cache_to_the_resident_state(tiny_config, prompts_dir):
+    """`jaxtrain plan` of a GRPO config: the K/V cache of a rollout's rows (batch x rollout_batches, seq_len
+    positions, every layer's keys and values, f32 on the CPU) split over the 4 batch shards, plus the state."""
+    from jaxtrain.tools.plan import planner
+
+    cfg = _grpo(tiny_config, prompts_dir, **{"mesh.data": 4, "mesh.tensor": 2, "grpo.rollout_batches": 2,
+                                            "train.steps": 4})
+    got = planner.plan(cfg, 8)["memory"]
+    m = cfg.model
+    want = 2 * m.n_layers * (8 * 2) * cfg.train.seq_len * m.n_kv_heads * m.head_dim * 4 / (4 * 2)
+    assert got["rollout"]["rows"] == 16 and got["rollout"]["kv_cache"] == want
+    state = got["sharding"]
+    assert got["rollout"]["peak"] == state["params"] + state["optimizer"] + state["step"] + want

@@ -160,7 +160,9 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                   "layers": model_cfg.n_layers},
         "compile_s": compile_s,
         "memory": {"sharding": sharded, "compiled": memory, "analytic": est,
-                   "rows": _memory_rows(sharded, memory, est, reference=reference, feedback=feedback)},
+                   "rows": _memory_rows(sharded, memory, est, reference=reference, feedback=feedback),
+                   **({"rollout": _rollout_memory(config, resolved, sharded)}
+                      if objective.data == "prompts" else {})},
         "flops": flops,
         "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
         "pipeline": _pipeline_summary(config.pipeline),
@@ -236,7 +238,8 @@ def _abstract_batch(t, objective, sharding) -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     keys = ("tokens", "segment_ids", "positions") + objective.batch_keys
-    return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=sharding) for k in keys}
+    return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32 if k in objective.float_keys else
+                                    jnp.int32, sharding=sharding) for k in keys}
 
 
 # A plan never runs its program, so XLA:CPU may skip what only makes the machine code fast: these options change
@@ -394,6 +397,25 @@ def _roofline(module: dict | None, compiler: str, device_kind: str | None, peak_
 
 def _ratio(x, y):
     return x / y if x is not None and y else None
+
+
+def _rollout_memory(config, resolved, sharded: dict) -> dict:
+    """An RL objective's rollouts (jaxtrain.models.rollout) beside the resident state: the K/V cache of a
+    rollout's rows (train.batch_size x grpo.rollout_batches, train.seq_len positions) per device, its rows split
+    over the batch axes and the heads over `tensor` as the decode splits them, and that with the state's
+    arguments (params, optimizer, reference; not the step's batch or gradients): the rollouts' floor."""
+    import jax  # noqa: PLC0415
+
+    from jaxtrain.models import transformer  # noqa: PLC0415
+    model_cfg, t = resolved.model, config.train
+    rows = t.batch_size * config.grpo.rollout_batches
+    cache = jax.eval_shape(lambda: transformer.init_cache(model_cfg, rows, t.seq_len))
+    tensor = resolved.mesh_shape.get("tensor", 1)
+    heads_split = tensor if not model_cfg.kv_lora_rank and model_cfg.n_kv_heads % tensor == 0 else 1
+    kv_cache = sum(math.prod(c.shape) * c.dtype.itemsize for c in jax.tree.leaves(cache)) / (
+        resolved.data_parallel * heads_split)
+    state = sharded["params"] + sharded["optimizer"] + sharded["reference"] + sharded["step"]
+    return {"rows": rows, "kv_cache": kv_cache, "peak": state + kv_cache}
 
 
 def _memory_rows(sharded: dict, memory: dict | None, est: dict, *, reference: bool, feedback: bool) -> list[dict]:

@@ -97,6 +97,10 @@ def _memory_notes(r: dict) -> list[str]:
         need = {"compiled peak": (compiled or {}).get("peak"), "analytic": a["arguments"] + a["temporaries"]}
         lines.append(f"  fits in {_b(hbm)} ({tg['device_kind']})? " + ", ".join(
             f"{k} {_b(v)}: {'yes' if v <= hbm else 'NO'}" for k, v in need.items() if v))
+    if roll := mem.get("rollout"):  # an RL objective's rollouts: the resident state plus their K/V cache
+        lines.append(f"  rollouts: K/V cache {_b(roll['kv_cache'])} per device for {roll['rows']:,} rows; with the "
+                     f"state {_b(roll['peak'])}" + (f": {'fits' if roll['peak'] <= hbm else 'does NOT fit'}"
+                                                    if hbm else ""))
     lines.append(f"  analytic temporaries = gradients {_b(a['gradients'])} + activations {_b(a['activations'])} "
                  f"({_b(a['activations_per_layer'])} per layer, {a['tokens_per_device_microbatch']:,} tokens "
                  f"per device per microbatch)")
