@@ -63,3 +63,12 @@ def test_fine_tuning_recipes_validate_on_the_cpu_model_and_the_8b_ones(recipe):
         if model:
             published = files.run_python_file(RECIPES[0].parent / f"{model}.py", "get_config", field="--config")
             assert n_params(cfg.model)[0] == n_params(published.model)[0] == pytest.approx(PARAMS[model], rel=0.01)
+
+
+def test_the_grpo_recipe_validates_with_qwen3_8b_s_architecture():
+    cfg = files.run_python_file(RECIPES[0].parents[1] / "grpo_qwen3_8b.py", "get_config", field="--config")
+    config_lib.validate(cfg, 8)
+    published = files.run_python_file(RECIPES[0].parent / "qwen3_8b.py", "get_config", field="--config")
+    assert cfg.train.objective == "grpo" and cfg.model.lora_rank > 0
+    assert n_params(cfg.model)[0] == n_params(published.model)[0] == pytest.approx(PARAMS["qwen3_8b"], rel=0.01)
+    assert cfg.train.batch_size % cfg.grpo.group_size == 0
