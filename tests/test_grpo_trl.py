@@ -97,7 +97,9 @@ def _hf_model(path, temperature):
 
 
 def _trl_inputs(prompts, completions):
-    """TRL's layout: prompts left-padded, completions right-padded, masks 1 on real tokens."""
+    """TRL's layout: prompts left-padded, completions right-padded, masks 1 on real tokens. transformers then
+    numbers positions 0.. from the padding on, so a row's RoPE positions are offset by its left padding where
+    jaxtrain's start at 0 at its first token: the same attention, RoPE being relative."""
     width = max(map(len, prompts))
     prompt_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -187,9 +189,9 @@ def _jaxtrain_runs(path, cases, tmp_path):
 
     results = jax.jit(run)(state, {case: batch for case, (_, batch) in cases.items()})
     out = {}
-    for (setting, on_policy), ((value, metrics), grads) in results.items():
+    for (setting, on_policy), ((loss_value, metrics), grads) in results.items():
         exported = hf.export(nnx.to_pure_dict(grads), cfg, tmp_path / f"{setting}_{on_policy}")
-        out[setting, on_policy] = (float(value), load_file(exported / "model.safetensors"),
+        out[setting, on_policy] = (float(loss_value), load_file(exported / "model.safetensors"),
                                    {k: float(v) for k, v in metrics.items()})
     return out
 

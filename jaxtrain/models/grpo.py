@@ -30,7 +30,7 @@ SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncat
 # delta (INTELLECT-2's cap on the unclipped ratio) and sampler_clip_min: 0 = off.
 CONFIG = dict(group_size=8, scale_rewards=True, reward_eps=1e-4, loss_type="dapo", epsilon_low=0.2,
               epsilon_high=0.2, delta=0.0, beta=0.0, kl_bias_correction=True, importance_level="token",
-              max_completion_tokens=256, sampler_correction="none", sampler_clip_min=0.0, sampler_clip_max=3.0,
+              max_completion_tokens=512, sampler_correction="none", sampler_clip_min=0.0, sampler_clip_max=3.0,
               dynamic_sampling=False, overlong_cache=0,
               # The rollouts' sampling (models.rollout): the log-probs the loss compares are of logits / temperature.
               temperature=1.0, top_p=1.0, top_k=0,
