@@ -222,7 +222,7 @@ def test_config_is_checked():
     grpo.check_config(types.SimpleNamespace(**grpo.CONFIG))
     for field, value in (("group_size", 1), ("loss_type", "ppo"), ("importance_level", "tok"), ("beta", -1.0),
                          ("epsilon_low", 1.0), ("delta", 0.5), ("sampler_correction", "tis"),
-                         ("sampler_clip_max", 0.0), ("scale_rewards", "group"), ("overlong_cache", 256),
+                         ("sampler_clip_max", 0.0), ("scale_rewards", "group"), ("overlong_cache", 512),
                          ("reward_eps", 0)):
         d = types.SimpleNamespace(**{**grpo.CONFIG, field: value})
         with pytest.raises(ConfigError, match=f"grpo.{field}"):
