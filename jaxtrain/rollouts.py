@@ -75,8 +75,8 @@ class RolloutSource:
             return {}
         k = self.group.eval_samples
         records = [r for r in self.heldout for _ in range(k)]
-        out = self.sampler(params, [r["prompt_ids"] for r in records], step=2**31 + step)
-        texts = [self.tokenizer.decode([t for t in c if t != self.tokenizer.eos_id]) for c in out.completions]
+        out = self._sample(params, records, 2**31 + step)
+        texts = [self._text(c) for c in out.completions]
         rewards = np.asarray(self.rewards.score(texts, [r["fields"] for r in records],
                                                 [r["id"] for r in records]).total)
         correct = (rewards >= self.group.success_reward).reshape(-1, k)
@@ -121,8 +121,8 @@ class RolloutSource:
         advantages, and the log-probs of the weights that sampled them) and its host metrics."""
         chosen = prompts_lib.step_prompts(len(self.prompts), self.per_round, self.seed, index)
         records = [self.prompts[i] for i in chosen for _ in range(self.size)]
-        out = self.sampler(params, [r["prompt_ids"] for r in records], step=index)
-        texts = [self.tokenizer.decode([t for t in c if t != self.tokenizer.eos_id]) for c in out.completions]
+        out = self._sample(params, records, index)
+        texts = [self._text(c) for c in out.completions]
         scores = self.rewards.score(texts, [r["fields"] for r in records], [r["id"] for r in records])
         rewards = np.asarray(scores.total, np.float32)
         if self.group.overlong_cache:
@@ -142,6 +142,14 @@ class RolloutSource:
         trainer = self._trainer_log_probs(params, rows)
         rows["old_log_probs"], rows["sampler_log_probs"] = trainer, out.log_probs.astype(np.float32)
         return rows, self._metrics(rows, out, trainer, rewards, scores, kept)
+
+    def _sample(self, params, records, step: int) -> rollout_lib.Rollouts:
+        """The records' prompts sampled (randomness keyed by `step` and row), ended at grpo.stop_strings."""
+        out = self.sampler(params, [r["prompt_ids"] for r in records], step=step)
+        return rollout_lib.end_at_strings(out, self._text, tuple(self.group.stop_strings))
+
+    def _text(self, ids) -> str:
+        return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_id])
 
     def _trainer_log_probs(self, params, rows) -> np.ndarray:
         """The trainer's log-probs of the sampled tokens under `params`, [rows, T] (one train batch at a time):

@@ -34,6 +34,8 @@ CONFIG = dict(group_size=8, scale_rewards=True, reward_eps=1e-4, loss_type="dapo
               dynamic_sampling=False, overlong_cache=0,
               # The rollouts' sampling (models.rollout): the log-probs the loss compares are of logits / temperature.
               temperature=1.0, top_p=1.0, top_k=0,
+              # Texts that end a completion besides the tokenizer's EOS (e.g. "</answer>"), kept in it.
+              stop_strings=(),
               # A rollout samples `rollout_batches` train batches at once; the steps take them one at a time,
               # `iterations` passes over them (PPO's epochs; TRL's steps_per_generation and num_iterations). 1 x 1
               # is on-policy; otherwise the ratio's denominator is the sampling weights' log-probs.
@@ -70,6 +72,10 @@ def check_config(d) -> None:
     number("delta", lambda v: v == 0 or v > 1, "0 (off) or a number above 1")
     number("beta", lambda v: v >= 0, "a non-negative number")
     number("sampler_clip_max", lambda v: v > 0, "a positive number")
+    stops = d.stop_strings
+    if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError("grpo.stop_strings", f"must be a tuple of non-empty strings, e.g. ('</answer>',); got "
+                          f"{stops!r}")
     number("temperature", lambda v: v > 0, "a positive number (rollouts sample; 0 would be greedy)")
     number("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
     number("top_k", lambda v: isinstance(v, int) and v >= 0, "a non-negative integer (0: off)")

@@ -59,6 +59,31 @@ class Rollouts:
         return self.new_tokens / max(self.seconds, 1e-9)
 
 
+def end_at_strings(out: Rollouts, decode, stops: Sequence[str]) -> Rollouts:
+    """`out` with each completion ended at the end of its first stop string (its text `decode(ids)`): the token
+    that completes it is the completion's last, the rest of the row padding, and the row no longer truncated. The
+    sampler decoded past it (stop strings end a completion for training, not the decode)."""
+    if not stops:
+        return out
+    tokens, positions, segments, weights, log_probs = (np.array(a) for a in (
+        out.tokens, out.positions, out.segment_ids, out.loss_weights, out.log_probs))
+    completions, truncated = [list(c) for c in out.completions], np.array(out.truncated)
+    for r, ids in enumerate(completions):
+        if not any(s in decode(ids) for s in stops):
+            continue
+        lo, hi = 1, len(ids)  # the fewest tokens whose text holds the first stop string whole
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if any(s in decode(ids[:mid]) for s in stops) else (mid + 1, hi)
+        end = int(segments[r].sum()) - (len(ids) - lo)  # the row's length with `lo` completion tokens
+        for a in (tokens, positions, segments, weights):
+            a[r, end:] = 0
+        log_probs[r, end - 1:] = 0
+        completions[r], truncated[r] = ids[:lo], False
+    return dataclasses.replace(out, tokens=tokens, positions=positions, segment_ids=segments, loss_weights=weights,
+                               log_probs=log_probs, completions=completions, truncated=truncated)
+
+
 class Sampler(Protocol):
     """What a rollout engine implements: completions of `prompts` (token ids) under `params`, whose randomness is a
     function of (seed, step, row)."""

@@ -173,3 +173,26 @@ def test_sharded_rollouts_equal_one_devices():
         got = sampler("dense", "eight", **settings)(sharded, PROMPTS, step=2)
         assert got.completions == want.completions, settings
         np.testing.assert_allclose(got.log_probs, want.log_probs, atol=1e-5)
+
+
+def test_a_completion_ends_at_its_first_stop_string_the_rest_of_its_row_padding():
+    """Ids decode to letters (id 0 = 'a'); row 0's completion "defg" holds "ef": it keeps "def" (the token that
+    completes the stop string is its last); row 1's "xyz" holds none and is left as it was."""
+    decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
+    tokens = np.array([[1, 2, 3, 4, 5, 6, 0], [1, 23, 24, 25, 0, 0, 0]], np.int32)
+    segments = (np.arange(7) < np.array([[6], [4]])).astype(np.int32)
+    weights = np.array([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0]], np.int32)
+    log_probs = np.array([[0, -1, -2, -3, -4, 0, 0], [-5, -6, -7, 0, 0, 0, 0]], np.float32)
+    out = rollout.Rollouts(tokens=tokens, positions=np.arange(7)[None].repeat(2, 0) * segments, segment_ids=segments,
+                           loss_weights=weights, log_probs=log_probs, completions=[[3, 4, 5, 6], [23, 24, 25]],
+                           truncated=np.array([True, True]), seconds=1.0, new_tokens=7)
+    cut = rollout.end_at_strings(out, decode, ("ef", "zz"))
+    assert cut.completions == [[3, 4, 5], [23, 24, 25]] and cut.truncated.tolist() == [False, True]
+    np.testing.assert_array_equal(cut.tokens[0], [1, 2, 3, 4, 5, 0, 0])
+    np.testing.assert_array_equal(cut.segment_ids[0], [1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(cut.loss_weights[0], [0, 0, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(cut.log_probs[0], [0, -1, -2, -3, 0, 0, 0])  # log_probs[i]: of token i + 1
+    for a, b in zip((cut.tokens, cut.segment_ids, cut.loss_weights, cut.log_probs),
+                    (tokens, segments, weights, log_probs)):
+        np.testing.assert_array_equal(a[1], b[1])
+    assert rollout.end_at_strings(out, decode, ()) is out
