@@ -362,6 +362,8 @@ def steps(loop: Loop, state, last: int, interrupt):
         try:
             for step in range(first, last + 1):
                 loop.step = step
+                if isinstance(loop.train_iter, rollouts.RolloutSource):  # rollouts wait for the weights they
+                    jax.block_until_ready(state["params"])  # sample with: that wait is the step's, not data's
                 t = time.perf_counter()
                 local, host_metrics = next_batch(loop.train_iter, state, step)
                 loop.hooks.clock.data_wait_s += time.perf_counter() - t

@@ -140,6 +140,7 @@ class MeshSampler:
                 np.uint32(step), np.float32(self.temperature), np.int32(self.top_k), np.float32(self.top_p),
                 stop_array(self.stop_ids))
         run = self._executable(args)
+        jax.block_until_ready(params)  # the weights may still be the previous train step's output in flight
         start = time.perf_counter()
         ids, log_probs = jax.device_get(run(*args))
         seconds = time.perf_counter() - start
