@@ -1,10 +1,10 @@
 """An RL objective's batches (train.objective=grpo): prompts -> rollouts of the current weights -> rewards -> rows.
 
-Step s takes `train.batch_size / grpo.group_size` prompts (data.prompts.step_prompts: a function of the seed and s)
-and samples each `group_size` times on the training mesh with the state's own parameters (models.rollout), the
-randomness a function of (seed, s, row). Rewards run in their worker pool (jaxtrain.rewards), then the group
-advantages (models.grpo). So a resumed run samples, scores and trains on the same rows. The host-side figures
-(rewards, lengths, the sampler's speed, the sampler-trainer log-prob gap) join the step's metrics.
+Round r (one step, or grpo.rollout_batches x iterations) takes its prompts (data.prompts.step_prompts: a function of
+the seed and r) and samples each `group_size` times on the training mesh with the state's own parameters
+(models.rollout), the randomness a function of (seed, r, row). Rewards run in their worker pool (jaxtrain.rewards),
+then the group advantages (models.grpo). So a resumed run samples, scores and trains on the same rows. The host-side
+figures (rewards, lengths, the sampler's speed, the sampler-trainer log-prob gap) join the step's metrics.
 """
 
 from __future__ import annotations
