@@ -38,7 +38,9 @@ LIBRARY = STATE + textwrap.dedent("""
     import importlib, json, pkgutil, tempfile
     before = state()
     import jaxtrain
-    skip = ("jaxtrain.tools", "jaxtrain.compat", "jaxtrain.main", "jaxtrain.__main__")  # the entry points
+    # The entry points, and lm-eval's adapter (jaxtrain.evals): importing lm-eval (requests, ...) adds warning
+    # filters of its own; the adapter itself installs nothing.
+    skip = ("jaxtrain.tools", "jaxtrain.compat", "jaxtrain.main", "jaxtrain.__main__", "jaxtrain.evals")
     names = [m.name for m in pkgutil.walk_packages(jaxtrain.__path__, "jaxtrain.") if not m.name.startswith(skip)]
     for name in names:
         importlib.import_module(name)

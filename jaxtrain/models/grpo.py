@@ -7,9 +7,10 @@ by the group's std, except in Dr. GRPO). The policy loss is PPO's clipped surrog
 KL(pi || ref). Aggregation ("loss_type"): grpo = mean over each sequence's tokens, then over sequences;
 bnpo/dapo = mean over all completion tokens; dr_grpo = sum / (N * max completion length). Sampler weights
 correct a sampler/trainer mismatch (truncated or masked importance sampling). DAPO's dynamic sampling and soft
-overlong punishment are helpers here. Every definition follows TRL 1.16's GRPOTrainer (tests/models/test_grpo.py
-calls TRL's own code); the result is the single-process, no-accumulation meaning of TRL's loss, and
-`policy_terms` returns it as (sum, count) so that accumulated micro-batches normalise globally, as TRL's dapo.
+overlong punishment are helpers here. Every definition follows TRL 1.16's GRPOTrainer
+(tests/models/test_grpo_loss.py calls TRL's own code); the result is the single-process, no-accumulation meaning of
+TRL's loss, and `policy_terms` returns it as (sum, count) so that accumulated micro-batches normalise globally, as
+TRL's dapo.
 """
 
 from __future__ import annotations

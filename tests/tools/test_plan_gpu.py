@@ -278,13 +278,12 @@ def test_gradients_are_reduced_in_the_dtype_asked_for(tmp_path):
     assert runs["feedback"]["arguments"]["compiled"] == runs["bfloat16"]["arguments"]["compiled"] + residual["compiled"]
 
 
-# One recipe per family, as docs/models.md's tables name the run: (recipe, devices, overrides). The MoE recipes
+# A dense recipe with global attention, one with sliding windows, and both MoE families, as docs/models.md's
+# tables name the run: (recipe, devices, overrides); the other dense families plan alike. The MoE recipes
 # fit more H100s with capacity routing (docs/models.md says why); their dropless runs with tokamax's kernel fit
 # too, but that kernel is not yet checked on a GPU (docs/performance.md).
 RECIPE_RUNS = {
     "llama3_1b": ("llama3_1b", 8, {}),
-    "qwen3_0_6b": ("qwen3_0_6b", 8, {}),
-    "mistral_7b": ("mistral_7b", 8, {}),
     "gemma3_1b": ("gemma3_1b", 8, {}),
     "qwen3_moe_30b_a3b, 16 H100": ("qwen3_moe_30b_a3b", 16, {"model.moe_routing": "capacity",
                                                              "train.microbatches": 16}),
@@ -303,8 +302,8 @@ def _docs_row(run: str) -> list[str]:
 
 
 @pytest.mark.slow  # 10-20 s a recipe, all of them in one process
-def test_one_recipe_per_family_fits_the_h100s_the_docs_claim(tmp_path):
-    """XLA:GPU's compile for described H100s fits each family's recipe (RECIPE_RUNS) in an H100's memory, and
+def test_the_recipes_fit_the_h100s_the_docs_claim(tmp_path):
+    """XLA:GPU's compile for described H100s fits each recipe of RECIPE_RUNS in an H100's memory, and
     docs/models.md says so with the same peak (its third cell, its fourth "yes")."""
     plans = _plan_many(tmp_path, {f"run{i}": (f"configs/models/{recipe}.py", devices, overrides, {"device_kind": "H100"})
                                   for i, (recipe, devices, overrides) in enumerate(RECIPE_RUNS.values())}, hlo=False)
