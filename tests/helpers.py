@@ -123,6 +123,27 @@ def trainer_on(cfg, mesh_shape: dict, rules: dict, devices=None):
     return trainer_lib.build_trainer(cfg, config_lib.resolve(cfg, mesh_shape, rules), devices=devices)
 
 
+def numpy_model(cfg, seed: int = 0):
+    """(graphdef, params) of transformer.build(cfg) with every parameter drawn by numpy: N(0, init_std), norm
+    scales N(1, init_std). No initializer compiles, and no norm scale is exactly 1 (which would leave norms
+    untested)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxtrain.models import transformer
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, seed=seed)))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        mean = 1.0 if str(getattr(path[-1], "key", path[-1])) == "scale" else 0.0
+        return jnp.asarray(rng.normal(mean, cfg.init_std, x.shape), x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
+
+
 def init_params(cfg, seed: int = 0):
     """transformer.build(cfg, seed)'s params (a pure dict) from one compiled program, without LLVM's optimizations
     (it runs once), as the trainer's init is compiled: built op by op, each of its initializers compiles a

@@ -14,6 +14,7 @@ from jaxtrain import objectives
 from jaxtrain.models import rollout, sampling, transformer
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel import mesh as mesh_lib
+from helpers import numpy_model
 
 # init_std 0.3 spreads the logits: greedy has no near-ties that rounding could flip (as tests/models/test_sampling).
 DENSE = ModelConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64,
@@ -34,15 +35,7 @@ MAX_PROMPT, NEW = 16, 12
 @functools.lru_cache
 def model(name):
     """(graphdef, params) with every parameter drawn by numpy (building for real compiles each initializer)."""
-    cfg = MODELS[name]
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(cfg, seed=0)))
-    rng = np.random.default_rng(0)
-
-    def draw(path, x):
-        mean = 1.0 if str(getattr(path[-1], "key", path[-1])) == "scale" else 0.0
-        return jnp.asarray(rng.normal(mean, cfg.init_std, x.shape), x.dtype)
-
-    return graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
+    return numpy_model(MODELS[name])
 
 
 def one_device():

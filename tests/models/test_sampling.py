@@ -19,6 +19,7 @@ from jaxtrain.models import layers, transformer
 from jaxtrain.models.config import Layout, ModelConfig
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.tools import generate as generate_cli
+from helpers import numpy_model
 
 REPO = Path(__file__).resolve().parents[2]
 # GQA (8 query heads on 4 K/V heads). init_std 0.3 spreads the logits, so greedy has no near-ties that a
@@ -33,14 +34,7 @@ REF_LEN = 32  # the reference's fixed buffer: one compile for every prompt
 def model():
     """(graphdef, params) with every parameter drawn by numpy: building for real compiles each initializer
     (about 15 s on a busy 2-core machine), and a norm scale of exactly 1 would leave the norms untested."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: transformer.build(CFG, seed=0)))
-    rng = np.random.default_rng(0)
-
-    def draw(path, x):
-        mean = 1.0 if str(getattr(path[-1], "key", path[-1])) == "scale" else 0.0
-        return jnp.asarray(rng.normal(mean, CFG.init_std, x.shape), x.dtype)
-
-    return graphdef, jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(abstract))
+    return numpy_model(CFG)
 
 
 # Cached so that every test reuses one compile per window; compiles dominate this file's runtime.
