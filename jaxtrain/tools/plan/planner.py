@@ -441,6 +441,9 @@ def _config_summary(config, resolved) -> dict:
 
 
 def _pipeline_summary(p) -> dict:
-    from jaxtrain.parallel import pipeline as pipeline_parallel  # noqa: PLC0415
+    from jaxtrain.parallel import pipeline as pipeline_parallel, schedules  # noqa: PLC0415
+    # The schedule's chart, as report prints it (indented 4): the configured schedule, today's scan order.
+    table = schedules.build(p.schedule, p.stages, p.microbatches, p.repeats) if p.stages > 1 else None
+    chart = schedules.format_table(table, width=116, max_blocks=3) if table else ""
     return {"stages": p.stages, "microbatches": p.microbatches, "schedule": p.schedule, "repeats": p.repeats,
-            "bubble": pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats)}
+            "bubble": pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats), "chart": chart}
