@@ -86,10 +86,13 @@ def _unknown_override(argv, e) -> str:
 
 
 def run(config) -> int:
-    """train.run with the documented exit codes for known failures (one line on stderr); bugs propagate."""
-    from jaxtrain import train  # after the flags: --help and bad flags answer without importing jax
+    """train.run with the documented exit codes for known failures (one line on stderr); bugs propagate. Installs
+    the persistent compilation cache first (train.compile_cache): it is process-wide, and read at the first
+    compile."""
+    from jaxtrain import compile_cache, train  # after the flags: --help and bad flags answer without importing jax
 
     try:
+        compile_cache.install(config, warn=functools.partial(print, file=sys.stderr))
         train.run(config)
     except (*errors.KNOWN, KeyboardInterrupt) as e:
         print(errors.message(e), file=sys.stderr)

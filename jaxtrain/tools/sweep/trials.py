@@ -58,7 +58,7 @@ def _one_line(e: BaseException) -> str:
 def run_trial(study, spec: Sweep, base, sweep_dir: Path, trial, params: dict) -> optuna.trial.FrozenTrial:
     """Trains one trial in this process and tells the study how it ended. KeyboardInterrupt and SIGTERM
     (errors.Preempted) mark it interrupted (retried by the next run) and propagate."""
-    from jaxtrain import train
+    from jaxtrain import compile_cache, train
 
     workdir = sweep_dir / trial.user_attrs["workdir"]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +73,8 @@ def run_trial(study, spec: Sweep, base, sweep_dir: Path, trial, params: dict) ->
 
         try:
             config = trial_config(base, params, workdir)
+            # Trials' workdirs share a parent, so "auto" is one cache for them all; jax opens it at the first compile.
+            compile_cache.install(config, warn=say)
             summary = train.run(config, print_fn=say, writers=[PruningWriter(trial, spec.metric, prior)])
         except optuna.TrialPruned as e:
             state = TrialState.PRUNED

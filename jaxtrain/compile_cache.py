@@ -1,0 +1,69 @@
+"""The persistent compilation cache (train.compile_cache): a restart loads its compiled step instead of compiling it.
+
+"auto" (the default) is $JAX_COMPILATION_CACHE_DIR if set, else `.jax_cache` beside the workdir
+(<workdir>/../.jax_cache): jax writes entries from process 0 only and every process reads them, so the cache
+must be where all processes see it, as they see the workdir; runs under one parent share it. "off" (or "")
+turns it off; any other value is the directory. No size limit is set: with one, jax rereads every entry's
+access time at each write. jax's cache is process-wide and opened at the first compile, so `install` belongs
+to entry points (`jaxtrain train`), before anything compiles; the library never calls it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxtrain.errors import ConfigError
+
+FIELD = "train.compile_cache"
+OFF = ("", "off")
+ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def check(value) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(FIELD, f"must be a directory, 'auto' or 'off', got {value!r}")
+
+
+def directory(value: str, workdir: str, environ=os.environ) -> str | None:
+    """The cache directory `value` names for a run in `workdir` (None: off). Pure."""
+    check(value)
+    value = value.strip()
+    if value.lower() in OFF:
+        return None
+    if value == "auto":
+        if environ.get(ENV):
+            return environ[ENV]
+        return os.path.join(os.path.dirname(os.path.abspath(os.path.expanduser(workdir))), ".jax_cache")
+    return value if "://" in value else os.path.abspath(os.path.expanduser(value))
+
+
+def _unwritable(path: str) -> str | None:
+    """Why `path` can't hold the cache (its nearest existing ancestor must be a writable directory), or None."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def install(config, environ=os.environ, warn=print) -> str | None:
+    """Points jax's persistent cache at the run's directory (or turns it off) and returns the directory. Creates
+    nothing: jax does at its first compile. A named directory that can't be written is a ConfigError; under
+    "auto" the run warns and goes on without a cache."""
+    import jax
+
+    path = directory(config.train.compile_cache, config.workdir, environ)
+    if path is not None and "://" not in path and (why := _unwritable(path)):
+        if config.train.compile_cache.strip() != "auto":
+            raise ConfigError(FIELD, f"{path}: {why}")
+        warn(f"warning: {FIELD}=auto: {why}; compiling without a persistent cache")
+        path = None
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
