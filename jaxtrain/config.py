@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import ml_collections
 
-from jaxtrain import checkpoint, faults, hooks, objectives, optim
+from jaxtrain import checkpoint, compile_cache, faults, hooks, objectives, optim
 from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
@@ -35,8 +35,10 @@ def base_config() -> ml_collections.ConfigDict:
     # checkpoint, e.g. to fit a job's time slot. Rerunning continues the same schedule. `batch_size` is global, in
     # sequences; `microbatches` accumulates gradients (numerically the full-batch step). `objective`: a registered
     # objective (jaxtrain.objectives): "lm" (next-token cross-entropy: pretraining, and SFT on chat data) or "dpo"
-    # (preference pairs; the `dpo` group).
-    c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0, objective="lm")
+    # (preference pairs; the `dpo` group). `compile_cache`: where compiled steps are kept for the next start
+    # (jaxtrain.compile_cache: "auto" = beside the workdir, "off", or a directory).
+    c.train = dict(steps=150, batch_size=16, seq_len=128, microbatches=1, seed=0, stop_at=0, objective="lm",
+                   compile_cache="auto")
     for objective in objectives.registered():  # each objective's own group, if it has one
         if objective.config:
             c[objective.name] = dict(objective.config)
@@ -163,6 +165,7 @@ def _check_train(t, shape: dict, rules: dict, dp: int, process_count: int) -> in
         raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by mesh.sequence={shape['sequence']}")
     g.positive_int("seed", allow_zero=True)
     g.positive_int("stop_at", allow_zero=True)
+    compile_cache.check(t.compile_cache)
     if t.batch_size % t.microbatches:
         raise ConfigError("train.batch_size", f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}")
     micro = t.batch_size // t.microbatches

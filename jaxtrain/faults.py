@@ -25,15 +25,18 @@ import threading
 import time
 import traceback
 
-from jaxtrain.errors import EXIT_HUNG
+from jaxtrain.errors import EXIT_HUNG, ConfigError
 from jaxtrain.fields import Group
 
 NAN_POLICIES = ("halt", "skip", "rollback")
 # The config's `faults` group. `nan_policy` for a non-finite loss or gradient (the update is never applied): "halt"
 # (exit 3), "skip" (drop that step's update and go on) or "rollback" (restore the last checkpoint and skip the data
 # since). `step_timeout_s`: a step (or a peer) stuck this long dumps all stacks and exits 124 (0 = off).
-# `preempt_grace_s`: the time SIGTERM leaves us to save; we warn if a save took longer.
-CONFIG = dict(nan_policy="halt", step_timeout_s=600.0, preempt_grace_s=30.0)
+# `preempt_grace_s`: the time SIGTERM leaves us to save; we warn if a save took longer. With several processes, each
+# reports its step time every `straggler_every_steps` steps (0 = off) and process 0 names a process whose step
+# time stays over `straggler_factor` times the others' median (jaxtrain.hooks.StragglerHook).
+CONFIG = dict(nan_policy="halt", step_timeout_s=600.0, preempt_grace_s=30.0, straggler_every_steps=50,
+              straggler_factor=1.5)
 
 
 def check_config(faults) -> None:
@@ -41,6 +44,9 @@ def check_config(faults) -> None:
     g.choice("nan_policy", NAN_POLICIES)
     g.number("step_timeout_s", lo=0)
     g.number("preempt_grace_s", lo=0)
+    if g.positive_int("straggler_every_steps", allow_zero=True) == 1:  # a round is read once the next one starts
+        raise ConfigError("faults.straggler_every_steps", "must be 0 (off) or at least 2, got 1")
+    g.number("straggler_factor", lo=1, lo_open=True)
 
 
 class Watchdog:
@@ -53,9 +59,14 @@ class Watchdog:
     wait for the very collective that hangs. `stream` None means sys.stderr as it is when the dog fires.
     """
 
+    # How long the dump waits for `peer_report`: it asks the other processes, and a dead coordinator never answers.
+    PEER_REPORT_S = 15.0
+
     def __init__(self, timeout_s: float, *, exit_code: int = EXIT_HUNG, stream=None, exit_fn=os._exit):
         self.timeout_s, self.exit_code, self.stream, self.exit_fn = float(timeout_s), exit_code, stream, exit_fn
         self.fired = False
+        # A callable returning lines on the other processes (e.g. which one is behind) for the dump, or None.
+        self.peer_report = None
         self._first = None  # the first step's own limit, until it finishes (start)
         self._last = time.monotonic()
         self._pauses = 0
@@ -110,6 +121,8 @@ class Watchdog:
         names = ", ".join(f"{t.ident:#018x}={t.name}" for t in threading.enumerate())
         stream.write(f"step watchdog: no step finished in {idle:.1f} s (faults.step_timeout_s={self.timeout_s:g}); "
                      f"dumping all thread stacks\nthreads: {names}\n")
+        if self.peer_report is not None:
+            stream.write(_bounded(self.peer_report, self.PEER_REPORT_S))
         stream.flush()  # faulthandler writes to the file descriptor directly, after this line
         try:
             faulthandler.dump_traceback(file=stream, all_threads=True)
@@ -118,6 +131,23 @@ class Watchdog:
                 stream.write(f"\nThread {ident:#018x} (most recent call first):\n")
                 stream.write("".join(reversed(traceback.format_stack(frame))))
         stream.flush()
+
+
+def _bounded(report, timeout_s: float) -> str:
+    """`report()`'s lines, or one saying why there are none: it raised, or gave no answer within `timeout_s`."""
+    out = []
+
+    def call():
+        try:
+            out.append("".join(f"{line}\n" for line in report()))
+        except Exception as e:  # noqa: BLE001 - the dump goes on without it
+            out.append(f"peers: no report ({type(e).__name__}: {e})\n")
+
+    thread = threading.Thread(target=call, name="peer-report", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    # jax.distributed's key-value store runs in process 0: with it stopped, nothing answers.
+    return out[0] if out else f"peers: no answer within {timeout_s:g} s (is process 0 stuck?)\n"
 
 
 class InterruptBetweenSteps:

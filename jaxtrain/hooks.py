@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from jaxtrain.errors import CheckpointError, NonFiniteLoss, Preempted
 from jaxtrain.fields import Group
 from jaxtrain.observe import goodput, profiling
 from jaxtrain.observe import metrics as metrics_lib
+from jaxtrain.parallel import distributed
 
 # The config's `eval` group (EvalHook): held-out loss every `every_steps` (0 = only at the end), `batches` batches
 # each, and at step 0 when `at_start`. `sets` (optional): more validation sets, "name=DIR,name2=DIR2", each the
@@ -40,13 +43,23 @@ def check_eval_config(e) -> None:
 class Clock:
     """Wall time of the run minus time spent paused (eval, checkpoint writes), for honest tokens/s.
     `on_pause` (e.g. the step watchdog's `paused`) is entered for every pause as well. `data_wait_s`
-    counts the time the loop waited for the input pipeline."""
+    counts the time the loop waited for the input pipeline, `device_wait_s` (`waiting()`) the time it waited for
+    the steps' results: the device's time and the slower peers', not this host's (StragglerHook)."""
 
     def __init__(self, on_pause=contextlib.nullcontext):
         self.start = time.perf_counter()
         self.paused_s = 0.0
         self.data_wait_s = 0.0
+        self.device_wait_s = 0.0
         self.on_pause = on_pause
+
+    @contextlib.contextmanager
+    def waiting(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.device_wait_s += time.perf_counter() - t
 
     @contextlib.contextmanager
     def paused(self):
@@ -107,7 +120,8 @@ class LogHook(Hook):
         self.pending.append(metrics)
         if step % self.every and step != self.total:
             return
-        fetched = jax.device_get(self.pending)
+        with self.clock.waiting():
+            fetched = jax.device_get(self.pending)
         self.pending = []
         now = self.clock.train_seconds()
         steps_done = step - self.last_step
@@ -350,6 +364,132 @@ class WatchdogHook(Hook):
         self.watchdog.stop()
 
 
+def own_step_times(reports: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """Each process's own step time, from its (wall seconds, seconds waiting for results) per step: its wall time
+    less what it waited beyond the process that waited least. In a synchronous step every process takes the same
+    wall time, and the one the others wait for waits least (for the device alone)."""
+    least = min(wait for _, wait in reports.values())
+    return {p: wall - wait + least for p, (wall, wait) in reports.items()}
+
+
+class Stragglers:
+    """Process 0's record of the step times that every process reports (StragglerHook). A process is a straggler
+    once its own step time was over `factor` times the median of the others' in each of the last `rounds`
+    reports; `add` returns the lines to log when one becomes a straggler or stops being one."""
+
+    def __init__(self, factor: float, rounds: int = 3):
+        self.factor, self.rounds = factor, rounds
+        self.history: list[tuple[int, dict[int, float]]] = []  # (step, process -> its own time / others' median)
+        self.flagged: set[int] = set()
+
+    @staticmethod
+    def ratios(own: dict[int, float]) -> dict[int, float]:
+        if len(own) < 2:
+            return {}
+        return {p: t / max(statistics.median(o for q, o in own.items() if q != p), 1e-9) for p, t in own.items()}
+
+    def add(self, step: int, reports: dict[int, tuple[float, float]], hosts: dict[int, str]) -> list[str]:
+        own = own_step_times(reports)
+        ratios = self.ratios(own)
+        self.history = (self.history + [(step, ratios)])[-self.rounds:]
+        full = len(self.history) == self.rounds
+        lines = []
+        for p in sorted(ratios):
+            over = [r.get(p, 0.0) > self.factor for _, r in self.history]
+            if p not in self.flagged and full and all(over):
+                self.flagged.add(p)
+                lines.append(f"straggler: host {hosts.get(p, '?')} (process {p}) step {own[p]:.3g}s, "
+                             f"{ratios[p]:.1f}x the median of the others, over the last {self.rounds} reports "
+                             f"(steps {self.history[0][0]}..{step})")
+            elif p in self.flagged and not over[-1]:
+                self.flagged.discard(p)
+                lines.append(f"straggler: host {hosts.get(p, '?')} (process {p}) is back under {self.factor:g}x the "
+                             f"median of the others at step {step} ({ratios[p]:.1f}x)")
+        return lines
+
+
+class StragglerHook(Hook):
+    """Every `every` steps (0: never) each process reports its step time, the wall time less the time it waited
+    for the results (Clock.device_wait_s), to jax.distributed's key-value store `store` (host RPCs, no device work).
+    Process 0 reads the round before, complete by then (the steps since need every process), and logs stragglers
+    (Stragglers). The step watchdog's dump calls `peer_report`: the processes stuck in the same step say
+    so, and those that do not within `hang_wait_s` are named as the likely cause."""
+
+    PREFIX = "jaxtrain/step_time/"
+
+    def __init__(self, store, *, process: int, processes: int, every: int, factor: float, clock: Clock,
+                 start_step: int, print_fn=print, host: str | None = None, hang_wait_s: float = 3.0):
+        self.store, self.process, self.processes, self.every = store, process, processes, every
+        self.clock, self.print, self.hang_wait_s = clock, print_fn, hang_wait_s
+        self.tracker = Stragglers(factor)
+        self.hosts: dict[int, str] = {}
+        self.read: list[int] = []  # rounds read and kept for the watchdog (the newest two; process 0)
+        self.store.set(f"jaxtrain/host/{process}", host or socket.gethostname())
+        self.rewind(start_step)
+
+    def rewind(self, step):
+        self.step, self.published = step, None
+        self.last = (step, self.clock.train_seconds(), self.clock.device_wait_s)
+        self.unread: list[int] = []  # rounds published, not yet read (process 0)
+
+    def __call__(self, step, state, metrics, batch):
+        self.step = step
+        if not self.every or step % self.every:
+            return
+        last_step, last_wall, last_wait = self.last
+        wall, wait = self.clock.train_seconds(), self.clock.device_wait_s
+        self.last = (step, wall, wait)
+        if step <= last_step:
+            return
+        n = step - last_step
+        self.store.set(f"{self.PREFIX}{step}/{self.process}", f"{(wall - last_wall) / n!r} {(wait - last_wait) / n!r}")
+        self.published = step
+        if self.process == 0:
+            if self.unread:
+                self._read(self.unread.pop())
+            self.unread.append(step)
+
+    def _round(self, step: int) -> dict[int, tuple[float, float]]:
+        return {int(p): tuple(float(x) for x in value.split())
+                for p, value in self.store.dir(f"{self.PREFIX}{step}/").items()}
+
+    def _host_names(self) -> dict[int, str]:
+        if len(self.hosts) < self.processes:
+            self.hosts = {int(p): h for p, h in self.store.dir("jaxtrain/host/").items()}
+        return self.hosts
+
+    def _read(self, step: int) -> None:
+        for line in self.tracker.add(step, self._round(step), self._host_names()):
+            self.print(line)
+        self.read = [r for r in self.read if r != step] + [step]  # after a rewind a round may come again
+        if len(self.read) > 2:
+            self.store.delete(f"{self.PREFIX}{self.read.pop(0)}/")
+
+    def peer_report(self) -> list[str]:
+        """Lines for the watchdog's dump (run on its thread while the loop hangs)."""
+        self.store.set(f"jaxtrain/hung/{self.process}", str(self.step))
+        deadline = time.monotonic() + self.hang_wait_s
+        while len(stuck := self.store.dir("jaxtrain/hung/")) < self.processes and time.monotonic() < deadline:
+            time.sleep(0.2)
+        hosts = self._host_names()
+        missing = [p for p in range(self.processes) if str(p) not in stuck]
+        if missing:
+            named = ", ".join(f"process {p} on {hosts.get(p, '?')}" for p in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            lines = [f"peers: not stuck with this one (no watchdog report within {self.hang_wait_s:g} s), the likely "
+                     f"cause: {named}{more}"]
+        else:
+            lines = [f"peers: all {self.processes} processes are stuck (last steps: "
+                     f"{sorted(set(stuck.values()), key=int)})"]
+        if self.published is not None and len(reports := self._round(self.published)) > 1:
+            own = own_step_times(reports)
+            slowest = max(own, key=own.get)
+            lines.append(f"peers: the slowest at the last report (step {self.published}): process {slowest} on "
+                         f"{hosts.get(slowest, '?')}, step {own[slowest]:.3g}s, "
+                         f"{Stragglers.ratios(own)[slowest]:.1f}x the median of the others")
+        return lines
+
+
 class ProfileHook(Hook):
     """A jax.profiler trace of steps first..last (log.profile_steps) into `logdir`, for TensorBoard's profile
     plugin or Perfetto (perfetto_trace.json.gz). Steps run ahead of the host, so the trace starts once the step
@@ -464,6 +604,13 @@ def build(config, *, workdir: Path, start_step: int, checkpointer, data_iterator
                                  hlo_text=hlo_text if is_main else None))
     if config.model.n_experts:
         hooks.append(ExpertLoadHook(workdir / "expert_load.jsonl", config.log.every_steps, start_step, is_main))
+    if jax.process_count() > 1:
+        stragglers = StragglerHook(distributed.KeyValueStore(), process=jax.process_index(),
+                                   processes=jax.process_count(), every=config.faults.straggler_every_steps,
+                                   factor=config.faults.straggler_factor, clock=clock, start_step=start_step,
+                                   print_fn=print_fn)
+        hooks.append(stragglers)
+        watchdog.peer_report = stragglers.peer_report
     if config.log.fingerprints:
         hooks.append(FingerprintHook(workdir / f"data_fingerprints.{jax.process_index()}.jsonl",
                                      data_pipeline.tokens_per_batch_fingerprint))

@@ -367,11 +367,13 @@ def steps(loop: Loop, state, last: int, interrupt):
                 t = time.perf_counter()
                 local, host_metrics = next_batch(loop.train_iter, state, step)
                 loop.hooks.clock.data_wait_s += time.perf_counter() - t
-                state, metrics = loop.train_step(state, global_batch(local, loop.trainer.batch_sharding))
+                batch = global_batch(local, loop.trainer.batch_sharding)
+                with loop.hooks.clock.waiting():  # for the device and the peers (a synchronous dispatch waits here)
+                    state, metrics = loop.train_step(state, batch)
+                    # At most two steps in flight: enough to overlap host work with the device, and it bounds the
+                    # queue (hundreds of queued collectives time out XLA's CPU rendezvous on fake devices).
+                    jax.block_until_ready(previous)
                 metrics = {**metrics, **host_metrics}
-                # At most two steps in flight: enough to overlap host work with the device, and it bounds the queue
-                # (hundreds of queued collectives time out XLA's CPU rendezvous on fake devices).
-                jax.block_until_ready(previous)
                 previous = metrics
                 for hook in loop.hooks.all:
                     hook(step, state, metrics, local)

@@ -3,7 +3,8 @@
 argv: CONFIG_JSON OUT_NPZ [gloo-coordinator]. jaxtrain.parallel.distributed reads JAXTRAIN_COORDINATOR /
 _NUM_PROCESSES / _PROCESS_ID. With a third argument, a single process joins a 1-process jax.distributed
 group at that address first, so that its 8 devices use gloo's collectives as a multi-process run does.
-JAXTRAIN_TEST_POISON="step:process" makes that process's batch of that step non-finite (tests/helpers.py).
+JAXTRAIN_TEST_POISON="step:process" makes that process's batch of that step non-finite (tests/helpers.py);
+JAXTRAIN_TEST_SLOW="process:seconds" makes that process sleep so long before each batch (a straggler).
 Exits with jaxtrain.main's codes. After a finished run, process 0 writes the final params (gathered from
 every process) to OUT_NPZ.
 """
@@ -11,6 +12,7 @@ every process) to OUT_NPZ.
 import json
 import os
 import sys
+import time
 
 import jax
 import ml_collections
@@ -19,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from helpers import install_poison
 from jaxtrain import main as main_lib, train
+from jaxtrain.data import pipeline
 
 
 def main(config_path: str, out_path: str, gloo_coordinator: str = "") -> int:
@@ -29,6 +32,11 @@ def main(config_path: str, out_path: str, gloo_coordinator: str = "") -> int:
     if poison := os.environ.get("JAXTRAIN_TEST_POISON"):  # "step:process": that process's batch is bad
         bad_step, process = map(int, poison.split(":"))
         install_poison(setattr, bad_step, only_process=process)
+    if slow := os.environ.get("JAXTRAIN_TEST_SLOW"):
+        process, seconds = slow.split(":")
+        if os.environ.get("JAXTRAIN_PROCESS_ID") == process:  # jax.process_index() would start jax too early
+            fetch = pipeline.TrainIterator.__next__
+            pipeline.TrainIterator.__next__ = lambda self: time.sleep(float(seconds)) or fetch(self)
     summaries = []
     run = train.run
     train.run = lambda cfg, print_fn=print: summaries.append(run(cfg, print_fn)) or summaries[-1]

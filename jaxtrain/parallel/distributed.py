@@ -361,3 +361,26 @@ def from_process_0(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+class KeyValueStore:
+    """jax.distributed's key-value store (its coordination service, on process 0's host): small strings between
+    processes without the devices, e.g. step times (hooks.StragglerHook). Every call is one RPC."""
+
+    def __init__(self):
+        from jax._src import distributed as jax_distributed
+
+        self._client = jax_distributed.global_state.client
+        if self._client is None:
+            raise RuntimeError("KeyValueStore: jax.distributed is not initialized")
+
+    def set(self, key: str, value: str) -> None:
+        self._client.key_value_set(key, value, allow_overwrite=True)
+
+    def dir(self, prefix: str) -> dict[str, str]:
+        """Every key under `prefix` (a directory: ends with "/"), without the prefix, and its value."""
+        return {key.removeprefix(prefix): value for key, value in self._client.key_value_dir_get(prefix)}
+
+    def delete(self, key: str) -> None:
+        """The key, or with a trailing "/" every key under it."""
+        self._client.key_value_delete(key)

@@ -184,11 +184,13 @@ def test_sigterm_to_one_process_saves_one_step_on_both_and_resumes_there(tiny_co
 
 @pytest.mark.slow
 def test_a_stopped_peer_is_detected_by_the_watchdog(tiny_config, tmp_path):
+    """Process 1 is a straggler (0.5 s more a step), which process 0 names, then stops: process 0's watchdog
+    dumps its stacks, naming process 1 as the peer that is not stuck with it."""
     # 8 s, not less: two trainers on 2 loaded cores can take a few seconds over one step.
-    cfg = tiny_config(**LONG, **{"faults.step_timeout_s": 8.0})
-    procs = start_two_processes(cfg, tmp_path, "stop")
+    cfg = tiny_config(**LONG, **{"faults.step_timeout_s": 8.0, "faults.straggler_every_steps": 2})
+    procs = start_two_processes(cfg, tmp_path, "stop", JAXTRAIN_TEST_SLOW="1:0.5")
     try:
-        wait_for_step(cfg.workdir, 5, procs)
+        wait_for_step(cfg.workdir, 10, procs)  # reports at steps 2, 4, 6 are read by step 8
         procs[1].send_signal(signal.SIGSTOP)
         t = time.monotonic()
         out0 = procs[0].communicate(timeout=60)[0]
@@ -200,6 +202,9 @@ def test_a_stopped_peer_is_detected_by_the_watchdog(tiny_config, tmp_path):
     assert detected_after < 8.0 + 10, detected_after  # the timeout plus a margin for this loaded 2-core machine
     assert "step watchdog: no step finished in" in out0
     assert "Thread 0x" in out0 or "Current thread 0x" in out0  # faulthandler's dump of every thread
+    host = socket.gethostname()
+    assert re.search(rf"straggler: host {re.escape(host)} \(process 1\) step [\d.]+s, [\d.]+x the median", out0), out0
+    assert f"the likely cause: process 1 on {host}" in out0, out0[-3000:]
 
 
 @pytest.mark.slow
