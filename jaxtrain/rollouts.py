@@ -164,7 +164,7 @@ class RolloutSource:
 
     def _metrics(self, rows, out, trainer, rewards, scores, kept) -> dict:
         """Host figures of a rollout: rewards (and each function's), completion lengths, the truncated and kept
-        shares, the sampler's speed, and how far the sampler's log-probs are from the trainer's."""
+        shares, the sampler's speed and work, and how far the sampler's log-probs are from the trainer's."""
         mask = np.asarray(objectives.next_token_targets(rows)[1]) > 0
         gap = (out.log_probs - trainer)[mask]
         lengths = np.array([len(c) for c in out.completions], np.float32)
@@ -172,6 +172,9 @@ class RolloutSource:
                    "grpo/completion_tokens": float(lengths.mean()),
                    "grpo/truncated": float(np.mean(out.truncated)), "grpo/kept": float(np.mean(kept)),
                    "grpo/sampler_tokens_per_sec": out.new_tokens / max(out.seconds, 1e-9),
+                   # Rows the decode ran, and had it run every row until the last stopped (models.rollout).
+                   "grpo/decode_row_steps": float(out.decode_row_steps),
+                   "grpo/lockstep_row_steps": float(out.lockstep_row_steps),
                    "grpo/sampler_logp_max_diff": float(np.abs(gap).max()) if gap.size else 0.0,
                    "grpo/sampler_kl": float(gap.mean()) if gap.size else 0.0,
                    "grpo/reward_failures": float(sum(scores.failures.values()))}

@@ -12,7 +12,8 @@ sampled, and greedy) and, over the log records after the first (which holds the 
 sampler tokens/s (completion tokens drawn per second of sampling), trainer tokens/s (the step's rows,
 batch_size x seq_len, per second of step outside the rollout and rewards), the fraction of the step spent in
 the rollout and rewards (`data_wait_frac`: sampling, scoring, the trainer's log-probs of the samples, the rows) and
-in the sampling alone. Ends with one JSON line. tests/e2e/test_grpo_learns.py uses this task.
+in the sampling alone; and the decode's row-steps against lockstep's (summed). Ends with one JSON line.
+tests/e2e/test_grpo_learns.py uses this task.
 """
 
 from __future__ import annotations
@@ -160,6 +161,9 @@ def figures(workdir) -> dict:
             "sampler_frac": median(lambda r: r["grpo/completion_tokens"] * batch_size / r["grpo/sampler_tokens_per_sec"]
                                    / (batch_size * seq_len / r["tokens_per_sec"])),
             "completion_tokens": median(lambda r: r["grpo/completion_tokens"]),
+            # The decode's work, summed over the log records: rows run, and rows had each run until the last stopped.
+            "decode_row_steps": sum(r.get("grpo/decode_row_steps", 0) for r in steps),
+            "lockstep_row_steps": sum(r.get("grpo/lockstep_row_steps", 0) for r in steps),
             "log_records": len(steps)}
 
 
@@ -205,7 +209,8 @@ def main(argv):
               "greedy_reward": [greedy_reward(sft_workdir, task["prompts"]), greedy_reward(workdir, task["prompts"])]}
     print(f"sampler {result['sampler_tokens_per_sec']:,.0f} tok/s | trainer {result['trainer_tokens_per_sec']:,.0f} "
           f"tok/s | rollout and rewards {100 * result['rollout_frac']:.0f}% of a step (sampling "
-          f"{100 * result['sampler_frac']:.0f}%) | held-out reward (greedy) "
+          f"{100 * result['sampler_frac']:.0f}%; decode row-steps {result['decode_row_steps']:,.0f} of lockstep's "
+          f"{result['lockstep_row_steps']:,.0f}) | held-out reward (greedy) "
           f"{result['greedy_reward'][0]:.2f} -> {result['greedy_reward'][1]:.2f} | {result['cpu']}", file=sys.stderr)
     print(json.dumps(result))
 

@@ -1,10 +1,15 @@
 """GRPO as a run (train.objective=grpo): prompts prepared with `prepare --prompts`, rollouts of the trainer's own
 weights scored by reward functions, through the same train.run. The sampler's log-probs equal the trainer's in f32;
-a run stopped and resumed equals one that was not, rollouts included; bad input exits 2 naming it, before the
-workdir exists."""
+a run stopped (or SIGKILLed) and resumed equals one that was not, rollouts included; bad input exits 2 naming it,
+before the workdir exists."""
 
 import json
 import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +18,10 @@ from helpers import chat_tokenizer_dir, trainer_on
 from jaxtrain import train
 from jaxtrain.data import layout, prompts
 from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.observe import metrics as metrics_lib
 from jaxtrain.tools import prepare as prepare_cli
 
+REPO = Path(__file__).resolve().parents[1]
 QUIET = {"print_fn": lambda *a, **k: None}
 WORDS = "red green blue cat dog sun moon tree".split()
 
@@ -56,14 +63,25 @@ def test_prepared_prompts_keep_their_fields_and_a_step_s_prompts_depend_on_the_s
     assert not np.array_equal(prompts.step_prompts(36, 4, seed=1, step=3), first[2])
 
 
-def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path):
-    """Rounds of two rollout batches and two passes over them, the sampler's numbers corrected for: stopped at step
-    3, inside the second round (its rows come back from the checkpoint's data state), then resumed, it ends with
-    the same state as a run that was not stopped."""
-    rounds = {"grpo.rollout_batches": 2, "grpo.iterations": 2, "train.steps": 8,
-              "grpo.sampler_correction": "token_truncate"}
-    whole = train.run(_grpo(tiny_config, prompts_dir, **rounds), **QUIET)
-    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split", **rounds)
+# Rounds of two rollout batches and two passes over them (4 steps), the sampler's numbers corrected for.
+ROUNDS = {"grpo.rollout_batches": 2, "grpo.iterations": 2, "train.steps": 8,
+          "grpo.sampler_correction": "token_truncate"}
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_config, prompts_dir):
+    """The uninterrupted run of ROUNDS: its summary and its workdir's train records by step."""
+    cfg = _grpo(tiny_config, prompts_dir, **ROUNDS)
+    summary = train.run(cfg, **QUIET)
+    return summary, {r["step"]: r for r in metrics_lib.lineage(metrics_lib.read_records(
+        Path(cfg.workdir) / "metrics.jsonl"))[0]}
+
+
+def test_a_run_trains_on_its_rollouts_and_resumes_bit_identically(tiny_config, prompts_dir, tmp_path, whole):
+    """Stopped at step 6, inside the second round (its rows come back from the checkpoint's data state), then
+    resumed, a run ends with the same state as one that was not stopped."""
+    whole = whole[0]
+    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "split", **ROUNDS)
     stop = 6
     assert train.run(_stop_at(cfg, stop), **QUIET)["step"] == stop
     resumed = train.run(cfg, **QUIET)
@@ -86,6 +104,54 @@ def _stop_at(cfg, step):
     cfg = cfg.copy_and_resolve_references()
     cfg.train.stop_at = step
     return cfg
+
+
+# The first attempt: each save commits before the run goes on (so the kill below finds step 3's checkpoint whole),
+# and the process SIGKILLs itself as round 2 (steps 5..8) starts sampling. Step 4 is lost; the rerun restores step
+# 3 with round 1's rows from the data state, trains step 4 on them again, then samples round 2 afresh.
+KILLED = """
+import os, pickle, signal
+from jaxtrain import checkpoint, rollouts, train
+
+save, rollout = checkpoint.Checkpointer.save, rollouts.RolloutSource._rollout
+
+def save_and_commit(self, *args):
+    save(self, *args)
+    self.wait()
+
+def die_in_round_2(self, params, index):
+    if index == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rollout(self, params, index)
+
+checkpoint.Checkpointer.save, rollouts.RolloutSource._rollout = save_and_commit, die_in_round_2
+with open({config!r}, "rb") as f:
+    train.run(pickle.load(f), print_fn=lambda *a, **k: None)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_bit_identically_rollouts_included(tiny_config, prompts_dir, tmp_path, whole):
+    want, want_steps = whole
+    cfg = _grpo(tiny_config, prompts_dir, workdir=tmp_path / "killed", **{**ROUNDS, "checkpoint.every_steps": 3})
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(cfg))
+    tests = str(Path(__file__).parent)  # reward_fixtures, for the reward workers
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILLED.format(config=str(tmp_path / "config.pkl"))], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    ckpts = Path(cfg.workdir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.isdigit()) == ["3"]
+
+    resumed = train.run(cfg, **QUIET)
+    assert resumed["resumed"] and resumed["state_checksum"] == want["state_checksum"]
+    records = metrics_lib.read_records(Path(cfg.workdir) / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r][:3] == [1, 2, 3]  # the first attempt's, logged before the kill
+    steps = {r["step"]: r for r in metrics_lib.lineage(records)[0]}
+    assert sorted(steps) == list(range(1, 9))
+    for step, r in steps.items():  # the losses and the rollouts' figures, bit for bit
+        keys = ["loss", "grad_norm", "grpo/reward", "grpo/completion_tokens", "grpo/sampler_logp_max_diff"]
+        assert [r[k] for k in keys] == [want_steps[step][k] for k in keys], step
 
 
 @pytest.mark.parametrize("overrides, field", [

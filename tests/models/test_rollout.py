@@ -132,6 +132,51 @@ def test_rows_stop_at_their_first_stop_id():
     assert (out.log_probs[0] != 0).sum() == cut + 1
 
 
+def test_batch_sizes_halve_to_whole_batch_shards_and_no_fewer():
+    assert [rollout.next_size(n, ways) for n, ways in ((64, 8), (12, 4), (8, 4), (4, 4), (3, 1), (2, 1), (1, 1))] \
+        == [32, 8, 4, 0, 2, 1, 0]
+
+
+def _halving_row_steps(lengths, sizes):
+    """Reference: the row-steps of a decode that moves to the next of `sizes` (the batch sizes in turn) whenever at
+    most that many rows are live. Step i draws token i (the prefill token 0); a completion of n tokens (its stop
+    id last) is live before step i while n > i."""
+    steps, sizes = 0, list(sizes)
+    for i in range(1, max(lengths)):
+        while len(sizes) > 1 and sum(n > i for n in lengths) <= sizes[1]:
+            sizes.pop(0)
+        steps += sizes[0]
+    return steps
+
+
+@pytest.mark.parametrize("mesh_key, prompts, sizes", [
+    ("one", PROMPTS, [3, 2, 1]),
+    # 4 batch shards: 8 rows, then 4, never fewer than one a shard.
+    ("eight", PROMPTS * 2 + [[1, 2], [250] * 9], [8, 4]),
+])
+def test_finished_rows_are_compacted_away_and_each_row_decodes_as_in_lockstep(mesh_key, prompts, sizes):
+    """Stop ids that end the rows at different points: once at most the next batch size of rows is live, the
+    live rows move to a batch that size. Each row draws the tokens it draws with every row decoding to the end
+    (compact=False), and the decode runs the row-steps the halving predicts, fewer than lockstep's."""
+    graphdef, params = model("dense")
+    free = sampler("dense", mesh_key, compact=False)(params, prompts, step=6).completions  # no stop ids: 12 each
+    # Each row's 3rd, 5th, 7th, ... token a stop id: row r stops at its first (whichever row it came from).
+    stops = tuple(sorted({c[2 + 2 * (r % 5)] for r, c in enumerate(free)}))[:8]
+    want = [next((c[:i + 1] for i, t in enumerate(c) if t in stops), c) for c in free]
+    lengths = [len(c) for c in want]
+    assert len(set(lengths)) >= len(sizes)  # the rows stop at different points: each size gets used
+    lockstep = sampler("dense", mesh_key, compact=False, stop_ids=stops)(params, prompts, step=6)
+    out = sampler("dense", mesh_key, stop_ids=stops)(params, prompts, step=6)
+    assert lockstep.completions == out.completions == want
+    for name in ("tokens", "segment_ids", "loss_weights", "truncated"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(lockstep, name))
+    # XLA may round a batch of another size differently (~1e-6): the tokens above match all the same.
+    np.testing.assert_allclose(out.log_probs, lockstep.log_probs, atol=1e-5)
+    assert lockstep.decode_row_steps == lockstep.lockstep_row_steps == sizes[0] * (max(lengths) - 1)
+    assert out.lockstep_row_steps == lockstep.lockstep_row_steps
+    assert out.decode_row_steps == _halving_row_steps(lengths, sizes) < out.lockstep_row_steps
+
+
 def test_bad_prompts_and_settings_raise():
     graphdef, params = model("dense")
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
