@@ -169,7 +169,7 @@ class RolloutSource:
         gap = (out.log_probs - trainer)[mask]
         lengths = np.array([len(c) for c in out.completions], np.float32)
         metrics = {"grpo/reward": float(rewards.mean()), "grpo/reward_std": float(rewards.std()),
-                   "grpo/completion_tokens": float(lengths.mean()),
+                   "grpo/completion_tokens": float(lengths.mean()), "grpo/entropy": out.entropy,
                    "grpo/truncated": float(np.mean(out.truncated)), "grpo/kept": float(np.mean(kept)),
                    "grpo/sampler_tokens_per_sec": out.new_tokens / max(out.seconds, 1e-9),
                    # Rows the decode ran, and had it run every row until the last stopped (models.rollout).
@@ -180,4 +180,5 @@ class RolloutSource:
                    "grpo/reward_failures": float(sum(scores.failures.values()))}
         for name, column in zip(self.rewards.names, np.asarray(scores.per_function).T):
             metrics[f"grpo/reward/{name}"] = float(column.mean())
+            metrics[f"grpo/reward_std/{name}"] = float(column.std())
         return metrics

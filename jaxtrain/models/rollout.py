@@ -42,7 +42,8 @@ class Rollouts:
     layout of objectives.token_log_probs). `completions`: each row's ids, its stop id included if drawn;
     `truncated`: reached max_new_tokens without one. `seconds`: the sampling's wall time (compiles excluded).
     `decode_row_steps`: rows run through the model in the decode loop, summed over its steps (filler rows
-    included); `lockstep_row_steps`: the same had every row run until the last was done."""
+    included); `lockstep_row_steps`: the same had every row run until the last was done. `entropy`: the mean
+    entropy of softmax(logits / temperature) over the sampled tokens (before top-k and top-p)."""
     tokens: np.ndarray
     positions: np.ndarray
     segment_ids: np.ndarray
@@ -54,6 +55,7 @@ class Rollouts:
     new_tokens: int
     decode_row_steps: int = 0
     lockstep_row_steps: int = 0
+    entropy: float = 0.0
 
     def batch(self) -> dict[str, np.ndarray]:
         """The model's inputs and the loss weights, as a training batch."""
@@ -153,6 +155,7 @@ class MeshSampler:
                      self._place(np.arange(n) < len(prompts)), *settings)
         ids = np.full((n, self.max_new_tokens), -1, np.int32)
         log_probs = np.zeros((n, self.max_new_tokens), np.float32)
+        entropy = np.zeros((n, self.max_new_tokens), np.float32)
         size, at, row_steps = n, 0, 0
         while True:
             smaller = next_size(size, ways) if self.compact else 0
@@ -163,15 +166,17 @@ class MeshSampler:
             if at + 1 >= self.max_new_tokens or done.all() or not smaller:
                 break
             # Few rows left: the finished ones go home, the live ones (first) continue in a batch of `smaller`.
-            rows, row_ids, row_log_probs = jax.device_get((state["rows"], state["ids"], state["log_probs"]))
-            ids[rows], log_probs[rows] = row_ids, row_log_probs
+            rows, *got = jax.device_get([state[k] for k in ("rows", "ids", "log_probs", "entropy")])
+            ids[rows], log_probs[rows], entropy[rows] = got
             live_first = np.argsort(done, kind="stable")[:smaller].astype(np.int32)
             state, size = call(gather, state, self._place(live_first), pin=state), smaller
-        rows, row_ids, row_log_probs = jax.device_get((state["rows"], state["ids"], state["log_probs"]))
-        ids[rows], log_probs[rows] = row_ids, row_log_probs
+        rows, *got = jax.device_get([state[k] for k in ("rows", "ids", "log_probs", "entropy")])
+        ids[rows], log_probs[rows], entropy[rows] = got
+        drawn = ids[:len(prompts)] >= 0
         seconds = time.perf_counter() - start - compiling[0]
         return dataclasses.replace(self._layout(prompts, ids[:len(prompts)], log_probs[:len(prompts)], seconds),
-                                   decode_row_steps=row_steps, lockstep_row_steps=n * at)
+                                   decode_row_steps=row_steps, lockstep_row_steps=n * at,
+                                   entropy=float(entropy[:len(prompts)][drawn].mean()) if drawn.any() else 0.0)
 
     def _place(self, x: np.ndarray) -> jax.Array:
         """`x` [rows, ...] split over the batch axes."""
@@ -236,7 +241,7 @@ def next_size(size: int, ways: int) -> int:
 
 
 def _draw(i, logits, rows, seed, step, temperature, top_k, top_p):
-    """Each row's token i from its logits [N, vocab] and its log-prob. Row r's key is fold_in(fold_in(fold_in(
+    """Each row's token i from its logits [N, vocab], its log-prob and the entropy it was drawn at. Row r's key is fold_in(fold_in(fold_in(
     key(seed), step), r), i) with r the row's place in the rollout (`rows`), wherever compaction moved it."""
     keys = jax.vmap(functools.partial(jax.random.fold_in, jax.random.fold_in(jax.random.key(seed), step)))(
         rows.astype(jnp.uint32))
@@ -245,8 +250,9 @@ def _draw(i, logits, rows, seed, step, temperature, top_k, top_p):
         row[None], jax.random.fold_in(key, i), temperature, top_k, top_p)[0])(logits, keys)
     # Greedy draws' log-probs are at temperature 1: log_softmax(logits), what the trainer computes.
     scale = jnp.where(temperature > 0, temperature, 1.0)
-    log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, axis=-1), ids[:, None], -1)[:, 0]
-    return ids, log_probs
+    all_log_probs = jax.nn.log_softmax(logits / scale, axis=-1)
+    log_probs = jnp.take_along_axis(all_log_probs, ids[:, None], -1)[:, 0]
+    return ids, log_probs, -jnp.sum(jnp.exp(all_log_probs) * all_log_probs, axis=-1)
 
 
 def _stops(ids, stop_ids):
@@ -257,17 +263,19 @@ def prefill(graphdef, params, tokens, left_pad, active, seed, step, temperature,
             max_new_tokens: int) -> dict:
     """tokens [N, P]: prompts left-padded by left_pad [N]; active [N]: the rows that sample (others are filler, done
     from the start). Returns the decode's state: {"i": 0, "token": token 0 of each row, drawn, "done", "rows": each
-    row's place, "left_pad", "cache", "ids" [N, max_new_tokens] (-1 past a row's stop id), "log_probs" (0 there)}."""
+    row's place, "left_pad", "cache", "ids" [N, max_new_tokens] (-1 past a row's stop id), "log_probs" (0 there),
+    "entropy" (of each draw's distribution, 0 there)}."""
     model = nnx.merge(graphdef, params)
     n, prompt_len = tokens.shape
     rows = mesh_lib.constrain(jnp.arange(n, dtype=jnp.int32), ("batch",))
     cache = model.init_cache(n, prompt_len + max_new_tokens)
     logits, cache = model.decode(tokens, cache, 0, left_pad=left_pad)
-    token, log_prob = _draw(0, logits, rows, seed, step, temperature, top_k, top_p)
+    token, log_prob, entropy = _draw(0, logits, rows, seed, step, temperature, top_k, top_p)
     ids = jnp.full((n, max_new_tokens), -1, jnp.int32).at[:, 0].set(token)
     log_probs = jnp.zeros((n, max_new_tokens), jnp.float32).at[:, 0].set(log_prob)
+    entropies = jnp.zeros((n, max_new_tokens), jnp.float32).at[:, 0].set(entropy)
     state = {"token": token, "done": _stops(token, stop_ids) | ~active, "rows": rows, "left_pad": left_pad,
-             "ids": ids, "log_probs": log_probs}
+             "ids": ids, "log_probs": log_probs, "entropy": entropies}
     state = {k: mesh_lib.constrain(v, ("batch",)) for k, v in state.items()}
     return {"i": jnp.int32(0), "cache": cache, **state}
 
@@ -286,10 +294,11 @@ def decode_steps(graphdef, params, state, floor, seed, step, temperature, top_k,
     def step_fn(s):  # token i is drawn, not yet run through the model
         i, done = s["i"], s["done"]
         logits, cache = model.decode(s["token"][:, None], s["cache"], prompt_len + i, left_pad=s["left_pad"])
-        token, log_prob = _draw(i + 1, logits, s["rows"], seed, step, temperature, top_k, top_p)
+        token, log_prob, entropy = _draw(i + 1, logits, s["rows"], seed, step, temperature, top_k, top_p)
         return {**s, "i": i + 1, "token": token, "done": done | _stops(token, stop_ids), "cache": cache,
                 "ids": s["ids"].at[:, i + 1].set(jnp.where(done, -1, token)),
-                "log_probs": s["log_probs"].at[:, i + 1].set(jnp.where(done, 0.0, log_prob))}
+                "log_probs": s["log_probs"].at[:, i + 1].set(jnp.where(done, 0.0, log_prob)),
+                "entropy": s["entropy"].at[:, i + 1].set(jnp.where(done, 0.0, entropy))}
 
     return jax.lax.while_loop(running, step_fn, state)
 

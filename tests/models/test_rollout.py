@@ -93,6 +93,10 @@ def test_log_probs_are_at_the_sampling_temperature_before_top_k():
     targets, weights = objectives.next_token_targets(out.batch())
     want = jnp.take_along_axis(jax.nn.log_softmax(logits / 0.7), targets[..., None], -1)[..., 0] * weights
     assert np.abs(out.log_probs - np.asarray(want)).max() < 1e-5
+    # The entropy each token was drawn at, from the trainer's logits at the same temperature.
+    log_p = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / 0.7))
+    entropy = -(np.exp(log_p) * log_p).sum(-1)[np.asarray(weights) > 0]
+    assert out.entropy == pytest.approx(entropy.mean(), rel=1e-5)
     ranks = np.argsort(np.argsort(-np.asarray(logits), axis=-1), axis=-1)
     assert np.take_along_axis(ranks, np.asarray(targets)[..., None], -1)[..., 0][np.asarray(weights) > 0].max() < 20
 
