@@ -130,16 +130,31 @@ def loss_of(config) -> Loss:
 
 # ===== What objectives share: the model's outputs on a batch ==========================================================
 
+# A batch laid out for ring attention (`zigzag`) carries its next-token targets and their weights, taken before.
+TARGETS, TARGET_WEIGHTS = "targets", "target_weights"
+
+
 def next_token_targets(batch, k: int = 1):
     """Targets are the next token (the k-th next: a prediction module's, k >= 2); a position counts only if that
     token is in the same document, and, with chat data's "loss_weights", by the weight of the token it predicts
     (1 on assistant tokens, 0 elsewhere)."""
+    if k == 1 and TARGETS in batch:
+        return batch[TARGETS], batch[TARGET_WEIGHTS]
     tokens, seg = batch["tokens"], batch["segment_ids"]
     targets = ahead(tokens, k)
     weights = ((seg != 0) & (ahead(seg, k) == seg)).astype(jnp.float32)
     if "loss_weights" in batch:
         weights = weights * ahead(batch["loss_weights"], k).astype(jnp.float32)
     return targets, weights
+
+
+def zigzag(batch, perm):
+    """`batch` with its sequence in the order `perm` (context.balance_permutation): its next-token targets and
+    weights taken first, in the original order, then every [B, T, ...] field permuted alike. Sums over tokens (the
+    losses, their counts) do not change; the model masks by segment ids and positions, which travel along."""
+    batch = {**batch, **dict(zip((TARGETS, TARGET_WEIGHTS), next_token_targets(batch)))}
+    t = len(perm)
+    return {k: v[:, perm] if v.ndim >= 2 and v.shape[1] == t else v for k, v in batch.items()}
 
 
 def model_inputs(batch):
@@ -165,12 +180,17 @@ def loss_terms(graphdef, params, batch):
     summed over their scored tokens and averaged over the modules."""
     model = nnx.merge(graphdef, params)
     targets, weights = next_token_targets(batch)
-    if not model.cfg.mtp_layers:
-        x, aux = model.hidden(*model_inputs(batch))
-        return _cross_entropy_sum(model, x, targets, weights), jnp.sum(weights), aux
+    if not model.cfg.mtp_layers:  # hidden_loss: an explicit pipeline schedule runs the loss in its last stage
+        rows = {"targets": targets, "weights": weights}
+        ce_sum, aux = model.hidden_loss(*model_inputs(batch), _rows_cross_entropy, rows)
+        return ce_sum, jnp.sum(weights), aux
     x, aux, predicted = model.hidden_and_mtp(*model_inputs(batch))
     mtp = [_cross_entropy_sum(model, h, *next_token_targets(batch, k + 2)) for k, h in enumerate(predicted)]
     return _cross_entropy_sum(model, x, targets, weights), jnp.sum(weights), {**aux, MTP_LOSS: sum(mtp) / len(mtp)}
+
+
+def _rows_cross_entropy(model, x, rows):
+    return _cross_entropy_sum(model, x, rows["targets"], rows["weights"])
 
 
 def _cross_entropy_sum(model, x, targets, weights):

@@ -18,7 +18,9 @@ from flax import nnx
 from jaxtrain import objectives
 from jaxtrain.models import lora as lora_lib
 from jaxtrain.models.layers import sum_in
+from jaxtrain.parallel import context
 from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline
 
 
 def dropout_keys(seed: int, step, rows: int):
@@ -41,6 +43,17 @@ def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
     return {**batch, "reference_log_probs": jax.lax.stop_gradient(values)}
 
 
+def context_layout(graphdef, params, batch):
+    """`batch` as the model's attention wants it: in ring attention's zigzag layout where the sequence splits and
+    model.context_balance is on. Done here, not by the data pipeline, because the objectives take their targets by
+    shifting tokens (taken first: objectives.zigzag), and so eval steps get it too; the cost is an exchange of the
+    batch's int fields along `sequence`, small beside the K/V that ring attention passes. Decoding never sees it."""
+    cfg, n = nnx.merge(graphdef, params).cfg, mesh_lib.split_ways("seq")
+    if cfg.context_parallel != "ring" or not cfg.context_balance or n == 1:
+        return batch
+    return objectives.zigzag(batch, context.balance_permutation(batch["tokens"].shape[1], n))
+
+
 def reference_params(state: dict, lora: bool):
     """An objective's reference model (DPO's), the run's starting weights: the state's frozen copy of them,
     which under LoRA holds the starting adapters only, over the frozen base. Fresh adapters have B = 0, so that reference is the base
@@ -55,10 +68,13 @@ def reference_params(state: dict, lora: bool):
 RESIDUAL = "grad_residual"
 
 
-def accumulates_per_replica(model_cfg, microbatches: int) -> bool:
+def accumulates_per_replica(model_cfg, microbatches: int, layout=None) -> bool:
     """Whether gradient accumulation runs on per-replica weight copies (when there are replica axes). Not for a
-    mixture of experts: its load-balancing loss is a product of batch-wide means, which per-replica parts change."""
-    return microbatches > 1 and not model_cfg.n_experts
+    mixture of experts: its load-balancing loss is a product of batch-wide means, which per-replica parts change.
+    Nor under an explicit pipeline schedule, whose executor keeps each replica's gradients itself."""
+    explicit = (layout is not None and layout.pipeline_stages > 1
+                and layout.pipeline_schedule in pipeline.EXPLICIT)
+    return microbatches > 1 and not model_cfg.n_experts and not explicit
 
 
 def _accumulation_grad_fn(objective, model, params, mesh, rules, microbatches, error_feedback: bool = False):
@@ -70,7 +86,7 @@ def _accumulation_grad_fn(objective, model, params, mesh, rules, microbatches, e
     gradients, with or without accumulation (`sum_with_feedback`)."""
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     axes = mesh_lib.replica_axes(mesh.shape, rules)
-    if not axes or not (error_feedback or accumulates_per_replica(model.cfg, microbatches)):
+    if not axes or not (error_feedback or accumulates_per_replica(model.cfg, microbatches, model.layout)):
         return params, grad_fn, lambda grads, residual: (grads, residual)
 
     per_replica = mesh_lib.over_replicas(objective, axes)
@@ -133,6 +149,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, lr_schedu
 
     def train_step(state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
+            batch = context_layout(graphdef, state["params"], batch)
             # Normalise by the whole batch's count so that accumulation equals one big step.
             total = jnp.maximum(loss_fn.count(batch), 1.0)
             if reference:
@@ -233,6 +250,7 @@ def make_eval_step(graphdef, mesh, rules, loss: objectives.Loss | None = None, l
 
     def eval_step(params, reference_state, batch):
         with mesh_lib.activation_sharding(mesh, rules):
+            batch = context_layout(graphdef, params, batch)
             if reference:
                 batch = with_reference(graphdef, reference_params({"params": params, "reference": reference_state},
                                                                   lora), batch)

@@ -1,4 +1,7 @@
-"""Causal self-attention over packed documents: the mask, and the two ways the model computes it.
+"""Causal self-attention over packed documents: the mask, and the ways the model computes it.
+
+Under sequence parallelism `layer_mask` and `self_attention` pick how K/V cross the `sequence` axis
+(model.context_parallel): gathered whole (XLA's), or ring / Ulysses attention (jaxtrain.parallel.context).
 
 `model.attention_block` = 0: one `jax.nn.dot_product_attention` call (XLA's kernel, or cuDNN's on GPU).
 `model.attention_block` > 0: written out in query blocks that skip the keys above the diagonal, with a backward of
@@ -11,11 +14,13 @@ contracts its last dim, copied into that layout where needed.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.parallel.mesh import split_ways
+from jaxtrain.parallel import context
+from jaxtrain.parallel.mesh import constrain, split_ways
 from jaxtrain.models.cpu_bf16 import transposed_in_memory
 
 # A masked logit, as jax.nn.dot_product_attention's XLA path sets it.
@@ -32,6 +37,37 @@ def attention_mask(segment_ids, window: int = 0):
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
     real = (segment_ids != 0)[:, None, :]
     return (causal[None] & same_doc & real)[:, None]
+
+
+class ContextMask(NamedTuple):
+    """A layer's mask under ring or Ulysses attention (jaxtrain.parallel.context), which builds it block by block:
+    segment ids and positions [B, T] (restarting per document, so the mask holds in any token order: the zigzag
+    layout's too) and the window (int32 scalar, 0 = none; traced where layers alternate windows)."""
+    segment_ids: jax.Array
+    positions: jax.Array
+    window: jax.Array
+
+
+def layer_mask(segment_ids, positions, window: int, mode: str):
+    """What a layer's attention is masked by: a ContextMask under model.context_parallel `mode` "ring" or "ulysses"
+    with the sequence split over devices; else `attention_mask`'s (K/V gathered whole). The one place that decides."""
+    if mode == "allgather" or split_ways("seq") == 1:
+        return attention_mask(segment_ids, window)
+    return ContextMask(segment_ids, positions, jnp.asarray(window, jnp.int32))
+
+
+def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0):
+    """A layer's attention of q [B, T, N, D] (split along the sequence) over its k, v under `layer_mask`'s `mask`:
+    ring or Ulysses attention (`mode`) for a ContextMask, the K/V shards exchanged explicitly; else every query
+    needs every earlier key, so K/V are gathered whole along the sequence (None = not split) and attend(q, k, v,
+    mask) runs on each device's queries."""
+    if isinstance(mask, ContextMask):
+        kv_names = ("batch", "seq", "act_kv_heads", None)
+        attention = context.ring_attention if mode == "ring" else context.ulysses_attention
+        return attention(q, constrain(k, kv_names), constrain(v, kv_names), mask.segment_ids, mask.positions,
+                         window=mask.window, scale=scale)
+    k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))
+    return attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
 
 
 def causal_attention(q, k, v, mask, block: int, impl: str = "xla", scale: float = 0.0, softcap: float = 0.0):

@@ -52,6 +52,9 @@ REMAT_POLICIES = {
 
 # jax.nn.dot_product_attention's kernels that model.attention_impl may name (`check_backend` says where each runs).
 ATTENTION_IMPLS = ("xla", "cudnn")
+# model.context_parallel's modes. USP (ring over Ulysses groups: context.usp_attention) needs a second sequence axis
+# of the mesh, which it does not have yet.
+CONTEXT_PARALLEL = ("allgather", "ring", "ulysses")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ROUTINGS = ("capacity", "dropless")
@@ -101,6 +104,12 @@ class ModelConfig:
     # That call's kernel: "xla" (jax's default, on every backend: [B, heads, T, T] logits) or "cudnn" (cuDNN's fused
     # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). See ATTENTION_IMPLS.
     attention_impl: str = "xla"
+    # How attention crosses the `sequence` mesh axis (jaxtrain.parallel.context; docs/parallelism.md):
+    # "allgather" (K/V gathered whole on every device), "ring" (K/V shards passed round it) or "ulysses" (an
+    # all-to-all trades the sequence split for a head split). `context_balance`: ring's zigzag layout, which the
+    # step applies to the batch (step.context_layout) so every device does the same causal work.
+    context_parallel: str = "allgather"
+    context_balance: bool = True
     dtype: str = "auto"
     param_dtype: str = "auto"
     rope_theta: float = 10000.0
@@ -319,6 +328,7 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     g.positive_int("scan_unroll")
     g.positive_int("attention_block", allow_zero=True)
     g.choice("attention_impl", ATTENTION_IMPLS)
+    _check_context_parallel(g, m, seq_len, mesh_shape["sequence"], mesh_shape["pipeline"])
     if m.attention_impl == "cudnn" and m.attention_block:
         raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
                           f"model.attention_block=0, got {m.attention_block}")
@@ -431,6 +441,35 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     elif mesh_shape["expert"] > 1:
         raise ConfigError("mesh.expert", f"size {mesh_shape['expert']} needs a mixture of experts "
                           f"(model.n_experts > 0)")
+
+
+def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> None:
+    """model.context_parallel and what it does not combine with (jaxtrain.parallel.context)."""
+    mode = g.choice("context_parallel", CONTEXT_PARALLEL, what="mode")
+    if not isinstance(m.context_balance, bool):
+        raise ConfigError("model.context_balance", f"must be True or False, got {m.context_balance!r}")
+    if mode == "allgather":
+        return
+    why = {"attn_softcap": m.attn_softcap and "its blocks do not soft-cap the logits",
+           "kv_lora_rank": m.kv_lora_rank and "latent attention (jaxtrain.models.mla) gathers K/V itself",
+           "mtp_layers": m.mtp_layers and mode == "ring" and m.context_balance
+           and "the prediction modules look tokens ahead in the original order, not the zigzag layout"}
+    for field, reason in why.items():
+        if reason:
+            raise ConfigError("model.context_parallel", f"{mode} does not combine with model.{field}={m[field]}: "
+                              f"{reason}; use allgather")
+    if stages > 1:
+        raise ConfigError("model.context_parallel", f"{mode} does not combine with a pipeline (mesh.pipeline="
+                          f"{stages}) yet; use allgather")
+    if mode == "ulysses":
+        for field in ("n_heads", "n_kv_heads"):
+            if m[field] % n:
+                raise ConfigError(f"model.{field}", f"{m[field]} heads do not divide by mesh.sequence={n}: "
+                                  "Ulysses attention splits the heads over it (use ring attention, or a "
+                                  "mesh.sequence that divides them)")
+    elif m.context_balance and n > 1 and seq_len % (2 * n):
+        raise ConfigError("train.seq_len", f"{seq_len} does not split into 2 x mesh.sequence={n} equal chunks, as "
+                          "ring attention's balanced (zigzag) layout needs (or set model.context_balance=False)")
 
 
 def _check_latent_attention(g: Group, m) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models import lora, mla, moe
-from jaxtrain.models.attention import attention_mask, causal_attention
+from jaxtrain.models.attention import attention_mask, causal_attention, layer_mask, self_attention
 from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
     RMSNorm,
@@ -41,7 +41,10 @@ from jaxtrain.models.layers import (
     rotary_lookup,
     weight,
 )
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline as pipeline_parallel
+from jaxtrain.parallel import pipeline_exec
 from jaxtrain.parallel.mesh import constrain, split_ways
 
 
@@ -95,11 +98,8 @@ class Attention(nnx.Module):
         dt = x.dtype
         q, k, v = self.qkv(x, keys)
         q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
-        # Every query needs every earlier key: under sequence parallelism the queries stay split along the
-        # sequence and K/V are gathered whole (None = not split), so attention is exact across shards.
-        k = constrain(rope(k, rotary_tables), ("batch", None, "act_kv_heads", None))
-        v = constrain(v, ("batch", None, "act_kv_heads", None))
-        out = self.attend(q, k, v, constrain(mask, ("batch", None, "seq", None)))
+        out = self_attention(q, rope(k, rotary_tables), v, mask, self.attend, self.cfg.context_parallel,
+                             self.cfg.attn_scale)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.grad_dtype), contract=2, keys=keys)
@@ -292,7 +292,7 @@ class Transformer(nnx.Module):
         k + 1 ahead (`ahead`; 0 past the row's end) at each position. A module stays within each document: its
         block's mask is the model's, and a position whose look-ahead crosses into the next document is not scored
         (objectives.next_token_targets). -> (states [mtp_layers, B, T, d], their MoE stats [mtp_layers, B, ...])."""
-        mask = attention_mask(segment_ids)
+        mask = layer_mask(segment_ids, positions, 0, self.cfg.context_parallel)
         tables = rotary_lookup(positions, rope_frequencies(self.cfg))
         looked_ahead = jnp.stack([ahead(tokens, k + 1) for k in range(self.cfg.mtp_layers)])
         embedded = self.embed_tokens(looked_ahead).astype(x.dtype)
@@ -323,7 +323,7 @@ class Transformer(nnx.Module):
         if run.pipeline_stages == 1:
             if local is None or local.all():  # every layer alike
                 uniform = local is not None
-                mask = attention_mask(segment_ids, cfg.sliding_window if uniform else 0)
+                mask = layer_mask(segment_ids, positions, cfg.sliding_window if uniform else 0, cfg.context_parallel)
                 tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
                 layer, xs = stack_layer(block_def, tables, mask), block_state
                 if cfg.first_dense_layers:  # their own stack first (no windows, no pipeline: config.check_config)
@@ -331,15 +331,16 @@ class Transformer(nnx.Module):
                     (x, dropout_keys), _ = jax.lax.scan(remat(stack_layer(dense_def, tables, mask)),
                                                         (x, dropout_keys), dense_state, unroll=cfg.scan_unroll)
             else:  # sliding and global layers: each layer picks its mask and RoPE tables
-                masks = attention_mask(segment_ids, cfg.sliding_window), attention_mask(segment_ids)
+                masks = (layer_mask(segment_ids, positions, cfg.sliding_window, cfg.context_parallel),
+                         layer_mask(segment_ids, positions, 0, cfg.context_parallel))
                 tables = (rotary_lookup(positions, rope_frequencies(cfg, local=True)),
                           rotary_lookup(positions, rope_frequencies(cfg)))
 
                 def layer(carry, xs):
                     state, slides = xs
                     pick = lambda a, b: jnp.where(slides, a, b)
-                    x, stats = nnx.merge(block_def, state)(carry[0], jax.tree.map(pick, *tables), pick(*masks),
-                                                           carry[1])
+                    x, stats = nnx.merge(block_def, state)(carry[0], jax.tree.map(pick, *tables),
+                                                           jax.tree.map(pick, *masks), carry[1])
                     return (x, lora.next_keys(carry[1])), stats
 
                 xs = (block_state, jnp.asarray(local))
@@ -368,13 +369,76 @@ class Transformer(nnx.Module):
             carry = {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing}
             if dropout_keys is not None:
                 carry["dropout"] = dropout_keys
+            # An explicit schedule (pipeline_exec) trains through `hidden_loss`; here it runs forwards only.
             carry = pipeline_parallel.run(remat(pipelined_layer), block_state, carry,
                                           stages=run.pipeline_stages, microbatches=run.pipeline_microbatches,
-                                          schedule=run.pipeline_schedule, repeats=run.pipeline_repeats)
+                                          schedule=pipeline_exec.FORWARD[run.pipeline_schedule],
+                                          repeats=run.pipeline_repeats)
+            if run.pipeline_schedule in pipeline_parallel.EXPLICIT:
+                carry = _not_differentiated(carry, run.pipeline_schedule)
             x = constrain(carry["x"], ("batch", "seq", "act_embed"))
             stats = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), carry["moe"])
 
         return self.final_norm(x), stats
+
+    def hidden_loss(self, tokens, positions, segment_ids, dropout_keys, loss_fn, rows):
+        """(loss_fn(self, `hidden`'s states, rows), aux) for a loss that sums over rows (`rows`: its per-row inputs
+        [B, ...]). Under an explicit pipeline schedule (pipeline.EXPLICIT) the executor runs the layers and, in
+        the last stage, the final norm and loss_fn, a microbatch at a time (jaxtrain.parallel.pipeline_exec)."""
+        run = self.layout
+        if run.pipeline_stages == 1 or run.pipeline_schedule not in pipeline_parallel.EXPLICIT:
+            x, aux = self.hidden(tokens, positions, segment_ids, dropout_keys)
+            return loss_fn(self, x, rows), aux
+        cfg = self.cfg
+        if cfg.n_experts and cfg.moe_aux_weight:
+            raise ConfigError("model.moe_aux_weight", f"the load-balancing loss needs the whole batch's routing, "
+                              f"which pipeline.schedule={run.pipeline_schedule} has only after the backwards began; "
+                              f"set it to 0 (model.moe_bias_rate balances without it) or use gpipe or circular")
+        mesh, rules = mesh_lib.active_sharding()
+        S, R = run.pipeline_stages, run.pipeline_repeats
+        K = (cfg.n_layers - cfg.first_dense_layers) // (S * R)
+        x = constrain(self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "act_embed"))
+        # Under LoRA the base weights are not differentiated: only the adapters' weight gradients are computed.
+        if cfg.lora_rank:
+            block_def, block_state, frozen = nnx.split(self.blocks, lambda path, _: lora.is_adapter(str(path[-1])), ...)
+        else:
+            (block_def, block_state), frozen = nnx.split(self.blocks), nnx.State({})
+        graphdef, tail, blocks = nnx.split(self, nnx.Not(nnx.PathContains("blocks")), ...)
+        window = cfg.sliding_window if local_layers(cfg) is not None else 0
+        freqs = rope_frequencies(cfg, local=window > 0)
+
+        def stage_fn(params, frozen, x, side, chunk):  # chunk (stored stage-major) of K layers -> (x, MoE stats)
+            keys = side.get("dropout")
+            if keys is not None:  # the keys the model's layer chunk * K draws from
+                keys = jax.lax.fori_loop(0, chunk * K, lambda _, k: lora.next_keys(k), keys)
+            tables, mask = rotary_lookup(side["positions"], freqs), attention_mask(side["segment_ids"], window)
+
+            def layer(carry, state):
+                x, stats = nnx.merge(block_def, *state)(carry[0], tables, mask, carry[1])
+                return (x, lora.next_keys(carry[1])), stats
+
+            (x, _), stats = jax.lax.scan(self.remat(layer), (x, keys), (params, frozen))
+            return x, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), stats)  # [rows, K, ...]
+
+        def tail_fn(tail, y, side):  # the blocks' values are not read: placeholders
+            model = nnx.merge(graphdef, tail, jax.tree.map(lambda a: jnp.zeros((), a.dtype), blocks))
+            return loss_fn(model, model.final_norm(y), side["rows"])
+
+        staged = [jax.tree.map(lambda w: constrain(w.reshape(S, R, K, *w.shape[1:]), ("stages",)), t)
+                  for t in (block_state, frozen)]
+        side = {"positions": positions, "segment_ids": segment_ids, "rows": rows}
+        if dropout_keys is not None:
+            side["dropout"] = dropout_keys
+        # Every batch axis is manual (fsdp too: the stage weights are gathered once a step), so that the auto
+        # axes are at most tensor's: XLA's partitioner failed a check with fsdp and tensor both auto (jax 0.10.2).
+        batch_axes = tuple(a for a in rules.get("batch", ()) if mesh.shape[a] > 1)
+        loss, stats = pipeline_exec.pipelined_loss(
+            stage_fn, tail_fn, *staged, tail, x, side, mesh=mesh, schedule=run.pipeline_schedule,
+            microbatches=run.pipeline_microbatches, repeats=R, batch_axes=batch_axes)
+        # [S, R, M, rows, K, ...] (stage s, chunk r holds layers ((r*S + s)*K + k)) -> [L, B, ...], model order.
+        stats = jax.tree.map(lambda a: a.transpose(1, 0, 4, 3, 2, *range(5, a.ndim)).reshape(
+            S * R * K, a.shape[2] * a.shape[3], *a.shape[5:]), stats)
+        return loss, layer_means(stats, cfg.moe_aux_loss == "sequence")
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty K/V cache for `decode` (the module-level `init_cache` for this model's config)."""
@@ -491,6 +555,25 @@ def hide_left_pad(mask, query, key, left_pad):
         return mask[None]
     left_pad = jnp.asarray(left_pad, jnp.int32)[:, None, None]
     return mask[None] & ((key[None] >= left_pad) | (key == query)[None])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _not_differentiated(carry, schedule):
+    """`carry`; differentiating it is a ConfigError: an explicit schedule trains through `hidden_loss` only."""
+    return carry
+
+
+def _refuse_forward(carry, schedule):
+    return carry, None
+
+
+def _refuse_backward(schedule, _, cotangent):
+    raise ConfigError("pipeline.schedule", f"{schedule} trains the losses that sum over rows through the model's "
+                      f"hidden_loss (the lm objective); this objective differentiates the hidden states themselves: "
+                      f"use gpipe or circular")
+
+
+_not_differentiated.defvjp(_refuse_forward, _refuse_backward)
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, layout: Layout, count: int, dense: bool = False):

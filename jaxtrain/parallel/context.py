@@ -56,8 +56,11 @@ def _mask(seg_q, pos_q, seg_k, pos_k, window: int, causal: bool):
     d = pos_q[:, :, None] - pos_k[:, None, :]
     if causal:
         keep = keep & (d >= 0)
-    if window:
-        keep = keep & ((d < window) if causal else (abs(d) < window))
+    if isinstance(window, (int, np.integer)):
+        if window:
+            keep = keep & ((d < window) if causal else (abs(d) < window))
+    else:  # traced (a model whose layers alternate windows picks one per layer): 0 = no window
+        keep = keep & (((d < window) if causal else (abs(d) < window)) | (window <= 0))
     return keep
 
 
@@ -132,9 +135,10 @@ def _check(q, k, segment_ids, mesh, axes: tuple[str, ...], heads_axis: str | Non
     return n
 
 
-def _sharded(local, mesh, axes: tuple[str, ...], batch_axes, q, k, v, segment_ids, positions):
-    """local(q, k, v, seg, pos) on each device's shard of the batch and of the sequence (split over `axes`). Inside,
-    active rules (if any) no longer map the manual axes, so an attention_fn's constraints name only the others."""
+def _sharded(local, mesh, axes: tuple[str, ...], batch_axes, q, k, v, segment_ids, positions, *replicated):
+    """local(q, k, v, seg, pos, *replicated) on each device's shard of the batch and of the sequence (split over
+    `axes`), `replicated` whole on each. Inside, active rules (if any) no longer map the manual axes, so an
+    attention_fn's constraints name only the others."""
     b, t = segment_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -149,8 +153,8 @@ def _sharded(local, mesh, axes: tuple[str, ...], batch_axes, q, k, v, segment_id
         with mesh_lib.activation_sharding(mesh, mesh_lib._without(active[1], manual)):
             return local(*args)
 
-    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, axis_names=set(manual),
-                         check_vma=False)(q, k, v, segment_ids, positions)
+    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * 5 + (P(),) * len(replicated), out_specs=spec,
+                         axis_names=set(manual), check_vma=False)(q, k, v, segment_ids, positions, *replicated)
 
 
 def _f32(spec: str, a, b):
@@ -169,9 +173,9 @@ def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str
     over mesh `axis` and the batch over `batch_axes` (default: the active rules' "batch" axes, else data and fsdp);
     `mesh` None: the one active while a step traces (mesh_lib.activation_sharding). A query sees the keys of its own
     segment (segment_ids [B, T], 0 = padding, which nobody sees), at positions ([B, T], default 0..T-1; the
-    permutation under zigzag) up to its own with `causal`, and within `window` positions with window > 0. Positions
-    restarting at 0 in each document give the same mask, if a segment id names one document per row.
-    `scale`: 0 for D^-0.5. A query that sees no key gets 0. Other mesh axes stay XLA's (auto).
+    permutation under zigzag) up to its own with `causal`, and within `window` positions with window > 0 (it may be
+    traced: an int32 scalar). Positions restarting at 0 in each document give the same mask, if a segment id names
+    one document per row. `scale`: 0 for D^-0.5. A query that sees no key gets 0. Other mesh axes stay XLA's (auto).
     Each shard is cut in `chunks` sub-blocks along queries and keys (the logits of one pair, [b, KV, G, c, c] f32 with
     c = T / (n * chunks), are the largest temporary), and a pair the mask empties is skipped: in the future, outside
     the window, or in other documents. Every ring step waits for the busiest device, so under the contiguous layout
@@ -182,24 +186,29 @@ def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str
     chunks = _chunks(segment_ids.shape[1] // n, chunks)
     scale = float(scale or q.shape[-1] ** -0.5)
 
-    def local(q, k, v, seg, pos):
-        return _ring(q, k, v, seg, pos, axis, int(window), scale, bool(causal), chunks)
+    def local(q, k, v, seg, pos, window):
+        return _ring(q, k, v, seg, pos, window, axis, scale, bool(causal), chunks)
 
-    return _sharded(local, mesh, (axis,), batch_axes, q, k, v, segment_ids, positions)
+    return _sharded(local, mesh, (axis,), batch_axes, q, k, v, segment_ids, positions, _window(window))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _ring(q, k, v, seg, pos, axis, window, scale, causal, chunks):
+def _window(window):
+    """The window as an int32 scalar: an argument of the shard_map and of _ring, so it may be traced."""
+    return jnp.asarray(window, jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _ring(q, k, v, seg, pos, window, axis, scale, causal, chunks):
     return _ring_forward(q, k, v, seg, pos, axis, window, scale, causal, chunks)[0]
 
 
-def _ring_fwd(q, k, v, seg, pos, axis, window, scale, causal, chunks):
+def _ring_fwd(q, k, v, seg, pos, window, axis, scale, causal, chunks):
     out, lse = _ring_forward(q, k, v, seg, pos, axis, window, scale, causal, chunks)
-    return out, (q, k, v, seg, pos, out, lse)
+    return out, (q, k, v, seg, pos, window, out, lse)
 
 
-def _ring_bwd(axis, window, scale, causal, chunks, res, g):
-    return (*_ring_backward(res, g, axis, window, scale, causal, chunks), None, None)
+def _ring_bwd(axis, scale, causal, chunks, res, g):
+    return (*_ring_backward(res, g, axis, scale, causal, chunks), None, None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -275,10 +284,10 @@ def _ring_forward(q, k, v, seg, pos, axis, window, scale, causal, chunks):
     return o.reshape(q.shape).astype(q.dtype), lse
 
 
-def _ring_backward(res, g, axis, window, scale, causal, chunks):
+def _ring_backward(res, g, axis, scale, causal, chunks):
     """dq, dk, dv: K/V go round the ring again with f32 dK/dV accumulators beside them, each sub-block's
     probabilities recomputed from the forward's log-sum-exp; a last hop brings each accumulator home."""
-    q, k, v, seg, pos, out, lse = res
+    q, k, v, seg, pos, window, out, lse = res
     n, q5, keys_at = _ring_setup(q, k, seg, pos, axis)
     t = q5.shape[1]
     g5 = g.reshape(q5.shape)
@@ -343,12 +352,12 @@ def ulysses_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: 
     scale = float(scale or q.shape[-1] ** -0.5)
     attention_fn = attention_fn or _dense_attention
 
-    def local(q, k, v, seg, pos):
+    def local(q, k, v, seg, pos, window):
         q, k, v, seg, pos = _heads_for_sequence(axis, q, k, v, seg, pos)
         out = attention_fn(q, k, v, _mask(seg, pos, seg, pos, window, causal)[:, None], scale)
         return _sequence_for_heads(axis, out)
 
-    return _sharded(local, mesh, (axis,), batch_axes, q, k, v, segment_ids, positions)
+    return _sharded(local, mesh, (axis,), batch_axes, q, k, v, segment_ids, positions, _window(window))
 
 
 def _heads_for_sequence(axis: str, q, k, v, seg, pos):
@@ -385,9 +394,9 @@ def usp_attention(q, k, v, segment_ids, positions=None, *, mesh=None, ring_axis:
     chunks = _chunks(segment_ids.shape[1] * mesh.shape[ulysses_axis] // n, chunks)
     scale = float(scale or q.shape[-1] ** -0.5)
 
-    def local(q, k, v, seg, pos):
+    def local(q, k, v, seg, pos, window):
         q, k, v, seg, pos = _heads_for_sequence(ulysses_axis, q, k, v, seg, pos)
-        out = _ring(q, k, v, seg, pos, ring_axis, int(window), scale, bool(causal), chunks)
+        out = _ring(q, k, v, seg, pos, window, ring_axis, scale, bool(causal), chunks)
         return _sequence_for_heads(ulysses_axis, out)
 
-    return _sharded(local, mesh, axes, batch_axes, q, k, v, segment_ids, positions)
+    return _sharded(local, mesh, axes, batch_axes, q, k, v, segment_ids, positions, _window(window))

@@ -1,0 +1,111 @@
+"""model.context_parallel wired into the model and the step, on 8 fake CPU devices (conftest): ring (sequence 8;
+data 2 x sequence 4, zigzag layout) and Ulysses (data 2 x sequence 4) attention train like one device, loss and
+gradient norm of each of 3 steps within 1e-5 in f32 (steps 2 and 3 start from the updated weights, so the gradients
+agree too), on packed rows whose documents cross the shard borders, with layers that alternate a sliding window and
+global attention. Under ring the compiled step passes K/V shards and gathers no float array; bad heads, sequence
+lengths and combinations are refused by the config's validation, naming the field."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import config as config_lib
+from jaxtrain import trainer as trainer_lib
+from jaxtrain.errors import ConfigError
+from parallel_worker import MESH_KEYS
+
+B, T = 8, 64
+# Documents per row (the rest padding): shards are 8 (sequence 8) or 16 (sequence 4) tokens, zigzag chunks half that.
+DOCS = ([5, 13, 9, 20, 11], [30, 3, 27], [64], [7, 7, 7, 7, 7, 7, 7, 7, 7], [40, 24], [1, 2, 3, 50], [17, 33],
+        [12, 12, 12, 12])
+
+
+def packed_batches(n: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+        for row, lengths in enumerate(DOCS):
+            at = 0
+            for i, length in enumerate(lengths):
+                seg[row, at:at + length], pos[row, at:at + length] = i + 1, np.arange(length)
+                at += length
+        tokens = np.where(seg > 0, rng.integers(1, vocab, (B, T), dtype=np.int32), 0)
+        out.append({"tokens": tokens, "positions": pos, "segment_ids": seg})
+    return out
+
+
+def configure(tiny_config, mesh: dict, **model):
+    mesh = {"data": -1, **{a: 1 for a in MESH_KEYS if a != "data"}, **mesh}
+    return tiny_config(**{**{f"mesh.{a}": n for a, n in mesh.items()}, "optim.warmup_steps": 0,
+                          "train.seq_len": T, "train.batch_size": B, **{f"model.{k}": v for k, v in model.items()}})
+
+
+def run(cfg, batches, devices=None):
+    """({"loss", "grad_norm"}: per step, from the seed's init; the compiled step's HLO text)."""
+    devices = devices or jax.devices()
+    trainer = trainer_lib.build_trainer(cfg, config_lib.validate(cfg, len(devices)), devices=devices)
+    global_batches = [trainer_lib.global_batch(b, trainer.batch_sharding) for b in batches]
+    step = trainer.train_step.lower(trainer.abstract_state, global_batches[0]).compile()
+    state, history = trainer.init(), {"loss": [], "grad_norm": []}
+    for batch in global_batches:
+        state, metrics = step(state, batch)
+        for key in history:
+            history[key].append(float(metrics[key]))
+    return {k: np.array(v) for k, v in history.items()}, step.as_text()
+
+
+_REFERENCE = {}
+
+
+def one_device(tiny_config, batches):
+    """The same model on one device, where every mode is the plain attention: one run for all the cases."""
+    if not _REFERENCE:
+        _REFERENCE.update(run(configure(tiny_config, {"data": 1}, **WINDOW), batches, jax.devices()[:1])[0])
+    return _REFERENCE
+
+
+# Layer 0 attends through a 12-token window, layer 1 globally: the window is picked per layer, and both kinds run.
+WINDOW = {"sliding_window": 12, "global_every": 2}
+CASES = {
+    "ring_sequence8": ({"sequence": 8}, "ring"),
+    "ring_data2_sequence4": ({"data": 2, "sequence": 4}, "ring"),
+    "ulysses_data2_sequence4": ({"data": 2, "sequence": 4}, "ulysses"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_context_parallel_trains_like_one_device(tiny_config, case):
+    mesh, mode = CASES[case]
+    cfg = configure(tiny_config, mesh, context_parallel=mode, **WINDOW)
+    batches = packed_batches(3, cfg.model.vocab_size)
+    got, hlo = run(cfg, batches)
+    want = one_device(tiny_config, batches)
+    assert want["loss"][-1] < want["loss"][0]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    m = cfg.model
+    rows, shard = B // mesh.get("data", 1), T // mesh["sequence"]
+    if mode == "ring":  # K/V shards go round the ring; nothing but int fields (segment ids, positions) is gathered
+        moved = re.findall(r"= (\S+) (all-gather|collective-permute)(?:-start)?\(", hlo)
+        assert any(kind == "collective-permute" and shape.startswith(f"f32[{rows},{shard},{m.n_kv_heads},")
+                   for shape, kind in moved), moved
+        assert all(shape.startswith(("s32[", "(s32[")) for shape, kind in moved if kind == "all-gather"), moved
+    else:  # the heads traded for the sequence and back
+        assert hlo.count(" all-to-all(") >= 2
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"mesh.sequence": 8, "model.context_parallel": "ulysses"}, "model.n_kv_heads"),  # 4 KV heads over 8
+    ({"mesh.sequence": 4, "model.context_parallel": "ulysses", "model.n_heads": 6, "model.n_kv_heads": 2},
+     "model.n_heads"),
+    ({"mesh.sequence": 8, "model.context_parallel": "ring", "train.seq_len": 72}, "train.seq_len"),
+    ({"mesh.sequence": 4, "model.context_parallel": "ring", "model.attn_softcap": 50.0}, "model.context_parallel"),
+    ({"mesh.sequence": 4, "model.context_parallel": "usp"}, "model.context_parallel"),
+])
+def test_bad_context_parallel_settings_name_the_field(tiny_config, overrides, field):
+    cfg = tiny_config(**{"mesh.data": -1, "train.seq_len": T, **overrides})
+    with pytest.raises(ConfigError, match=re.escape(field) + ":"):
+        config_lib.validate(cfg, 8)
