@@ -8,8 +8,8 @@ are a scan, so autodiff gives the backward pass; the result equals every layer r
 stage c % S, R*M + S - 1 ticks; the training state then keeps the layers stage-major (`layer_order`) so that no
 weight moves between stages. Each data replica runs its rows on its own copy of the stage weights, so layer
 gradients cross `data` once a step. Idle stage-ticks compute on real data whose results never reach the
-output, so gradients stay free of NaNs. No 1F1B: under one jit activation memory is GPipe's whatever the
-order (docs/parallelism.md).
+output, so gradients stay free of NaNs. Under one jit their activation memory is GPipe's whatever the order;
+the EXPLICIT schedules (1F1B, interleaved, zero bubble) run in jaxtrain.parallel.pipeline_exec instead.
 """
 
 from __future__ import annotations
@@ -24,11 +24,16 @@ import numpy as np
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import schedules
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+# Run by the explicit executor (jaxtrain.parallel.pipeline_exec: jax.vjp per stage, the loss in the last stage),
+# through the model's hidden_loss; gpipe and circular by `run` below under autodiff.
+EXPLICIT = ("1f1b", "interleaved_1f1b", "zero_bubble")
 # The config's `pipeline` group: `stages` (1 = off) splits the layers into that many stages over the mesh's
 # `pipeline` axis (which must divide it); each batch (or gradient-accumulation microbatch) runs as `microbatches`
-# pipeline microbatches; `schedule` "gpipe", or "circular" with `repeats` chunks of layers per stage.
+# pipeline microbatches; `schedule` "gpipe", or "circular" with `repeats` chunks of layers per stage, or one of
+# EXPLICIT ("interleaved_1f1b" with `repeats`).
 CONFIG = dict(stages=1, microbatches=1, schedule="gpipe", repeats=1)
 
 
@@ -68,8 +73,11 @@ def check(n_layers: int, batch: int, stages: int, microbatches: int, schedule: s
         raise ValueError(f"pipeline.repeats: must be >= 1, got {repeats}")
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline.schedule: unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
-    if schedule == "gpipe" and repeats != 1:
-        raise ValueError(f"pipeline.repeats: only the circular schedule repeats; gpipe needs 1, got {repeats}")
+    if schedule in EXPLICIT:  # ConfigError is a ValueError, its text '<field>: <reason>'
+        schedules.check(schedule, stages, microbatches, repeats, n_layers)
+    if schedule in ("gpipe", "1f1b", "zero_bubble") and repeats != 1:
+        raise ValueError(f"pipeline.repeats: only circular and interleaved_1f1b repeat; {schedule} needs 1, "
+                         f"got {repeats}")
     if n_layers % stages:
         raise ValueError(f"pipeline.stages: n_layers={n_layers} is not divisible by stages={stages}")
     if n_layers % (stages * repeats):
@@ -164,6 +172,9 @@ def run(layer_fn: Callable, layer_params, carry, *, stages: int, microbatches: i
     n_layers = jax.tree.leaves(layer_params)[0].shape[0]
     batch = jax.tree.leaves(carry)[0].shape[0]
     check(n_layers, batch, stages, microbatches, schedule, repeats)
+    if schedule in EXPLICIT:
+        raise ValueError(f"pipeline.schedule: {schedule} runs in pipeline_exec (the model's hidden_loss), "
+                         f"not under autodiff here")
     S, M, R = stages, microbatches, repeats
     K = n_layers // (S * R)  # layers per chunk (per stage and repeat)
 

@@ -10,7 +10,7 @@ tick after it ends: sends overlap compute, zero latency. Each builder fixes ever
 Activations of (mb, c) are held on c's stage from its F until its backward ends (BW, or the later W): `validate`
 measures each stage's peak, `activation_bound` is the schedule's documented bound (in chunk activations, one
 chunk = L/(S*R) layers). `circular` is today's pipeline.run under autodiff (all forwards, then all backwards in
-reverse); train runs only pipeline.SCHEDULES, the others are tables for the planner and pipeline_exec.
+reverse); gpipe and circular train under autodiff (pipeline.run), the others through pipeline_exec.
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ def test_reorder_layers_moves_only_the_stacked_leaves():
     (dict(microbatches=3), "pipeline.microbatches"),                   # batch 8 % 3
     (dict(microbatches=0), "pipeline.microbatches"),
     (dict(stages=4, microbatches=2, schedule="circular", repeats=2), "pipeline.microbatches"),  # M < S
-    (dict(schedule="1f1b"), "pipeline.schedule"),
+    (dict(schedule="1f2b"), "pipeline.schedule"),
+    (dict(stages=4, microbatches=2, schedule="1f1b"), "pipeline.microbatches"),  # 1F1B needs M >= S
     (dict(repeats=2), "pipeline.repeats"),                             # gpipe does not repeat
     (dict(repeats=0, schedule="circular"), "pipeline.repeats"),
 ])

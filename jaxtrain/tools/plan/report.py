@@ -139,7 +139,7 @@ def _compute_lines(r: dict) -> list[str]:
     p = r["pipeline"]
     if p["stages"] > 1:
         lines.append(f"  pipeline {p['stages']} stages x {p['microbatches']} microbatches ({p['schedule']}"
-                     f"{', %d repeats' % p['repeats'] if p['schedule'] == 'circular' else ''}): bubble "
+                     f"{', %d repeats' % p['repeats'] if p['repeats'] > 1 else ''}): bubble "
                      f"{p['bubble']:.1%}, so at most {1 - p['bubble']:.0%} of that MFU")
         lines += ["    " + line for line in p.get("chart", "").splitlines()]
     return lines
