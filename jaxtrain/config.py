@@ -105,6 +105,16 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     model_lib.check_config(cfg.model, seq_len=cfg.train.seq_len, mesh_shape=shape)
     pipeline_parallel.check_config(cfg.pipeline, n_layers=cfg.model.n_layers, microbatch=micro, mesh_shape=shape,
                                    rules=rules)
+    if cfg.pipeline.stages > 1 and cfg.pipeline.schedule in pipeline_parallel.EXPLICIT:
+        # The executor runs the loss per microbatch in the last stage (the model refuses the rest when traced too).
+        if cfg.model.n_experts and cfg.model.moe_aux_weight:
+            raise ConfigError("model.moe_aux_weight", f"the load-balancing loss needs the whole batch's routing "
+                              f"before the first backward of pipeline.schedule={cfg.pipeline.schedule}; set it to 0 "
+                              f"(model.moe_bias_rate balances without a loss) or use gpipe or circular")
+        if objective.name != "lm":
+            raise ConfigError("pipeline.schedule", f"{cfg.pipeline.schedule} trains the lm objective only "
+                              f"(train.objective={objective.name} reads every token's log-prob); use gpipe or "
+                              f"circular")
     if cfg.model.sliding_window and cfg.model.global_every and cfg.pipeline.stages > 1:
         raise ConfigError("model.global_every", f"sliding and global layers mixed (every {cfg.model.global_every}) "
                           f"do not run in a pipeline yet; set pipeline.stages=1")
