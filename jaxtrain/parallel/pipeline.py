@@ -58,8 +58,11 @@ def check_config(pipeline, *, n_layers: int, microbatch: int, mesh_shape: dict, 
                           f"sequences is not divisible by the data-parallel size {dp}")
 
 
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Fraction of stage-ticks idle: (S - 1) / (R*M + S - 1)."""
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> float:
+    """Fraction of stage-ticks idle: gpipe's and circular's (S - 1) / (R*M + S - 1); an EXPLICIT schedule's its
+    table's (schedules' time model: ZB-H1 fills the drain with weight gradients)."""
+    if schedule in EXPLICIT and stages > 1:
+        return schedules.bubble_fraction(schedules.build(schedule, stages, microbatches, repeats))
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 

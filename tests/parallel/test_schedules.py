@@ -37,6 +37,7 @@ def test_bounds_and_bubbles_at_four_stages(M):
     assert schedules.bubble_fraction(f1b) == pytest.approx(pipeline.bubble_fraction(S, M))
     assert schedules.bubble_fraction(gpipe) == pytest.approx(pipeline.bubble_fraction(S, M))
     assert schedules.bubble_fraction(zb) == pytest.approx((S - 1) / (3 * M + S - 1))
+    assert pipeline.bubble_fraction(S, M, schedule="zero_bubble") == schedules.bubble_fraction(zb)  # what runs print
     inter = schedules.build("interleaved_1f1b", S, M, 2)
     assert schedules.bubble_fraction(inter) == pytest.approx(pipeline.bubble_fraction(S, M, 2))
     assert schedules.bubble_fraction(inter) < schedules.bubble_fraction(f1b)

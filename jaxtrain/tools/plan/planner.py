@@ -442,11 +442,9 @@ def _config_summary(config, resolved) -> dict:
 
 def _pipeline_summary(p) -> dict:
     from jaxtrain.parallel import pipeline as pipeline_parallel, schedules  # noqa: PLC0415
-    # The schedule's chart, as report prints it (indented 4). An explicit schedule's bubble is its table's (the
-    # time model's costs: ZB-H1 fills the drain with weight gradients); gpipe's and circular's the closed form.
+    # The schedule's chart, as report prints it (indented 4).
     table = schedules.build(p.schedule, p.stages, p.microbatches, p.repeats) if p.stages > 1 else None
     chart = schedules.format_table(table, width=116, max_blocks=3) if table else ""
-    bubble = (schedules.bubble_fraction(table) if table and p.schedule in pipeline_parallel.EXPLICIT
-              else pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats))
+    bubble = pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats, p.schedule)
     return {"stages": p.stages, "microbatches": p.microbatches, "schedule": p.schedule, "repeats": p.repeats,
             "bubble": bubble, "chart": chart}
