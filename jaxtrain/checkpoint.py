@@ -519,6 +519,7 @@ class Checkpointer:
             self.local = _Dir(str(local_directory), local_keep, 0, async_save)
         self._last_persistent_save = clock()
         self._plan: tuple[int, list[_Dir]] | None = None  # should_save's decision for save()
+        self.restored_from: dict | None = None  # the last restore's {"tier": "local_dir" or "dir", "step", "path"}
 
     @property
     def _dirs(self) -> list[_Dir]:
@@ -661,11 +662,16 @@ class Checkpointer:
         for d in self._dirs:
             if step in d.manager.all_steps():
                 try:
-                    return self._in_own_order(*self._load(d, step, abstract_state))
+                    restored = self._in_own_order(*self._load(d, step, abstract_state))
+                    self._restored(d, step)
+                    return restored
                 except _Corrupt as e:
                     problems.append(f"{d.path}: {e}")
                 _drop_failed_reads()
         raise CheckpointError(f"cannot restore checkpoint step {step}: " + ("; ".join(problems) or "not found"))
+
+    def _restored(self, d: _Dir, step: int) -> None:
+        self.restored_from = {"tier": "local_dir" if d is self.local else "dir", "step": step, "path": d.path}
 
     def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
         """(step, state, data_state) of the newest step that loads and verifies, in either directory.
@@ -678,7 +684,9 @@ class Checkpointer:
                             key=lambda c: c[:2], reverse=True)
         for step, _, d in candidates:
             try:
-                return step, *self._in_own_order(*self._load(d, step, abstract_state))
+                restored = self._in_own_order(*self._load(d, step, abstract_state))
+                self._restored(d, step)
+                return step, *restored
             except _Corrupt as e:
                 moved = d.move_aside(step)
                 self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "

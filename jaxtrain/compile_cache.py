@@ -3,9 +3,11 @@
 "auto" (the default) is $JAX_COMPILATION_CACHE_DIR if set, else `.jax_cache` beside the workdir
 (<workdir>/../.jax_cache): jax writes entries from process 0 only and every process reads them, so the cache
 must be where all processes see it, as they see the workdir; runs under one parent share it. "off" (or "")
-turns it off; any other value is the directory. No size limit is set: with one, jax rereads every entry's
-access time at each write. jax's cache is process-wide and opened at the first compile, so `install` belongs
-to entry points (`jaxtrain train`), before anything compiles; the library never calls it.
+turns it off; any other value is the directory. Every program is cached, not only those that took 1 s to
+compile (unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise). No size limit is set: with one,
+jax rereads every entry's access time at each write. jax's cache is process-wide and opened at the first
+compile, so `install` belongs to entry points (`jaxtrain train`), before anything compiles; the library never
+calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,32 @@ from jaxtrain.errors import ConfigError
 FIELD = "train.compile_cache"
 OFF = ("", "off")
 ENV = "JAX_COMPILATION_CACHE_DIR"
+MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # jax's own default: 1 s
+_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+_counts: dict[str, int] | None = None  # hits and misses since `install` registered its listener
+
+
+def _count(event: str, *args, **kwargs) -> None:
+    if _counts is not None and event in _EVENTS:
+        _counts[_EVENTS[event]] += 1
+
+
+def counts() -> dict[str, int] | None:
+    """{"hits", "misses"} of jax's persistent cache in this process so far; None unless `install` ran."""
+    return None if _counts is None else dict(_counts)
+
+
+def source(before: dict | None, after: dict | None) -> str | None:
+    """How a compile between two `counts()` got its executable: "cache", "compiled", or None (unknown)."""
+    import jax
+
+    if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
+        return "compiled"
+    if before is None or after is None:
+        return None
+    if after["hits"] > before["hits"] and after["misses"] == before["misses"]:
+        return "cache"
+    return "compiled" if after["misses"] > before["misses"] else None
 
 
 def check(value) -> None:
@@ -52,8 +80,13 @@ def _unwritable(path: str) -> str | None:
 def install(config, environ=os.environ, warn=print) -> str | None:
     """Points jax's persistent cache at the run's directory (or turns it off) and returns the directory. Creates
     nothing: jax does at its first compile. A named directory that can't be written is a ConfigError; under
-    "auto" the run warns and goes on without a cache."""
+    "auto" the run warns and goes on without a cache. Also counts the cache's hits and misses (`counts`)."""
+    global _counts
     import jax
+
+    if _counts is None:  # a process-wide listener, registered once
+        _counts = {"hits": 0, "misses": 0}
+        jax.monitoring.register_event_listener(_count)
 
     path = directory(config.train.compile_cache, config.workdir, environ)
     if path is not None and "://" not in path and (why := _unwritable(path)):
@@ -66,4 +99,6 @@ def install(config, environ=os.environ, warn=print) -> str | None:
         return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
+    if MIN_TIME_ENV not in environ:  # every program: a restore's checksum program compiles in about 1 s, too
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path

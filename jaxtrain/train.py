@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain import compat, errors, faults, memory, objectives, rewards, rollouts, storage
+from jaxtrain import compat, compile_cache, errors, faults, memory, objectives, rewards, rollouts, storage
 from jaxtrain import config as config_lib
 from jaxtrain import hooks as hooks_lib
 from jaxtrain import workdir as workdir_lib
@@ -35,15 +35,21 @@ from jaxtrain.parallel import pipeline as pipeline_parallel
 from jaxtrain.trainer import build_trainer, global_batch, make_checkpointer
 
 
+_RUNS_IN_PROCESS = [0]  # a later train.run in the same process (a notebook, sweep trials) has no process start
+
+
 def run(config, print_fn=print, writers=()) -> dict:
     """Trains `config` to `train.steps` (or `train.stop_at`), resuming from its workdir's checkpoints.
 
     `writers`: extra `metrics.MetricWriter`s (process 0 only) that receive every record metrics.jsonl gets,
     e.g. a sweep's pruning callback; an exception one raises ends the run (committed checkpoints stay)."""
-    t_start = time.perf_counter()
+    t_start, entry_t = time.perf_counter(), time.time()
+    phases = goodput.Phases()  # where this (re)start's time goes, for goodput.jsonl's "phases" record
+    _RUNS_IN_PROCESS[0] += 1
+    first_in_process = _RUNS_IN_PROCESS[0] == 1
     compat.install()  # the dependency workarounds a run needs (jaxtrain/compat), before jax starts its backend
     config = following_init_from(config)
-    resolved, data = check_inputs(config)
+    resolved, data = check_inputs(config, phases)
     is_main = jax.process_index() == 0
     say = print_fn if is_main else (lambda *a, **k: None)
     trainer = build_trainer(config, resolved)  # abstract: nothing allocated or compiled yet
@@ -58,17 +64,20 @@ def run(config, print_fn=print, writers=()) -> dict:
             checkpointer.close()
             return {"finished": True, "step": latest, "resumed": True}
         train_iter, eval_data = data_iterators(config, data, trainer)
-        start, state = restore_or_init(config, trainer, checkpointer, latest, train_iter, say)
+        start, state = restore_or_init(config, trainer, checkpointer, latest, train_iter, say, phases)
         if not latest:  # every check of the input has passed: what this run's checkpoints will be made with
             wd.record_config(tracking.redact(config.to_dict()))
         checkpointer.run_id = wd.run_id(create=True)  # what this run's checkpoints record as theirs
         writer = metric_writer(config, wd.path, writers, is_main)
-        train_step = compile_step(config, trainer, data.dir, resolved.objective, say, t_start)
+        train_step, compiled_from = compile_step(config, trainer, data.dir, resolved.objective, say, t_start, phases)
         hooks = make_hooks(config, trainer, wd.path, start, checkpointer, train_iter, eval_data, writer,
                            train_step, resolved.objective, say, is_main)
         loop = Loop(trainer, train_step, train_iter, checkpointer, hooks, lambda: fresh_state(config, trainer),
                     say, step=start)
         record = run_record(config, wd.path, start, t_start) if is_main else None
+        if is_main:
+            record_phases(wd.path, start, phases, time.perf_counter() - t_start, entry_t if first_in_process else None,
+                          compiled_from, checkpointer.restored_from if start else None)
         try:
             state = train_loop(config, loop, state)
         finally:  # on an error: no new save (the state may be half-donated); pending saves still complete
@@ -109,13 +118,14 @@ def following_init_from(config):
     return config
 
 
-def check_inputs(config) -> tuple[config_lib.Resolved, Data]:
+def check_inputs(config, phases: goodput.Phases | None = None) -> tuple[config_lib.Resolved, Data]:
     """Starts the hosts, validates the config and checks every input it names (data dirs, Hugging Face
     weights and adapters, checkpoint paths, the step's memory), preparing the default corpus if it is
     missing. ConfigError (exit 2) names the first bad field or path; the workdir is not touched."""
     config_lib.validate_distributed(config)
     try:
-        distributed.initialize(**config.distributed)
+        with phases.time("distributed_init") if phases else contextlib.nullcontext():
+            distributed.initialize(**config.distributed)
     except ValueError as e:  # a partial cluster environment, named by its variable
         field, _, reason = str(e).partition(": ")
         raise ConfigError(field if reason else "distributed", reason or field) from None
@@ -168,8 +178,9 @@ def describe(config, trainer, resolved: config_lib.Resolved, say) -> None:
     if config.pipeline.stages > 1:
         p = config.pipeline
         say(f"pipeline {p.stages} stages x {p.microbatches} microbatches, {p.schedule} schedule"
-            f"{f' x {p.repeats} repeats' if p.schedule == 'circular' else ''} | bubble "
-            f"{pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats):.1%} of each step idle")
+            f"{f' x {p.repeats} repeats' if p.repeats > 1 else ''} | bubble "
+            f"{pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats, p.schedule):.1%} of each step "
+            f"idle")
 
 
 # ===== Workdir and state ===========================================================================================
@@ -223,13 +234,21 @@ def fresh_state(config, trainer):
     return trainer.init_from_host(params)
 
 
-def restore_or_init(config, trainer, checkpointer, latest: int, train_iter, say):
+def restore_or_init(config, trainer, checkpointer, latest: int, train_iter, say,
+                    phases: goodput.Phases | None = None):
     """(start step, state): the newest checkpoint that verifies, with the data position it saved, or a fresh
-    state at step 0."""
-    restored = checkpointer.restore_latest(trainer.abstract_state) if latest else None
+    state at step 0. `phases` times the restore and the data iterator's."""
+    timed = phases.time if phases else lambda name: contextlib.nullcontext()
+    restored = None
+    if latest:
+        with timed("restore"):
+            restored = checkpointer.restore_latest(trainer.abstract_state)
+            jax.block_until_ready(restored and restored[1])
     if restored:
         start, state, data_state = restored
-        if changed := train_iter.set_state(data_state, allow_changed=config.data.allow_changed):
+        with timed("data_restore"):
+            changed = train_iter.set_state(data_state, allow_changed=config.data.allow_changed)
+        if changed:
             say(f"data.allow_changed: {changed}; going on from the same position in it")
         say(f"resumed from checkpoint at step {start}")
         if train_iter.get_state()["order"] == pipeline.LEGACY_ORDER:
@@ -256,10 +275,11 @@ def metric_writer(config, workdir, writers, is_main: bool):
     return writer
 
 
-def compile_step(config, trainer, ddir: str, objective, say, t_start: float):
-    """The train step compiled ahead of time for the data's batches: the first step is then a step, not a
-    compile."""
+def compile_step(config, trainer, ddir: str, objective, say, t_start: float, phases: goodput.Phases | None = None):
+    """(the train step compiled ahead of time for the data's batches, so the first step is a step, not a
+    compile; "cache", "compiled" or None: where the executable came from, see compile_cache.source)."""
     t = time.perf_counter()
+    before = compile_cache.counts()
     keys = pipeline.batch_keys(ddir) if objective.data != "prompts" else (
         "tokens", "positions", "segment_ids", *objective.batch_keys)
     abstract_batch = {k: jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len),
@@ -267,8 +287,25 @@ def compile_step(config, trainer, ddir: str, objective, say, t_start: float):
                                               sharding=trainer.batch_sharding)
                       for k in keys}
     train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
-    say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s)")
-    return train_step
+    compiled_from = compile_cache.source(before, compile_cache.counts())
+    if phases:
+        phases.seconds["compile"] = time.perf_counter() - t
+    say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s"
+        f"{'; from the compile cache' if compiled_from == 'cache' else ''})")
+    return train_step, compiled_from
+
+
+def record_phases(workdir, start: int, phases: goodput.Phases, run_s: float, entry_t: float | None,
+                  compiled_from: str | None, restored_from: dict | None) -> None:
+    """goodput.jsonl's "phases" record of this start (process 0): the phases timed in `run` (`run_s` so far),
+    the rest of `run` as setup, and those before it (goodput.start_phases) if `entry_t`, the unix time `run`
+    began, is the process's first."""
+    path = workdir / "goodput.jsonl"
+    seconds = {**(goodput.start_phases(entry_t, path) if entry_t is not None else {}), **phases.seconds}
+    seconds["setup"] = max(0.0, run_s - sum(phases.seconds.values()))
+    goodput.GoodputRecorder(path).phases(
+        start, {k: seconds[k] for k in goodput.PHASES if k in seconds}, compile=compiled_from,
+        restore_tier=restored_from["tier"] if restored_from else None)
 
 
 def evaluate(trainer, state, eval_data: dict) -> dict:

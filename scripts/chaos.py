@@ -9,8 +9,10 @@ copied to a later step (swap_steps), the dead run's workdir lock left (stale_loc
 (damaged_shard: the restart must exit 2 naming it, without a retry, then the shard is repaired); a second run
 on the live workdir (concurrent: it must exit 2 within seconds, the first finish untouched); or the checkpoint
 bucket's endpoint (a local GCS emulator) down for 0.5-12 s as a save starts (bucket_outage: the save waits it out
-or the run exits 4 with one line, no traceback, and the supervisor's restart resumes). docs/reliability.md says
-what each must do.
+or the run exits 4 with one line, no traceback, and the supervisor's restart resumes); a bit flipped in the newest
+checkpoint of the local tier (local:flip_bit: the restore must name it and fall back to checkpoint.dir); or a
+straggler (two processes, gloo; one stopped by SIGSTOP/SIGCONT bursts, not killed: process 0 must name it and the
+run finish). docs/reliability.md says what each must do.
 
 A trial *recovered* if the supervised run finished; it is *bit-identical* if its final state checksum (summary.json,
 every array of params and optimizer state) equals the reference's; a *silent corruption* finished without complaint
@@ -21,15 +23,19 @@ record). Prints a markdown table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
+import socket
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,17 +43,26 @@ REPO = Path(__file__).resolve().parents[1]
 CORRUPTIONS = ("flip_bit", "truncate", "missing_manifest", "missing_commit_marker", "broken_data_json")
 AFTER_KILL = ("swap_steps", "stale_lock", "damaged_shard")  # like corrupt:*: kill, change files, restart
 FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent",
-          "bucket_outage")
+          "bucket_outage", "local:flip_bit", "straggler")
+STRAGGLER_EVERY = 5  # faults.straggler_every_steps in straggler trials: named after 3 slow reports in a row
+STRAGGLER_LINE = re.compile(r"^straggler: host (\S+) \(process (\d+)\) step [\d.e+-]+s, [\d.]+x the median", re.M)
 OUTAGE_BUDGET_S = 3  # JAXTRAIN_STORAGE_RETRY_SECONDS in bucket_outage trials: longer outages fail the save
 
 
-def train_cmd(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: str | None = None) -> list[str]:
+def train_cmd(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: str | None = None,
+              extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "jaxtrain.main", "--config", str(REPO / "configs/tiny.py"),
             f"--config.workdir={workdir}", f"--config.train.steps={args.steps}",
             f"--config.data.dir={data_dir or args.data_dir}",
             f"--config.checkpoint.every_steps={args.every}", "--config.eval.every_steps=0",
             "--config.faults.step_timeout_s=120", *([f"--config.checkpoint.dir={checkpoint_dir}"] if checkpoint_dir
-                                                    else [])]
+                                                    else []), *extra]
+
+
+def local_tier(workdir: Path, every: int = 5) -> tuple[str, ...]:
+    """Overrides for a local tier beside `workdir` keeping one step: a bad copy there falls back to checkpoint.dir."""
+    return (f"--config.checkpoint.local_dir={workdir}-local", f"--config.checkpoint.local_every_steps={every}",
+            "--config.checkpoint.local_keep=1")
 
 
 def last_step(workdir: Path) -> int:
@@ -81,8 +96,9 @@ def wait_until(predicate, proc, timeout=300, poll=0.01) -> bool:
     return False
 
 
-def newest_checkpoint(workdir: Path) -> Path | None:
-    steps = [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+def newest_checkpoint(workdir: Path, root: Path | None = None) -> Path | None:
+    root = root or workdir / "checkpoints"
+    steps = [p for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
     return max(steps, key=lambda p: int(p.name), default=None)
 
 
@@ -131,11 +147,69 @@ def damage_shard(data_dir: Path) -> Path:
 
 
 def supervise(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: str | None = None,
-              env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise", "--workdir", str(workdir),
-                             "--backoff_s", "0.2", "--", *train_cmd(workdir, args, data_dir, checkpoint_dir)],
+              env: dict | None = None, extra: tuple[str, ...] = (), holds_workdir: bool = True) -> subprocess.Popen:
+    """`jaxtrain supervise` of a trainer; `holds_workdir`: the supervisor locks the workdir (process 0's does)."""
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain", "supervise",
+                             *(["--workdir", str(workdir)] if holds_workdir else []),
+                             "--backoff_s", "0.2", "--", *train_cmd(workdir, args, data_dir, checkpoint_dir, extra)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(port: int, process: int, processes: int = 2) -> dict:
+    """One process of a local multi-process run (gloo over jax.distributed, one CPU device each)."""
+    return {"JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": str(processes),
+            "JAXTRAIN_PROCESS_ID": str(process), "JAX_PLATFORMS": "cpu"}
+
+
+def stragglers_named(output: str) -> list[tuple[str, int]]:
+    """(host, process) of every straggler process 0 logged (jaxtrain.hooks.Stragglers), in order."""
+    return [(m.group(1), int(m.group(2))) for m in STRAGGLER_LINE.finditer(output)]
+
+
+def after_a_step(path: Path, timeout: float = 2.0) -> bool:
+    """Waits until `path` (a process's data fingerprints, a line a step, written as its step's last hook) grows:
+    that process is then between steps, in its own work. A stop there delays its share of the next step; stopped
+    while it waits for a step's results, a host looks like a slow device, which every host waits for alike and
+    which is not told apart (docs/reliability.md, Stragglers)."""
+    size = path.stat().st_size if path.exists() else 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size != size:
+            return True
+        time.sleep(0.0002)
+    return False
+
+
+def straggler(workdir: Path, args, rng: random.Random):
+    """Two supervised processes; process 1's trainer is stopped for `stop` s in every `period` s (SIGSTOP just after
+    a step, then SIGCONT) until the run ends. Returns (process 0's supervisor, process 1's, note)."""
+    port = free_port()
+    extra = (f"--config.faults.straggler_every_steps={STRAGGLER_EVERY}", "--config.log.fingerprints=True")
+    sups = [supervise(workdir, args, env=process_env(port, i), extra=extra, holds_workdir=i == 0) for i in range(2)]
+    period = rng.uniform(0.5, 1.0)
+    stop = period * rng.uniform(0.7, 0.9)  # a few steps run between stops; some stops miss (after_a_step)
+
+    def bursts():
+        while sups[1].poll() is None:
+            time.sleep(period - stop)
+            pids = children(sups[1].pid)
+            if not pids:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                after_a_step(workdir / "data_fingerprints.1.jsonl")
+                os.kill(pids[0], signal.SIGSTOP)
+                time.sleep(stop)
+                os.kill(pids[0], signal.SIGCONT)
+
+    threading.Thread(target=bursts, daemon=True).start()
+    return sups[0], sups[1], f"process 1 stopped {stop:.2f}s of every {period:.2f}s"
 
 
 def bucket_outage(n: int, workdir: Path, args, rng: random.Random):
@@ -172,12 +246,20 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
     if fault == "damaged_shard":  # a private copy of the data, damaged below
         data_dir = str(Path(args.out) / f"data{n:02d}")
         shutil.copytree(args.data_dir, data_dir)
-    if fault.startswith("corrupt:") or fault in AFTER_KILL:
+    extra = local_tier(workdir) if fault == "local:flip_bit" else ()
+    local = Path(f"{workdir}-local")
+    if fault.startswith(("corrupt:", "local:")) or fault in AFTER_KILL:
         # Train unsupervised past two checkpoints, kill, change the files, then resume under supervision.
-        proc = subprocess.Popen(train_cmd(workdir, args, data_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(train_cmd(workdir, args, data_dir, extra=extra), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        target = rng.randrange(3 * args.every + 1, args.steps - 1)
-        if wait_until(lambda: last_step(workdir) >= target, proc):
+        target = rng.randrange(3 * args.every + 1, args.steps - (args.every if extra else 1))
+
+        def ready():  # local:*: the local tier's one step is the newest, so its damage must fall back to the dir
+            newest = [newest_checkpoint(workdir, root) for root in (local, workdir / "checkpoints")]
+            return last_step(workdir) >= target and (not extra or (
+                newest[0] is not None and int(newest[0].name) > int(newest[1].name if newest[1] else 0)))
+
+        if wait_until(ready, proc):
             proc.kill()
             proc.wait()
             time.sleep(0.5)  # no save can still be finishing: the process is gone
@@ -196,12 +278,16 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                     note += f"damaged {shard.name}: exit 2 naming it, no retry; repaired; "
                     shutil.copyfile(Path(args.data_dir) / shard.name, shard)
             else:
-                step_dir = newest_checkpoint(workdir)
-                note += f"step {step_dir.name}: " + corrupt(step_dir, fault.split(":")[1], rng)
+                step_dir = newest_checkpoint(workdir, local if fault.startswith("local:") else None)
+                note += f"step {step_dir.name}{' (local tier)' if extra else ''}: " + corrupt(
+                    step_dir, fault.split(":")[1], rng)
             result["note"] = note
             result["injected"], t_fault = "NOT refused" not in note, time.time()
         proc.wait()
-        sup = supervise(workdir, args, data_dir)
+        sup = supervise(workdir, args, data_dir, extra=extra)
+    elif fault == "straggler":
+        sup, other, result["note"] = straggler(workdir, args, rng)
+        result["injected"], result["comparable"] = True, False  # 2 processes: another reduction order
     elif fault == "bucket_outage":
         sup, gcs, t_fault, result["note"] = bucket_outage(n, workdir, args, rng)
         result["injected"] = t_fault is not None
@@ -242,6 +328,17 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                     if fault == "kill_in_save" else "")
     out = sup.communicate(timeout=900)[0]
     unexpected = False
+    if fault == "straggler":
+        other.communicate(timeout=120)
+        named = stragglers_named(out)
+        result["note"] += (f"; process 0 named {sorted(set(named))} {len(named)} time(s)" if named else
+                           "; process 0 named no straggler") + (
+            f", process 1 exit {other.returncode}" if other.returncode else "")
+        unexpected = other.returncode != 0 or {p for _, p in named} != {1}  # named, perhaps more than once
+    if fault == "local:flip_bit":  # a flip in bytes no array reads changes nothing: restored from it, identical
+        fell_back = f"in {local} is unusable" in out and restart_tier(workdir) == "dir"
+        result["note"] += ("; named, fell back to checkpoint.dir" if fell_back else
+                           f"; not detected, restored from the {restart_tier(workdir)} tier")
     if fault == "bucket_outage":
         gcs.stop()
         failed = [line for line in out.splitlines() if line.startswith("error: ")]
@@ -257,7 +354,7 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
         result["identical"] = summary["state_checksum"] == reference_checksum
     else:
         result["note"] += f" | supervisor exit {sup.returncode}: {out[-300:]!r}"
-    if result["injected"] and fault != "concurrent":
+    if result["injected"] and fault not in ("concurrent", "straggler"):
         starts = [json.loads(line) for line in (workdir / "goodput.jsonl").read_text().splitlines()
                   if '"start"' in line]
         later = [r["t"] for r in starts if r["t"] > t_fault]
@@ -268,6 +365,17 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
     return result
 
 
+def restart_tier(workdir: Path) -> str | None:
+    """The restore tier of the workdir's last (re)start (goodput.jsonl's "phases" record)."""
+    phases = [json.loads(line) for line in (workdir / "goodput.jsonl").read_text().splitlines() if '"phases"' in line]
+    return phases[-1].get("restore_tier") if phases else None
+
+
+def silent(r: dict) -> bool:
+    """Finished without complaint, but not as the reference (straggler trials, 2 processes, are not compared)."""
+    return r["recovered"] and r.get("comparable", True) and not r["identical"]
+
+
 def table(results: list[dict]) -> str:
     rows = ["| fault | injected | recovered | bit-identical | silent corruptions | mean recovery s |",
             "|---|---|---|---|---|---|"]
@@ -276,12 +384,11 @@ def table(results: list[dict]) -> str:
         rs = [r for r in results if kind in ("all", r["fault"])]
         injected = [r for r in rs if r["injected"]]
         rec = [r["recovery_s"] for r in injected if r.get("recovery_s") is not None]
-        silent = sum(r["recovered"] and not r["identical"] for r in rs)
+        compared = [r for r in injected if r.get("comparable", True)]
+        identical = str(sum(r["identical"] for r in compared)) if compared else "n/a"
         rows.append(f"| {'**all**' if kind == 'all' else kind} | {len(injected)} | "
-                    f"{sum(r['recovered'] for r in injected)} | {sum(r['identical'] for r in injected)} | {silent} | "
-                    f"{statistics.mean(rec):.1f} |" if rec else
-                    f"| {kind} | {len(injected)} | {sum(r['recovered'] for r in injected)} | "
-                    f"{sum(r['identical'] for r in injected)} | {silent} | - |")
+                    f"{sum(r['recovered'] for r in injected)} | {identical} | {sum(map(silent, rs))} | "
+                    + (f"{statistics.mean(rec):.1f} |" if rec else "- |"))
     return "\n".join(rows)
 
 
@@ -317,11 +424,12 @@ def main() -> int:
               f"identical={r['identical']!s:5} recovery_s={r.get('recovery_s')} {r['note']}", flush=True)
     print()
     print(table(results))
-    silent = sum(r["recovered"] and not r["identical"] for r in results)
+    corruptions = sum(map(silent, results))
     injected = [r for r in results if r["injected"]]
     print(json.dumps({"faults": len(injected), "recovered": sum(r["recovered"] for r in injected),
-                      "identical": sum(r["identical"] for r in injected), "silent_corruptions": silent}))
-    return 0 if silent == 0 and all(r["recovered"] and r["identical"] for r in injected) else 1
+                      "identical": sum(r["identical"] for r in injected), "silent_corruptions": corruptions}))
+    return 0 if corruptions == 0 and all(r["recovered"] and (r["identical"] or not r.get("comparable", True))
+                                         for r in injected) else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ A run (process 0 only) appends one JSON object a line to WORKDIR/goodput.jsonl:
                                           the steps since the previous record, up to s, took dt productive s
     {"event": "checkpoint", "attempt": n, "t": unix, "step": s}   a checkpoint of step s committed
     {"event": "rewind",     "attempt": n, "t": unix, "step": s}   rolled back to step s inside the run
+    {"event": "phases",     "attempt": n, "t": unix, "step": s, "phases": {name: seconds}, "compile": ...,
+                            "restore_tier": ...}  where the (re)start's time went, just before it trains (PHASES)
 
 `attempt` is JAXTRAIN_ATTEMPT (set by jaxtrain.tools.supervise; null without it). Every "start" begins a new
 attempt, so plain reruns count too. Productive time is that of the steps in the final lineage: when an
@@ -15,9 +17,17 @@ attempt resumes from step s, the earlier steps after s were recomputed, and thei
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+
+# A (re)start's phases, in order (seconds each; absent where unknown). detection: from the previous attempt's last
+# record to the supervisor seeing it exit; restart_wait: the supervisor's backoff; process_start: launch (or the
+# process's own start) to train.run; setup: train.run's other work before training (checks, model, data, hooks).
+PHASES = ("detection", "restart_wait", "process_start", "distributed_init", "setup", "restore", "data_restore",
+          "compile")
+LAUNCHED_AT_ENV, PREVIOUS_EXIT_AT_ENV = "JAXTRAIN_LAUNCHED_AT", "JAXTRAIN_PREVIOUS_EXIT_AT"  # set by supervise
 
 
 class GoodputRecorder:
@@ -52,6 +62,72 @@ class GoodputRecorder:
     def rewind(self, step: int) -> None:
         self._write("rewind", step)
 
+    def phases(self, step: int, phases: dict[str, float], **extra) -> None:
+        self._write("phases", step, phases={k: round(v, 4) for k, v in phases.items()}, **extra)
+
+
+class Phases:
+    """Seconds per named phase of a start, summed over each `with phases.time(name)`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+
+def process_start_time() -> float | None:
+    """This process's start (unix seconds) from the kernel (psutil, or /proc on Linux); None if unknown."""
+    try:
+        import psutil  # noqa: PLC0415 - optional
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - not installed, or no access: try /proc
+        pass
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def start_phases(run_entry_t: float, path: str | os.PathLike, environ=os.environ) -> dict[str, float]:
+    """The phases before train.run (detection, restart_wait, process_start) of a start whose train.run began at
+    unix time `run_entry_t`; `path`: goodput.jsonl, whose last record before the previous exit dates it."""
+    out = {}
+    launched = _float(environ.get(LAUNCHED_AT_ENV))
+    exited = _float(environ.get(PREVIOUS_EXIT_AT_ENV))
+    if exited is not None:
+        tail = read_records(path, max(0, _size(path) - (1 << 16)))
+        seen = [r["t"] for r in tail if r["t"] <= exited and r["t"] < run_entry_t]  # not this start's own
+        if seen:
+            out["detection"] = max(0.0, exited - max(seen))
+        if launched is not None:
+            out["restart_wait"] = max(0.0, launched - exited)
+    began = launched if launched is not None else process_start_time()
+    if began is not None:
+        out["process_start"] = max(0.0, run_entry_t - began)
+    return out
+
+
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _size(path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
 
 def read_records(path: str | os.PathLike, offset: int = 0) -> list[dict]:
     """The records from byte `offset` on (the supervisor passes the file's size when it started). A line that is
@@ -73,7 +149,7 @@ def read_records(path: str | os.PathLike, offset: int = 0) -> list[dict]:
 
 def _is_record(r) -> bool:
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    return (isinstance(r, dict) and r.get("event") in ("start", "step", "checkpoint", "rewind")
+    return (isinstance(r, dict) and r.get("event") in ("start", "step", "checkpoint", "rewind", "phases")
             and isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) and number(r.get("t"))
             and number(r.get("step_s", 0.0)))
 
@@ -130,3 +206,22 @@ def goodput(records: list[dict], wall_s: float) -> dict:
         "restarts": max(0, len(attempts) - 1),
         "attempts": attempts,
     }
+
+
+def restarts(records: list[dict]) -> list[dict]:
+    """One row per "phases" record: {"attempt", "step", "t", "phases": {name: s, in PHASES order}, "total_s",
+    "compile", "restore_tier", "first_step_s", "restart"}; first_step_s: to the attempt's first step record when
+    it covers only the first step (log.every_steps=1), else None; restart: an earlier start preceded it (each
+    "phases" record follows its own "start")."""
+    rows, starts = [], 0
+    for i, r in enumerate(records):
+        starts += r.get("event") == "start"
+        if r.get("event") != "phases" or not isinstance(r.get("phases"), dict):
+            continue
+        phases = {k: float(r["phases"][k]) for k in PHASES if isinstance(r["phases"].get(k), (int, float))}
+        nxt = next((q for q in records[i + 1:] if q.get("event") in ("step", "start", "phases")), None)
+        first = nxt["t"] - r["t"] if nxt and nxt["event"] == "step" and nxt["step"] == r["step"] + 1 else None
+        rows.append({"attempt": r.get("attempt"), "step": r["step"], "t": r["t"], "phases": phases,
+                     "total_s": sum(phases.values()), "compile": r.get("compile"),
+                     "restore_tier": r.get("restore_tier"), "first_step_s": first, "restart": starts > 1})
+    return rows

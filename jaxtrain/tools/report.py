@@ -1,6 +1,7 @@
 """`jaxtrain report WORKDIR [WORKDIR ...] [--output DIR] [--price_per_device_hour USD] [--names a,b]`
 
-Compares runs: PNG curves (one line per run) and a summary table (summary.md, summary.csv, stdout). It only
+Compares runs: PNG curves (one line per run) and a summary table (summary.md, summary.csv, stdout); where a run
+restarted, where each restart's time went (recovery.md, recovery.png: goodput.jsonl's phases). It only
 reads what `jaxtrain.train.run` writes into a workdir, and any of it may be missing or stale (a crashed run
 has no summary.json, a running one has no end time, older workdirs have no run.json and no record times),
 so every figure is taken from the best source at hand (summary.csv's wall_source names wall time's).
@@ -362,11 +363,60 @@ def csv_table(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+# ===== Restarts: where the time to train again went ======================================================
+
+PHASE_LABELS = {p: p.replace("_", " ") for p in goodput_lib.PHASES}  # restart_wait -> "restart wait"
+
+
+def recovery_rows(runs: list[Run]) -> list[dict]:
+    """Every restart of every run (each start after a workdir's first, from goodput.jsonl's "phases" records):
+    goodput_lib.restarts' rows with the run's name."""
+    rows = []
+    for run in runs:
+        starts = goodput_lib.restarts(goodput_lib.read_records(run.workdir / "goodput.jsonl"))
+        rows += [{"name": run.name, **r} for r in starts if r["restart"]]  # the first start recovers nothing
+    return rows
+
+
+def recovery_table(rows: list[dict]) -> str:
+    """Seconds per phase of each restart; compile says whether it came from the cache, restore from which tier."""
+    def cell(row, phase):
+        value = row["phases"].get(phase)
+        if value is None:
+            return "-"
+        note = {"compile": row.get("compile"), "restore": row.get("restore_tier")}.get(phase)
+        return f"{value:.2f}" + (f" ({note})" if note else "")
+
+    header = ["run", "attempt", "from step", *PHASE_LABELS.values(), "total", "first step"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|"]
+    for r in rows:
+        first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.2f}"
+        lines.append("| " + " | ".join([r["name"].replace("|", "\\|"), str(r["attempt"] or "-"), str(r["step"]),
+                                         *(cell(r, p) for p in PHASE_LABELS), f"{r['total_s']:.2f}", first]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_recovery(ax, rows: list[dict]) -> None:
+    """One horizontal bar per restart, stacked by phase (the same colour per phase), its first step last."""
+    labels = [f"{r['name']} #{r['attempt'] or '?'} (step {r['step']})" for r in rows]
+    left = [0.0] * len(rows)
+    for i, (phase, label) in enumerate([*PHASE_LABELS.items(), ("first_step", "first step")]):
+        widths = [(r["first_step_s"] if phase == "first_step" else r["phases"].get(phase)) or 0.0 for r in rows]
+        if any(widths):
+            ax.barh(labels, widths, left=left, color=f"C{i % 10}", label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()  # the first restart on top
+    ax.set_xlabel("seconds from the previous attempt's last record to the restart's first step")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: bars fill the axes
+
+
 # ===== The report =========================================================================================
 
 def write_report(workdirs, output="report", price: float | None = None, names=None) -> dict:
     """Writes <metric>.png for every available curve, curves.png (all of them), summary.md and summary.csv
-    into `output`. Returns {"paths": {what: path}, "rows": [row per run], "table": the markdown}. Raises
+    into `output`, and recovery.md and recovery.png if a run restarted. Returns {"paths": {what: path}, "rows":
+    [row per run], "table": the markdown, "recovery": the restarts' markdown or ""}. Raises
     ReportError for a bad workdir before writing anything."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend, renders with Agg
 
@@ -390,7 +440,16 @@ def write_report(workdirs, output="report", price: float | None = None, names=No
     paths["summary.md"].write_text(table)
     paths["summary.csv"] = output / "summary.csv"
     paths["summary.csv"].write_text(csv_table(rows))
-    return {"paths": paths, "rows": rows, "table": table}
+    recovery = recovery_rows(runs)
+    if recovery:
+        paths["recovery.md"] = output / "recovery.md"
+        paths["recovery.md"].write_text(recovery_table(recovery))
+        fig = Figure(figsize=(11, max(3.0, 1.5 + 0.45 * len(recovery))))
+        plot_recovery(fig.add_subplot(), recovery)
+        fig.tight_layout()
+        paths["recovery"] = output / "recovery.png"
+        fig.savefig(paths["recovery"], dpi=110)
+    return {"paths": paths, "rows": rows, "table": table, "recovery": recovery_table(recovery) if recovery else ""}
 
 
 def _report(argv) -> int:
@@ -407,6 +466,8 @@ def _report(argv) -> int:
         raise ReportError(f"--price_per_device_hour: {args.price_per_device_hour} is not a price")
     result = write_report(args.workdirs, args.output, args.price_per_device_hour, names)
     print(result["table"], end="")
+    if result["recovery"]:
+        print("\nrestarts (seconds per phase):\n" + result["recovery"], end="")
     print(f"wrote {', '.join(p.name for p in result['paths'].values())} to {args.output}")
     return 0
 

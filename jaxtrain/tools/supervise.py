@@ -5,7 +5,8 @@ Runs the training command until it finishes. Exit 75 (preempted, state saved) re
 preemption budget; a crash, a death by signal, a hang (124) or a failed checkpoint write (4) restarts it
 against the crash budget, with a doubling backoff; a bad config (2) or a non-finite loss (3) would fail
 the same way again, so those are returned at once. SIGTERM/SIGINT sent to the supervisor go to the child
-(which saves and exits 75) and end supervision. The child sees JAXTRAIN_ATTEMPT=1, 2, ...
+(which saves and exits 75) and end supervision. The child sees JAXTRAIN_ATTEMPT=1, 2, ..., its launch time
+and the previous attempt's exit time (for the phases of each restart in goodput.jsonl).
 
 The child runs in its own session so a terminal's Ctrl-C reaches it once, through the supervisor. At the
 end a table of attempts and the goodput (from WORKDIR/goodput.jsonl) are printed, and written to
@@ -84,18 +85,24 @@ def supervise(cmd: list[str], *, max_crash_restarts: int = 3, max_preempt_restar
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     rc = 0
+    exited_at = None
     try:
         while True:  # every exit path below checks `stopping`
             n = len(attempts) + 1
             started = time.monotonic()
-            child = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "JAXTRAIN_ATTEMPT": str(n)},
+            # The child's "phases" record (jaxtrain.observe.goodput) dates its launch and its predecessor's exit.
+            timing = {goodput_lib.LAUNCHED_AT_ENV: repr(time.time()),
+                      **({goodput_lib.PREVIOUS_EXIT_AT_ENV: repr(exited_at)} if exited_at else {})}
+            child = subprocess.Popen(cmd, env={**(os.environ if env is None else env), "JAXTRAIN_ATTEMPT": str(n),
+                                               **timing},
                                      start_new_session=True, pass_fds=(lock.fd,) if lock else ())
             if received:  # a signal that arrived before the child existed
                 child.send_signal(received[-1])
             rc = child.wait()
+            exited_at = time.time()
             kind, reason = classify(rc)
             attempts.append({"attempt": n, "exit_code": rc, "kind": kind, "reason": reason,
-                             "duration_s": round(time.monotonic() - started, 3)})
+                             "duration_s": round(time.monotonic() - started, 3), "exited_unix": round(exited_at, 3)})
             log(f"supervise: attempt {n} exited {rc}: {reason}")
             if kind in ("done", "fatal"):
                 break

@@ -310,3 +310,42 @@ def test_report_of_a_real_tiny_run(tiny_config, tmp_path):
     else:
         assert (row["wall_s"], row["wall_source"]) == (summary["wall_s"], "summary.json")
         assert row["devices"] is None and row["cost"] is None
+
+
+# ===== Restarts ===========================================================================================
+
+def phases_record(attempt, t, step, tier=None, compiled=None, **phases):
+    return {"event": "phases", "attempt": attempt, "t": t, "step": step, "phases": phases, "compile": compiled,
+            "restore_tier": tier}
+
+
+def test_restarts_are_broken_into_phases(tmp_path):
+    ledger = [{"event": "start", "attempt": 1, "t": T0, "step": 0},
+              phases_record(1, T0, 0, compiled="compiled", process_start=3.0, setup=1.0, compile=20.0),
+              {"event": "step", "attempt": 1, "t": T0 + 5, "step": 4, "step_s": 4.0},
+              {"event": "start", "attempt": 2, "t": T0 + 20, "step": 4},
+              phases_record(2, T0 + 20, 4, tier="local_dir", compiled="cache", detection=0.5, restart_wait=1.0,
+                            process_start=3.0, distributed_init=0.25, setup=1.0, restore=0.5, data_restore=0.01,
+                            compile=2.0),
+              {"event": "step", "attempt": 2, "t": T0 + 20.75, "step": 5, "step_s": 0.75}]
+    w = make_workdir(tmp_path / "w", [train_record(s, 3.0, T0 + s) for s in range(1, 6)], goodput=ledger)
+    result = report.write_report([w], tmp_path / "out")
+    assert_png(result["paths"]["recovery"])
+    text = (tmp_path / "out" / "recovery.md").read_text()
+    assert text == result["recovery"]
+    header, body = parse_markdown(text)
+    assert len(body) == 1  # the first start is no restart
+    row = dict(zip(header, body[0]))
+    assert (row["attempt"], row["from step"]) == ("2", "4")
+    assert row["restore"] == "0.50 (local_dir)" and row["compile"] == "2.00 (cache)"
+    assert row["detection"] == "0.50" and row["total"] == "8.26" and row["first step"] == "0.75"
+
+    proc = cli(w, "--output", tmp_path / "cli", cwd=tmp_path)
+    assert proc.returncode == 0 and "restarts (seconds per phase)" in proc.stdout and "(local_dir)" in proc.stdout
+
+
+def test_no_restart_no_recovery_files(tmp_path):
+    ledger = [{"event": "start", "attempt": None, "t": T0, "step": 0}, phases_record(None, T0, 0, setup=1.0)]
+    w = make_workdir(tmp_path / "w", [train_record(s, 3.0, T0 + s) for s in range(1, 3)], goodput=ledger)
+    result = report.write_report([w], tmp_path / "out")
+    assert result["recovery"] == "" and "recovery" not in result["paths"]
