@@ -157,6 +157,11 @@ class MeshSampler:
         log_probs = np.zeros((n, self.max_new_tokens), np.float32)
         entropy = np.zeros((n, self.max_new_tokens), np.float32)
         size, at, row_steps = n, 0, 0
+
+        def collect(state):  # the rows' draws so far, home to their own places
+            rows, *got = jax.device_get([state[k] for k in ("rows", "ids", "log_probs", "entropy")])
+            ids[rows], log_probs[rows], entropy[rows] = got
+
         while True:
             smaller = next_size(size, ways) if self.compact else 0
             # The state is donated: the loop updates the cache in place, as one program would (one cache, not two).
@@ -166,12 +171,10 @@ class MeshSampler:
             if at + 1 >= self.max_new_tokens or done.all() or not smaller:
                 break
             # Few rows left: the finished ones go home, the live ones (first) continue in a batch of `smaller`.
-            rows, *got = jax.device_get([state[k] for k in ("rows", "ids", "log_probs", "entropy")])
-            ids[rows], log_probs[rows], entropy[rows] = got
+            collect(state)
             live_first = np.argsort(done, kind="stable")[:smaller].astype(np.int32)
             state, size = call(gather, state, self._place(live_first), pin=state), smaller
-        rows, *got = jax.device_get([state[k] for k in ("rows", "ids", "log_probs", "entropy")])
-        ids[rows], log_probs[rows], entropy[rows] = got
+        collect(state)
         drawn = ids[:len(prompts)] >= 0
         seconds = time.perf_counter() - start - compiling[0]
         return dataclasses.replace(self._layout(prompts, ids[:len(prompts)], log_probs[:len(prompts)], seconds),
