@@ -389,11 +389,7 @@ class Transformer(nnx.Module):
         if run.pipeline_stages == 1 or run.pipeline_schedule not in pipeline_parallel.EXPLICIT:
             x, aux = self.hidden(tokens, positions, segment_ids, dropout_keys)
             return loss_fn(self, x, rows), aux
-        cfg = self.cfg
-        if cfg.n_experts and cfg.moe_aux_weight:
-            raise ConfigError("model.moe_aux_weight", f"the load-balancing loss needs the whole batch's routing, "
-                              f"which pipeline.schedule={run.pipeline_schedule} has only after the backwards began; "
-                              f"set it to 0 (model.moe_bias_rate balances without it) or use gpipe or circular")
+        cfg = self.cfg  # config.validate refuses a load-balancing loss here (its batch-wide routing comes too late)
         mesh, rules = mesh_lib.active_sharding()
         S, R = run.pipeline_stages, run.pipeline_repeats
         K = (cfg.n_layers - cfg.first_dense_layers) // (S * R)
