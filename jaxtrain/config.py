@@ -103,8 +103,9 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     micro = _check_train(cfg.train, shape, rules, dp, process_count)
     objective = objectives.get(cfg.train.objective)
     model_lib.check_config(cfg.model, seq_len=cfg.train.seq_len, mesh_shape=shape)
-    pipeline_parallel.check_config(cfg.pipeline, n_layers=cfg.model.n_layers, microbatch=micro, mesh_shape=shape,
-                                   rules=rules)
+    # The pipeline splits the stacked layers; DeepSeek-V3's dense first layers run before it.
+    pipeline_parallel.check_config(cfg.pipeline, n_layers=cfg.model.n_layers - cfg.model.first_dense_layers,
+                                   microbatch=micro, mesh_shape=shape, rules=rules)
     if cfg.pipeline.stages > 1 and cfg.pipeline.schedule in pipeline_parallel.EXPLICIT:
         # The executor runs the loss per microbatch in the last stage (the model refuses the rest when traced too).
         if cfg.model.n_experts and cfg.model.moe_aux_weight:
@@ -121,9 +122,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     if cfg.model.mtp_layers and cfg.pipeline.stages > 1:
         raise ConfigError("model.mtp_layers", f"{cfg.model.mtp_layers} multi-token prediction modules do not run in "
                           f"a pipeline yet; set pipeline.stages=1 or model.mtp_layers=0")
-    if cfg.model.first_dense_layers and cfg.pipeline.stages > 1:
-        raise ConfigError("model.first_dense_layers", f"{cfg.model.first_dense_layers} dense layers before the "
-                          f"mixture-of-experts ones do not run in a pipeline yet; set pipeline.stages=1")
     if cfg.model.init_adapters and (not cfg.model.init_from or not cfg.model.lora_rank):
         raise ConfigError("model.init_adapters", "PEFT adapters start a LoRA run over their base model: set "
                           "model.init_from to the base's directory and model.lora_rank to the adapters' r")

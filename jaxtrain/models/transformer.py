@@ -305,6 +305,20 @@ class Transformer(nnx.Module):
         _, (states, stats) = jax.lax.scan(self.remat(module), x, (mtp_state, embedded))
         return states, stats
 
+    def dense_first(self, x, positions, segment_ids, dropout_keys):
+        """DeepSeek-V3's dense first layers (a stack of their own, global attention: config refuses windows) ->
+        (x, the dropout keys folded past them). They run before `blocks`, outside any pipeline, as the embedding
+        does: every stage holds them."""
+        cfg = self.cfg
+        if not cfg.first_dense_layers:
+            return x, dropout_keys
+        tables = rotary_lookup(positions, rope_frequencies(cfg))
+        mask = layer_mask(segment_ids, positions, 0, cfg.context_parallel)
+        dense_def, dense_state = nnx.split(self.dense_blocks)
+        (x, dropout_keys), _ = jax.lax.scan(self.remat(stack_layer(dense_def, tables, mask)), (x, dropout_keys),
+                                            dense_state, unroll=cfg.scan_unroll)
+        return x, dropout_keys
+
     def remat(self, f):
         """`f` under the layout's rematerialization policy."""
         if self.layout.remat == "none":
@@ -316,6 +330,7 @@ class Transformer(nnx.Module):
         cfg, run = self.cfg, self.layout
         dt = jnp.dtype(cfg.dtype)
         x = constrain(self.embed_tokens(tokens).astype(dt), ("batch", "seq", "act_embed"))
+        x, dropout_keys = self.dense_first(x, positions, segment_ids, dropout_keys)
         block_def, block_state = nnx.split(self.blocks)
         local = local_layers(cfg)
         remat = self.remat
@@ -326,10 +341,6 @@ class Transformer(nnx.Module):
                 mask = layer_mask(segment_ids, positions, cfg.sliding_window if uniform else 0, cfg.context_parallel)
                 tables = rotary_lookup(positions, rope_frequencies(cfg, local=uniform))
                 layer, xs = stack_layer(block_def, tables, mask), block_state
-                if cfg.first_dense_layers:  # their own stack first (no windows, no pipeline: config.check_config)
-                    dense_def, dense_state = nnx.split(self.dense_blocks)
-                    (x, dropout_keys), _ = jax.lax.scan(remat(stack_layer(dense_def, tables, mask)),
-                                                        (x, dropout_keys), dense_state, unroll=cfg.scan_unroll)
             else:  # sliding and global layers: each layer picks its mask and RoPE tables
                 masks = (layer_mask(segment_ids, positions, cfg.sliding_window, cfg.context_parallel),
                          layer_mask(segment_ids, positions, 0, cfg.context_parallel))
@@ -365,7 +376,7 @@ class Transformer(nnx.Module):
 
             routing = {}
             if cfg.n_experts:
-                routing = moe.zero_stats((tokens.shape[0], cfg.n_layers), cfg.n_experts)
+                routing = moe.zero_stats((tokens.shape[0], cfg.n_layers - cfg.first_dense_layers), cfg.n_experts)
             carry = {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing}
             if dropout_keys is not None:
                 carry["dropout"] = dropout_keys
@@ -394,12 +405,14 @@ class Transformer(nnx.Module):
         S, R = run.pipeline_stages, run.pipeline_repeats
         K = (cfg.n_layers - cfg.first_dense_layers) // (S * R)
         x = constrain(self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "act_embed"))
+        x, dropout_keys = self.dense_first(x, positions, segment_ids, dropout_keys)
         # Under LoRA the base weights are not differentiated: only the adapters' weight gradients are computed.
         if cfg.lora_rank:
             block_def, block_state, frozen = nnx.split(self.blocks, lambda path, _: lora.is_adapter(str(path[-1])), ...)
         else:
             (block_def, block_state), frozen = nnx.split(self.blocks), nnx.State({})
-        graphdef, tail, blocks = nnx.split(self, nnx.Not(nnx.PathContains("blocks")), ...)
+        stacks = nnx.Any(nnx.PathContains("blocks"), nnx.PathContains("dense_blocks"))  # dense ones ran above
+        graphdef, tail, blocks = nnx.split(self, nnx.Not(stacks), ...)
         window = cfg.sliding_window if local_layers(cfg) is not None else 0
         freqs = rope_frequencies(cfg, local=window > 0)
 

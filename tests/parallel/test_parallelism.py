@@ -137,15 +137,17 @@ PIPELINES = {  # id: (mesh, pipeline settings); the model gets 4 layers
     "gpipe2_tensor": ({"pipeline": 2, "data": 2, "tensor": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
     "circular2x2": ({"pipeline": 2, "fsdp": 4}, dict(stages=2, microbatches=2, schedule="circular", repeats=2)),
     # A dropless mixture of experts: experts split over `expert` inside each stage, each fsdp shard's tokens
-    # sorted on their own (a shard_map inside the stages' vmap); the balancing loss is the whole batch's.
+    # sorted on their own (a shard_map inside the stages' vmap); the balancing loss is the whole batch's. Before
+    # the 4 pipelined layers, a dense one (DeepSeek-V3's first_dense_layers) that runs outside the pipeline.
     "gpipe2_expert2": ({"pipeline": 2, "expert": 2, "fsdp": 2}, dict(stages=2, microbatches=2, schedule="gpipe")),
 }
+DENSE_FIRST = {"model.n_layers": 5, "model.first_dense_layers": 1, "model.dense_d_ff": 64}
 
 
 def pipelined_config(tiny_config, name):
     mesh, settings = PIPELINES[name]
-    moe = {**MOE, "model.moe_routing": "dropless"} if "expert" in mesh else {}
-    return configure(tiny_config, mesh, **{"model.n_layers": 4}, **moe,
+    moe = {**MOE, "model.moe_routing": "dropless", **DENSE_FIRST} if "expert" in mesh else {}
+    return configure(tiny_config, mesh, **{"model.n_layers": 4, **moe},
                      **{f"pipeline.{k}": v for k, v in settings.items()})
 
 
