@@ -196,7 +196,7 @@ def muon_dims(param_names) -> dict:
     for path, names in jax.tree_util.tree_leaves_with_path(param_names, is_leaf=_is_names):
         p, names = param_path(path), tuple(names or ())
         free = [i for i, n in enumerate(names) if n not in ("layers", "experts")]
-        if not p.startswith("blocks/") or "router" in p or "embed" not in names or len(free) < 2:
+        if not p.startswith(("blocks/", "dense_blocks/")) or "router" in p or "embed" not in names or len(free) < 2:
             continue
         e = names.index("embed")
         rest = tuple(i for i in free if i != e)

@@ -115,6 +115,12 @@ def test_muon_orthogonalises_the_layer_matrices_and_leaves_the_rest_to_adamw(tin
         "blocks/attn/wq": ((1,), (2, 3)), "blocks/attn/wk": ((1,), (2, 3)), "blocks/attn/wv": ((1,), (2, 3)),
         "blocks/attn/wo": ((1, 2), (3,)), "blocks/mlp/w_gate": ((1,), (2,)), "blocks/mlp/w_up": ((1,), (2,)),
         "blocks/mlp/w_down": ((1,), (2,))}  # embed, unembed, norms, q/k norms and biases: AdamW
+    # Moonlight's (DeepSeek-V3's) dense first layers are layer matrices too; the experts' lead with "experts".
+    cfg = tiny_config(**{"model.n_experts": 4, "model.first_dense_layers": 1, "model.dense_d_ff": 64})
+    model = nnx.eval_shape(lambda: transformer.build(config_lib.model_config(cfg, "cpu"), 0))
+    dims = optim.muon_dims(nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model))))
+    assert tuple(dims["dense_blocks/mlp/w_down"]) == ((1,), (2,)) and "dense_blocks/attn/wq" in dims
+    assert tuple(dims["blocks/mlp/w_down"]) == ((2,), (3,)) and not any("router" in k for k in dims)
 
 
 # --- Every optimizer: trains, runs the same on 8 devices, shards like the parameters --------------------------
