@@ -6,7 +6,8 @@ and the stacked layers' order). Orbax commits a step atomically and garbage-coll
 new one commits, but it does not notice a flipped bit in array data: restore recomputes the checksums, and a
 copy that fails to load or verify is moved aside (`<step>.corrupt-<unix time>`, never deleted) in favour of
 the previous one. Restoring into an abstract target with the current shardings reshards on the fly (another
-mesh or device count), and the layers are moved into the restoring run's pipeline order after verifying.
+mesh or device count), and the layers are moved into the restoring run's pipeline order after verifying. The
+local tier is one more such directory, or node-local per process with a replica on a peer (checkpoint_local).
 docs/reliability.md has the whole story.
 """
 
@@ -30,7 +31,7 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jaxtrain import files, storage
+from jaxtrain import checkpoint_local, files, storage
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError, DataError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
@@ -41,10 +42,12 @@ WRITE_ERROR_POLICIES = ("stop", "continue")
 # The config's `checkpoint` group. `dir`: where the checkpoints live ("" = <workdir>/checkpoints; a local path,
 # gs:// or s3://). Saves every `every_steps` and every `every_minutes` (0 = off); keeps the latest `keep` plus every
 # `keep_period`-th step (0 = none). `local_dir` (optional) is a faster disk saved every `local_every_steps`;
-# restore takes the newest verified copy in either. `on_write_error`: "stop" (exit 4) or "continue" (warn; the
+# restore takes the newest verified copy in either. `local_mode`: "shared" (one Orbax directory every process
+# sees) or "node" (each process's own shards in `<local_dir>/process-<i>`, on its own disk or /dev/shm, with a
+# replica on a peer unless `local_replica` is "none"). `on_write_error`: "stop" (exit 4) or "continue" (warn; the
 # next save tries again). A good checkpoint is never deleted.
 CONFIG = dict(dir="", every_steps=50, every_minutes=0.0, keep=3, keep_period=0, local_dir="", local_every_steps=0,
-              local_keep=2, on_write_error="stop")
+              local_keep=2, local_mode="shared", local_replica="peer", on_write_error="stop")
 URL_SCHEMES = ("gs://", "s3://")  # tensorstore's gcs driver through Orbax; its s3 one through compat.orbax_s3
 # Orbax builds tensorstore specs for local paths and gs:// only. jaxtrain.compat.orbax_s3.install(), which entry
 # points and train.run call, extends them to s3:// and records here whether it could (None: it did).
@@ -62,6 +65,11 @@ def check_config(c) -> None:
     g.positive_int("keep_period", allow_zero=True)
     g.positive_int("local_every_steps", allow_zero=True)
     g.positive_int("local_keep")
+    g.choice("local_mode", checkpoint_local.MODES)
+    g.choice("local_replica", checkpoint_local.REPLICAS)
+    if c.local_mode == "node" and "://" in str(c.local_dir):
+        raise ConfigError("checkpoint.local_dir", f"{c.local_dir}: local_mode=node writes to each machine's own "
+                          f"disk or /dev/shm: give a local path")
     for name in ("dir", "local_dir"):
         value = c[name]
         if not isinstance(value, str):
@@ -299,12 +307,30 @@ class _Dir:
         except Exception as e:  # noqa: BLE001 - reported as CheckpointError by the caller
             return f"saving step {step} to {self.path} failed: {_describe(e)}"
 
-    def start_save(self, step: int, args) -> str | None:
+    def in_progress(self) -> bool:
+        return self.manager.is_saving_in_progress()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def reload(self) -> None:
+        self.manager.reload()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.manager.close()
+
+    def start_save(self, step: int, state, record: dict, canonical: str) -> str | None:
         if self.closed and (problem := self._reopen()):
             return problem
         if step in self.manager.all_steps():
             return None  # already committed here (e.g. the step a run resumed from)
         self.remove_abandoned()
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(json.loads(canonical)),
+                                  integrity=ocp.args.JsonSave(record))
         try:
             self.manager.save(step, args=args, force=True)
             self.saving = step
@@ -334,17 +360,7 @@ class _Dir:
         unread = tuple(k for k in resettable if k not in target)
         partial = any(_saved_arrays(record["arrays"], k) for k in unread)
         state, data = _agreed(lambda: _read_items(path, target, partial))
-        sums = checksums(state)  # a collective: every process gets here
-        bad = sorted(name for name, (_, _, digest) in record["arrays"].items()
-                     if sums.get(name) != digest and not _under(name, unread))
-
-        def verdict():
-            if bad:
-                raise _Corrupt(f"checksum mismatch in {', '.join(bad)}")
-            if hashlib.sha256(_canonical_json(data).encode()).hexdigest() != record["data_sha256"]:
-                raise _Corrupt("data state differs from its recorded hash")
-
-        _agreed(verdict)
+        _verify(state, data, record, unread)
         for k in reset:
             state[k] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), abstract_state[k])
         return state, data, record["layer_order"], reset
@@ -372,6 +388,21 @@ class _Dir:
         return str(dst)
 
 
+def _verify(state, data, record: dict, unread: tuple[str, ...] = ()) -> None:
+    """Raises _Corrupt on every process unless `state` and `data` match the integrity record (a collective)."""
+    sums = checksums(state)  # a collective: every process gets here
+    bad = sorted(name for name, (_, _, digest) in record["arrays"].items()
+                 if sums.get(name) != digest and not _under(name, unread))
+
+    def verdict():
+        if bad:
+            raise _Corrupt(f"checksum mismatch in {', '.join(bad)}")
+        if hashlib.sha256(_canonical_json(data).encode()).hexdigest() != record["data_sha256"]:
+            raise _Corrupt("data state differs from its recorded hash")
+
+    _agreed(verdict)
+
+
 def _agreed(fn):
     """fn()'s result if it succeeded on every process; otherwise raises the worst outcome anywhere (a mismatch
     with the requested state beats damage) on all of them."""
@@ -397,6 +428,16 @@ def _read_record(path: epath.Path, abstract_state, step: int, directory: str, ru
         raise _Corrupt(f"missing commit marker {_COMMIT_MARKER}")
     try:
         record = ocp.JsonCheckpointHandler().restore(path / "integrity")
+    except Exception as e:
+        raise _Corrupt(f"unreadable integrity record: {_describe(e)}") from e
+    return _parse_record(record, abstract_state, step, directory, run_id, resettable)
+
+
+def _parse_record(record: dict, abstract_state, step: int, directory: str, run_id: str | None = None,
+                  resettable: tuple[str, ...] = ()) -> dict:
+    """An integrity record as read, checked: its step and run, and its arrays against `abstract_state`'s."""
+    try:
+        record = dict(record)
         record["arrays"] = {name: (tuple(a["shape"]), a["dtype"], a["checksum"])
                             for name, a in record["arrays"].items()}
         record["data_sha256"] = str(record["data_sha256"])
@@ -438,6 +479,26 @@ def _misplaced(path: epath.Path, step: int, run_id: str | None) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     return None
+
+
+def _misplaced_node(tier: checkpoint_local.NodeTier, step: int, run_id: str | None) -> str | None:
+    """_misplaced for this process's node-local copy of `step`."""
+    try:
+        _check_identity(tier.manifest(step)["record"], step, run_id)
+    except _Corrupt as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - damage: the restore reports it
+        return None
+    return None
+
+
+def _check_node_local(path: str) -> None:
+    """ConfigError unless this process can write its node-local directory under `path`."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("checkpoint.local_dir", f"{path}: not writable by this process ({existing})")
 
 
 def _check_identity(record: dict, step: int, run_id: str | None) -> None:
@@ -490,8 +551,10 @@ class Checkpointer:
     every `local_every_steps` steps when the persistent one is not, and keeps `local_keep` steps. A save that
     nobody asked `should_save` about (end of run, preemption) goes to the persistent directory.
 
-    On a multi-host run every method must be called by all processes at the same steps, and `local_directory`
-    must be visible to all of them (Orbax writes each process's shards into one shared step directory).
+    On a multi-host run every method must be called by all processes at the same steps. With `local_mode`
+    "shared", `local_directory` must be visible to all of them (Orbax writes each process's shards into one
+    shared step directory); with "node", each process keeps its own shards in its own subdirectory, and a peer
+    a replica of them unless `local_replica` is "none" (checkpoint_local).
 
     `layer_order`: the order of the stacked layers in the states this saves, and into which it restores
     (`pipeline_parallel.layer_order`; None = the model's). See the module docstring. `resettable`: top-level
@@ -501,12 +564,15 @@ class Checkpointer:
 
     def __init__(self, directory, *, keep: int, keep_period: int = 0, every_steps: int = 0,
                  every_minutes: float = 0, local_directory: str | None = None, local_every_steps: int = 0,
-                 local_keep: int = 2, async_save: bool = True, log=print, clock=time.monotonic,
+                 local_keep: int = 2, local_mode: str = "shared", local_replica: str = "peer",
+                 async_save: bool = True, log=print, clock=time.monotonic,
                  layer_order: tuple[int, ...] | None = None, run_id: str | None = None,
                  resettable: tuple[str, ...] = ()):
         if keep < 1 or (local_directory and local_keep < 1):
             raise ValueError("checkpoint keep counts must be >= 1")
         check_paths(directory, local_directory)
+        if local_directory and local_mode == "node":
+            _check_node_local(str(local_directory))
         self.every_steps, self.every_minutes, self.local_every_steps = every_steps, every_minutes, local_every_steps
         self.log, self.clock = log, clock
         self.run_id = run_id  # recorded in each save, checked on restore (process 0 needs it; others follow)
@@ -514,16 +580,25 @@ class Checkpointer:
         self.layer_order = None if layer_order is None or list(layer_order) == sorted(layer_order) else \
             tuple(layer_order)
         self.persistent = _Dir(str(directory), keep, keep_period, async_save)
-        self.local = None
-        if local_directory:
+        self.local: _Dir | checkpoint_local.NodeTier | None = None
+        if local_directory and local_mode == "node":
+            self.local = checkpoint_local.NodeTier(local_directory, local_keep, local_replica)
+        elif local_directory:
             self.local = _Dir(str(local_directory), local_keep, 0, async_save)
         self._last_persistent_save = clock()
         self._plan: tuple[int, list[_Dir]] | None = None  # should_save's decision for save()
-        self.restored_from: dict | None = None  # the last restore's {"tier": "local_dir" or "dir", "step", "path"}
+        # The last restore's {"tier": "local_dir", "peer" (a process's shards came from another's node-local
+        # copy) or "dir", "step", "path"}; node-local restores add "sources", each process's tier.
+        self.restored_from: dict | None = None
+        self._node_sources: tuple[str, ...] = ()
 
     @property
-    def _dirs(self) -> list[_Dir]:
+    def _dirs(self) -> list:
         return [d for d in (self.local, self.persistent) if d is not None]  # local first: faster, preferred
+
+    @property
+    def _node(self) -> checkpoint_local.NodeTier | None:
+        return self.local if isinstance(self.local, checkpoint_local.NodeTier) else None
 
     def should_save(self, step: int) -> bool:
         """Whether `step` is due for a save; the same answer on every process.
@@ -559,12 +634,10 @@ class Checkpointer:
             record["run_id"] = self.run_id
         if self.layer_order:
             record["layer_order"] = list(self.layer_order)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(json.loads(canonical)),
-                                  integrity=ocp.args.JsonSave(record))
         # Orbax would wait for a target's previous save anyway; the other directory is only polled.
         errors = self._collect(self._dirs, block=targets)
         for d in targets:
-            error = d.start_save(step, args)
+            error = d.start_save(step, _flatten(state) if d is self._node else state, record, canonical)
             if distributed.any_process(error is not None):
                 error = error or f"saving step {step} to {d.path} failed on another process"
                 if error not in errors:  # a directory that could not be reopened just above says so once
@@ -584,8 +657,7 @@ class Checkpointer:
     def close(self) -> None:
         errors = self._collect(self._dirs, block=self._dirs)
         for d in self._dirs:
-            if not d.closed:
-                d.manager.close()
+            d.close()
         if errors:
             raise CheckpointError("; ".join(errors))
 
@@ -596,7 +668,7 @@ class Checkpointer:
         for d in dirs:
             if d.saving is None:
                 continue
-            if d not in block and distributed.any_process(d.manager.is_saving_in_progress()):
+            if d not in block and distributed.any_process(d.in_progress()):
                 continue
             step, error = d.saving, d.wait()
             if distributed.any_process(error is not None):
@@ -605,12 +677,49 @@ class Checkpointer:
                     errors.append(problem)
         return errors
 
-    def _load(self, d: _Dir, step: int, abstract_state):
+    def _load(self, d, step: int, abstract_state, node_steps: dict | None = None):
+        if d is self._node:
+            return self._load_node(step, abstract_state, node_steps[step])
         state, data, order, reset = d.load(step, abstract_state, self.run_id, self.resettable)
         for key in reset:
             self.log(f"checkpoint step {step}: its {key} was saved in another shape or not at all (another "
                      f"mesh or setting); it starts from zeros")
         return state, data, order
+
+    def _load_node(self, step: int, abstract_state, sources: tuple[str, ...]):
+        """(state, data_state, layer order) of `step` from the node-local tier: each process's shards from its
+        own copy or its buddy's (raising checkpoint_local.Damaged if some process has neither), verified against
+        the integrity record like any other copy."""
+        arrays, record, data, self._node_sources, notes = self._node.load(step, _flatten(abstract_state), sources)
+        for note in notes:
+            self.log(note)
+        record = _agreed(lambda: _parse_record(record, abstract_state, step, self._node.root, self.run_id))
+        state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), arrays)
+        _verify(state, data, record)
+        return state, data, record["layer_order"]
+
+    def _node_steps(self, abstract_state) -> dict[int, tuple[str, ...]]:
+        """{step: each process's source} of the node-local steps every process can read (one collective)."""
+        if self._node is None:
+            return {}
+        agreed, other = self._node.agreed_steps(_flatten(abstract_state))
+        if other:
+            self.log(f"node-local checkpoint steps {sorted(other)} in {self._node.path} were saved with another "
+                     f"mesh, process count or state; they are not used (and not deleted)")
+        return agreed
+
+    def _steps(self, d, node_steps: dict) -> list[int]:
+        return sorted(node_steps) if d is self._node else d.all_steps()
+
+    def _set_aside(self, d, step: int, why) -> None:
+        if d is self._node:  # each process its own copy
+            d.move_aside(step)
+            self.log(f"checkpoint step {step} in {d.root} (node-local) is unusable: {why}; each process's copy "
+                     f"moved aside to {step}.corrupt-<unix time> in its directory, trying an older one")
+        else:
+            moved = d.move_aside(step)
+            self.log(f"checkpoint step {step} in {d.path} is unusable: {why}; moved aside to {moved}, "
+                     "trying an older one")
 
     def _in_own_order(self, state, data, saved_order):
         """(state, data) with the stacked layers moved from the checkpoint's order into this run's, leaf by leaf
@@ -635,7 +744,16 @@ class Checkpointer:
         """Moves aside every step directory whose integrity record names another step, before anything reads the
         step list: a copy at a later step would otherwise pass for the newest checkpoint (or a finished run), and
         retention would delete true steps in favour of it. Reads one small JSON per step."""
+        if self._node:  # each process its own copies, without the others
+            for step in self._node.all_steps():
+                why = _misplaced_node(self._node, step, self.run_id)
+                if why:
+                    moved = self._node.move_aside(step)
+                    self.log(f"checkpoint step {step} in {self._node.path} is not this run's: {why}; moved aside "
+                             f"to {moved}")
         for d in self._dirs:
+            if d is self._node:
+                continue
             d.manager.reload()
             for step in sorted(d.manager.all_steps()):
                 why = _misplaced(d.step_path(step), step, self.run_id) if jax.process_index() == 0 else None
@@ -646,31 +764,44 @@ class Checkpointer:
 
     def latest_step(self, reread: bool = False) -> int | None:
         """Newest committed step in either directory (not verified). `reread`: from the directories, not from
-        what this process saved (after an interrupt a save may have committed without the caller knowing)."""
+        what this process saved (after an interrupt a save may have committed without the caller knowing).
+        A node-local tier counts the newest step of any process (a collective), or with `reread` this process's
+        own (none: an interrupt need not reach every process)."""
         if reread:
             for d in self._dirs:
-                d.manager.reload()
-        steps = [s for d in self._dirs if (s := d.manager.latest_step()) is not None]
+                d.reload()
+        steps = [s for d in self._dirs if d is not self._node and (s := d.latest_step()) is not None]
+        if self._node:
+            newest = self._node.latest_step()
+            if not reread and jax.process_count() > 1:  # another process's newest may reach this one from a peer
+                newest = int(np.max(multihost_utils.process_allgather(np.int64(-1 if newest is None else newest))))
+            steps += [newest] if newest is not None and newest >= 0 else []
         return max(steps, default=None)
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """(state, data_state) of `step` from the first copy that loads and verifies (local first).
 
         `abstract_state` holds jax.ShapeDtypeStruct leaves with the target shardings. Bad copies are left in
-        place; raises CheckpointError naming each copy's problem."""
+        place (but a node-local copy whose shards fail their sha256: moved aside); raises CheckpointError naming
+        each copy's problem."""
         problems = []
+        node_steps = self._node_steps(abstract_state)
         for d in self._dirs:
-            if step in d.manager.all_steps():
+            if step in self._steps(d, node_steps):
                 try:
-                    restored = self._in_own_order(*self._load(d, step, abstract_state))
+                    restored = self._in_own_order(*self._load(d, step, abstract_state, node_steps))
                     self._restored(d, step)
                     return restored
-                except _Corrupt as e:
+                except (_Corrupt, checkpoint_local.Damaged) as e:
                     problems.append(f"{d.path}: {e}")
                 _drop_failed_reads()
         raise CheckpointError(f"cannot restore checkpoint step {step}: " + ("; ".join(problems) or "not found"))
 
-    def _restored(self, d: _Dir, step: int) -> None:
+    def _restored(self, d, step: int) -> None:
+        if d is self._node:
+            tier = "peer" if "peer" in self._node_sources else "local_dir"
+            self.restored_from = {"tier": tier, "step": step, "path": d.root, "sources": list(self._node_sources)}
+            return
         self.restored_from = {"tier": "local_dir" if d is self.local else "dir", "step": step, "path": d.path}
 
     def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
@@ -679,18 +810,19 @@ class Checkpointer:
         Each bad copy is logged with its step, directory and reason, moved aside and skipped. Returns None when
         there is no checkpoint at all; raises CheckpointError when there were some but none was usable."""
         for d in self._dirs:
-            d.manager.reload()
-        candidates = sorted(((s, -i, d) for i, d in enumerate(self._dirs) for s in d.manager.all_steps()),
+            d.reload()
+        node_steps = self._node_steps(abstract_state)  # the one collective that agrees on the node-local steps
+        candidates = sorted(((s, -i, d) for i, d in enumerate(self._dirs) for s in self._steps(d, node_steps)),
                             key=lambda c: c[:2], reverse=True)
         for step, _, d in candidates:
             try:
-                restored = self._in_own_order(*self._load(d, step, abstract_state))
+                restored = self._in_own_order(*self._load(d, step, abstract_state, node_steps))
                 self._restored(d, step)
                 return step, *restored
+            except checkpoint_local.Damaged as e:  # its damaged copies are set aside already; good ones stay
+                self.log(f"checkpoint step {step} in {d.root} (node-local) is unusable: {e}; trying an older one")
             except _Corrupt as e:
-                moved = d.move_aside(step)
-                self.log(f"checkpoint step {step} in {d.path} is unusable: {e}; moved aside to {moved}, "
-                         "trying an older one")
+                self._set_aside(d, step, e)
             _drop_failed_reads()
         if candidates:
             raise CheckpointError(f"none of the {len(candidates)} checkpoints could be restored (see the log); "

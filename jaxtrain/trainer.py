@@ -197,7 +197,8 @@ def make_checkpointer(config, workdir: Path, print_fn=print, run_id: str | None 
     return ckpt_lib.Checkpointer(ckpt_lib.directory(c, workdir), keep=c.keep, keep_period=c.keep_period,
                                  every_steps=c.every_steps, every_minutes=c.every_minutes,
                                  local_directory=c.local_dir or None, local_every_steps=c.local_every_steps,
-                                 local_keep=c.local_keep, log=print_fn, layer_order=order, run_id=run_id,
+                                 local_keep=c.local_keep, local_mode=c.local_mode, local_replica=c.local_replica,
+                                 log=print_fn, layer_order=order, run_id=run_id,
                                  resettable=(step_lib.RESIDUAL,))
 
 

@@ -10,7 +10,9 @@ copied to a later step (swap_steps), the dead run's workdir lock left (stale_loc
 on the live workdir (concurrent: it must exit 2 within seconds, the first finish untouched); or the checkpoint
 bucket's endpoint (a local GCS emulator) down for 0.5-12 s as a save starts (bucket_outage: the save waits it out
 or the run exits 4 with one line, no traceback, and the supervisor's restart resumes); a bit flipped in the newest
-checkpoint of the local tier (local:flip_bit: the restore must name it and fall back to checkpoint.dir); or a
+checkpoint of the local tier (local:flip_bit: the restore must name it and fall back to checkpoint.dir); the
+node-local dir (local_mode=node) deleted after a kill, as on a replaced machine (local:lost_dir: one process has
+no peer, so it restores from checkpoint.dir; tests/e2e/test_local_replicas.py has the two-process case); or a
 straggler (two processes, gloo; one stopped by SIGSTOP/SIGCONT bursts, not killed: process 0 must name it and the
 run finish). docs/reliability.md says what each must do.
 
@@ -43,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORRUPTIONS = ("flip_bit", "truncate", "missing_manifest", "missing_commit_marker", "broken_data_json")
 AFTER_KILL = ("swap_steps", "stale_lock", "damaged_shard")  # like corrupt:*: kill, change files, restart
 FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent",
-          "bucket_outage", "local:flip_bit", "straggler")
+          "bucket_outage", "local:flip_bit", "local:lost_dir", "straggler")
 STRAGGLER_EVERY = 5  # faults.straggler_every_steps in straggler trials: named after 3 slow reports in a row
 STRAGGLER_LINE = re.compile(r"^straggler: host (\S+) \(process (\d+)\) step [\d.e+-]+s, [\d.]+x the median", re.M)
 OUTAGE_BUDGET_S = 3  # JAXTRAIN_STORAGE_RETRY_SECONDS in bucket_outage trials: longer outages fail the save
@@ -59,10 +61,11 @@ def train_cmd(workdir: Path, args, data_dir: str | None = None, checkpoint_dir: 
                                                     else []), *extra]
 
 
-def local_tier(workdir: Path, every: int = 5) -> tuple[str, ...]:
-    """Overrides for a local tier beside `workdir` keeping one step: a bad copy there falls back to checkpoint.dir."""
+def local_tier(workdir: Path, every: int = 5, node: bool = False) -> tuple[str, ...]:
+    """Overrides for a local tier beside `workdir` keeping one step: a bad copy there falls back to checkpoint.dir.
+    `node`: node-local (each process's own subdirectory)."""
     return (f"--config.checkpoint.local_dir={workdir}-local", f"--config.checkpoint.local_every_steps={every}",
-            "--config.checkpoint.local_keep=1")
+            "--config.checkpoint.local_keep=1", *(["--config.checkpoint.local_mode=node"] if node else []))
 
 
 def last_step(workdir: Path) -> int:
@@ -246,8 +249,9 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
     if fault == "damaged_shard":  # a private copy of the data, damaged below
         data_dir = str(Path(args.out) / f"data{n:02d}")
         shutil.copytree(args.data_dir, data_dir)
-    extra = local_tier(workdir) if fault == "local:flip_bit" else ()
+    extra = local_tier(workdir, node=fault == "local:lost_dir") if fault.startswith("local:") else ()
     local = Path(f"{workdir}-local")
+    local_steps = local / "process-0" if fault == "local:lost_dir" else local
     if fault.startswith(("corrupt:", "local:")) or fault in AFTER_KILL:
         # Train unsupervised past two checkpoints, kill, change the files, then resume under supervision.
         proc = subprocess.Popen(train_cmd(workdir, args, data_dir, extra=extra), cwd=REPO, stdout=subprocess.DEVNULL,
@@ -255,7 +259,7 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
         target = rng.randrange(3 * args.every + 1, args.steps - (args.every if extra else 1))
 
         def ready():  # local:*: the local tier's one step is the newest, so its damage must fall back to the dir
-            newest = [newest_checkpoint(workdir, root) for root in (local, workdir / "checkpoints")]
+            newest = [newest_checkpoint(workdir, root) for root in (local_steps, workdir / "checkpoints")]
             return last_step(workdir) >= target and (not extra or (
                 newest[0] is not None and int(newest[0].name) > int(newest[1].name if newest[1] else 0)))
 
@@ -277,6 +281,9 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                 else:
                     note += f"damaged {shard.name}: exit 2 naming it, no retry; repaired; "
                     shutil.copyfile(Path(args.data_dir) / shard.name, shard)
+            elif fault == "local:lost_dir":
+                note += f"deleted the node-local dir (newest step {newest_checkpoint(workdir, local_steps).name})"
+                shutil.rmtree(local)
             else:
                 step_dir = newest_checkpoint(workdir, local if fault.startswith("local:") else None)
                 note += f"step {step_dir.name}{' (local tier)' if extra else ''}: " + corrupt(
@@ -339,6 +346,8 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
         fell_back = f"in {local} is unusable" in out and restart_tier(workdir) == "dir"
         result["note"] += ("; named, fell back to checkpoint.dir" if fell_back else
                            f"; not detected, restored from the {restart_tier(workdir)} tier")
+    if fault == "local:lost_dir":
+        result["note"] += f"; restored from the {restart_tier(workdir)} tier"
     if fault == "bucket_outage":
         gcs.stop()
         failed = [line for line in out.splitlines() if line.startswith("error: ")]
