@@ -1,13 +1,15 @@
 """Step time and compiled memory of each pipeline schedule, in one run, on 8 fake CPU devices.
 
-    python scripts/bench_pipeline.py [--rounds 5] [--steps 3] [--microbatches 8] [--gpu]
+    python scripts/bench_pipeline.py [--rounds 5] [--steps 3] [--microbatches 8] [--gpu | --gpu_only]
 
 Pipeline 4 x data 2, a small model (configs/tiny.py scaled up: 8 layers of d_model 128, 16 x 64 tokens a
 step). For gpipe, circular, 1f1b, interleaved_1f1b and zero_bubble (circular and interleaved with 2 repeats):
 the compiled step's temporary bytes (`compiled.memory_analysis()`) and the median step time over `rounds`
 interleaved rounds of `steps` steps (each schedule timed once per round, so a change in the machine's load hits
 all alike). `--gpu` also compiles configs/plan_1b.py (16 layers, S=4, M=16) for 8 described H100s with XLA:GPU
-(`jaxtrain plan`, deviceless; about a minute each) and prints its temporaries per schedule. Ends with one JSON line.
+(`jaxtrain plan`, deviceless; about a minute each) and prints, per schedule, its temporaries beside the plan's
+analytic ones, the HLO dot FLOPs over the model's and the roofline's MFU (`--gpu_only`: that alone). Ends with one
+JSON line.
 """
 
 import argparse
@@ -57,8 +59,9 @@ def build(schedule: str, repeats: int, microbatches: int):
     return trainer, state, batch, temp
 
 
-def gpu_temps() -> dict:
-    """{schedule: compiled temporaries in bytes} of plan_1b's deviceless XLA:GPU compile on 8 H100s."""
+def gpu_plans() -> dict:
+    """{schedule: figures of plan_1b's deviceless XLA:GPU plan on 8 H100s}: compiled and analytic temporaries
+    (bytes), HLO dot FLOPs over the model's, the roofline's MFU, the bubble and the ppermute bytes."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}/.venv/cuda-plugin:{root}")
@@ -73,7 +76,12 @@ def gpu_temps() -> dict:
                "--compiler", "gpu", "--devices", "8", "--device_kind", "H100", "--json", path]
         subprocess.run(cmd, cwd=root, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(path) as f:
-            out[schedule] = json.load(f)["memory"]["compiled"]["temp"]
+            r = json.load(f)
+        permute = [c["bytes"] for c in r["collectives"] if c["kind"] == "collective-permute"]
+        mem = r["memory"]
+        out[schedule] = {"temp": mem["compiled"]["temp"], "analytic_temp": mem["analytic"]["temporaries"],
+                         "dots_vs_model": r["flops"]["hlo_dots_vs_model"], "bubble": r["pipeline"]["bubble"],
+                         "roofline_mfu": r["speed"]["roofline"]["mfu"], "permute_bytes": sum(permute)}
     return out
 
 
@@ -83,7 +91,11 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--gpu", action="store_true", help="also plan_1b's deviceless XLA:GPU compile (8 H100s)")
+    p.add_argument("--gpu_only", action="store_true", help="only plan_1b's deviceless XLA:GPU compile")
     args = p.parse_args()
+    if args.gpu_only:
+        report_gpu({})
+        return
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -110,11 +122,22 @@ def main():
               file=sys.stderr)
     out = {"microbatches": args.microbatches, "rows": rows, "loadavg": os.getloadavg()[0]}
     if args.gpu:
-        gpu = gpu_temps()
-        out["gpu_plan_1b_temp_bytes"] = gpu
-        for name, temp in gpu.items():
-            print(f"plan_1b on 8 H100 (XLA:GPU, deviceless), S=4 M=16, {name}: temp {temp / 2**30:.2f} GiB "
-                  f"({temp / gpu['gpipe']:.3f} x gpipe)", file=sys.stderr)
+        report_gpu(out)
+    else:
+        print(json.dumps(out))
+
+
+def report_gpu(out: dict) -> None:
+    """Runs gpu_plans, prints its table and the JSON line (`out` with the plans added)."""
+    gpu = gpu_plans()
+    out["gpu_plan_1b"] = gpu
+    print("plan_1b on 8 H100 (XLA:GPU, deviceless), pipeline 4 x data 2, S=4 M=16", file=sys.stderr)
+    print(f"{'schedule':18s} {'temp GiB':>9s} {'x gpipe':>8s} {'analytic':>9s} {'a/c':>5s} {'dots/model':>10s} "
+          f"{'roofline MFU':>12s} {'bubble':>7s} {'permute GiB':>11s}", file=sys.stderr)
+    for name, g in gpu.items():
+        print(f"{name:18s} {g['temp'] / 2**30:9.2f} {g['temp'] / gpu['gpipe']['temp']:8.3f} "
+              f"{g['analytic_temp'] / 2**30:9.2f} {g['analytic_temp'] / g['temp']:5.2f} {g['dots_vs_model']:10.2f} "
+              f"{g['roofline_mfu']:12.1%} {g['bubble']:7.1%} {g['permute_bytes'] / 2**30:11.2f}", file=sys.stderr)
     print(json.dumps(out))
 
 

@@ -136,15 +136,19 @@ def trip_count(instr, module) -> int | None:
     return consts[0] if has_lt and len(consts) == 1 and consts[0] > 0 else None
 
 
-def multiplicities(module) -> tuple[dict, set]:
+def multiplicities(module, branch_weights=None) -> tuple[dict, set]:
     """How many times each computation runs per call of the entry; and the computations reached through a
-    while loop of unknown trip count (counted once)."""
+    while loop of unknown trip count (counted once). `branch_weights(instr)`: for a conditional, how often each
+    branch runs per run of it (one weight per branch, `called` order), or None: every branch once (what the
+    collectives count, an upper bound)."""
     callers: dict[str, list] = {}
     unknown_loops = set()
     for comp, instrs in module["computations"].items():
         for instr in instrs:
-            for target, role in called(instr):
-                factor = 1
+            targets = called(instr)
+            weights = branch_weights(instr) if branch_weights and instr["op"] == "conditional" else None
+            for i, (target, role) in enumerate(targets):
+                factor = 1 if weights is None else weights[i]
                 if instr["op"] == "while" and role == "body":
                     trips = trip_count(instr, module)
                     if trips is None:
@@ -213,10 +217,39 @@ def _grouped_matmul_flops(module, instr) -> float:
     return 0.0
 
 
-def dot_flops(hlo) -> float:
+def chosen_branches(module, instr_cost, branch_weights=None):
+    """A `multiplicities` branch_weights that runs one branch per run of a conditional: as
+    `branch_weights(instr, costs)` weighs them (costs: `instr_cost` summed over one run of each branch), or, where
+    that gives None, the most expensive branch. A lax.switch in a scan (pipeline_exec's actions) runs one branch
+    a tick; counting every branch overstates its work by their number."""
+    memo: dict = {}
+
+    def cost(comp):  # instr_cost over one run of `comp`, what it calls included (as multiplicities weighs them)
+        if comp not in memo:
+            total = 0.0
+            for instr in module["computations"].get(comp, []):
+                targets = called(instr)
+                factors = weights(instr) if instr["op"] == "conditional" else [
+                    (trip_count(instr, module) or 1) if instr["op"] == "while" and role == "body" else 1
+                    for _, role in targets]
+                total += instr_cost(instr) + sum(f * cost(t) for f, (t, _) in zip(factors, targets))
+            memo[comp] = total
+        return memo[comp]
+
+    def weights(instr):
+        costs = [cost(target) for target, _ in called(instr)]
+        chosen = branch_weights(instr, costs) if branch_weights else None
+        if chosen is None:
+            chosen = [float(i == max(range(len(costs)), key=costs.__getitem__)) for i in range(len(costs))]
+        return chosen
+
+    return weights
+
+
+def dot_flops(hlo, branch_weights=None) -> float:
     """`instruction_flops` of every dot / convolution in compiled HLO (text or `parse_hlo`'s result), weighted by
-    how often its computation runs (per device)."""
+    how often its computation runs (per device). A conditional runs one branch: `chosen_branches`."""
     module = parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, _ = multiplicities(module)
-    return sum(instruction_flops(module, instr) * mult.get(comp, 0)
-               for comp, instrs in module["computations"].items() for instr in instrs)
+    flops = lambda instr: instruction_flops(module, instr)  # noqa: E731
+    mult, _ = multiplicities(module, chosen_branches(module, flops, branch_weights))
+    return sum(flops(instr) * mult.get(comp, 0) for comp, instrs in module["computations"].items() for instr in instrs)

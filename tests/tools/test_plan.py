@@ -400,3 +400,183 @@ def test_dropless_experts_plan_gathered_rows_and_summed_partials_not_all_to_alls
     exact = [key for key, row in rows.items() if key[1] != ("expert",) and row["bytes"] > 1024]
     assert exact and all(rows[key]["ratio"] == pytest.approx(1.0, abs=0.02) for key in exact), [
         (key, rows[key]["ratio"]) for key in exact]
+
+
+# ===== pipeline schedules =============================================================================
+
+SWITCH_HLO = """HloModule switch
+
+%b0 (p0: f32[4,16]) -> f32[4,16] {
+  %p0 = f32[4,16]{1,0} parameter(0)
+  ROOT %n0 = f32[4,16]{1,0} negate(%p0)
+}
+
+%b1 (p1: f32[4,16]) -> f32[4,16] {
+  %p1 = f32[4,16]{1,0} parameter(0)
+  %one1 = f32[] constant(1)
+  %w1 = f32[16,16]{1,0} broadcast(%one1), dimensions={}
+  ROOT %d1 = f32[4,16]{1,0} dot(%p1, %w1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%b2 (p2: f32[4,16]) -> f32[4,16] {
+  %p2 = f32[4,16]{1,0} parameter(0)
+  %one2 = f32[] constant(1)
+  %w2 = f32[16,16]{1,0} broadcast(%one2), dimensions={}
+  %d2 = f32[4,16]{1,0} dot(%p2, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d3 = f32[4,16]{1,0} dot(%d2, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[4,16])) -> (s32[], f32[4,16]) {
+  %p = (s32[], f32[4,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,16]{1,0} get-tuple-element(%p), index=1
+  %c = f32[4,16]{1,0} conditional(%i, %x, %x, %x), branch_computations={%b0, %b1, %b2}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,16]{1,0}) tuple(%next, %c)
+}
+
+%cond (q: (s32[], f32[4,16])) -> pred[] {
+  %q = (s32[], f32[4,16]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,16]) -> (s32[], f32[4,16]) {
+  %a = f32[4,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,16]{1,0}) tuple(%zero, %a)
+  ROOT %w = (s32[], f32[4,16]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_conditional_counts_the_branch_it_runs_not_every_branch():
+    """A lax.switch in a scan (the explicit pipeline's actions) runs one branch a tick: its dots count once per
+    tick, by the costliest branch or as given weights say, not summed over the branches (which overstated the
+    executor's FLOPs by their number)."""
+    one, two = 2 * 4 * 16 * 16, 2 * 2 * 4 * 16 * 16  # b1's dot, b2's two
+    mult, _ = hlo_lib.multiplicities(hlo_lib.parse_hlo(SWITCH_HLO))
+    assert (mult["b0"], mult["b1"], mult["b2"]) == (4, 4, 4)  # the collectives still count every branch
+    assert hlo_lib.dot_flops(SWITCH_HLO) == 4 * two  # the costliest branch, 4 trips
+    seen = []
+    weigh = lambda instr, costs: seen.append(costs) or [0.5, 0.25, 0.25]  # noqa: E731
+    assert hlo_lib.dot_flops(SWITCH_HLO, weigh) == 4 * (0.25 * one + 0.25 * two)
+    assert seen[0] == [0.0, one, two]  # the weights see each branch's cost
+    assert hlo_lib.dot_flops(SWITCH_HLO, lambda instr, costs: None) == 4 * two  # None: the costliest
+
+
+def test_switch_weights_follow_the_schedule_table():
+    """The executor's switch branches per (tick, stage): work weights are each branch's share of the cells (the
+    mean stage's work), lockstep weights each tick's slowest stage (the step's time)."""
+    from jaxtrain.parallel import pipeline_exec, schedules
+    from jaxtrain.tools.plan import pipeline_model
+
+    S, M = 4, 16
+    ex = pipeline_model.executor("1f1b", S, M)
+    assert ex["ticks"] == len(schedules.build("1f1b", S, M, costs=pipeline_exec.UNIT).rows[0]) == 38
+    assert ex["n_branches"] == 5 and ex["in_flight"] == max(schedules.peak_activations(schedules.build("1f1b", S, M)))
+    costs = [0.0, 1.0, 3.0, 2.0, 6.0]  # idle, F, BW, F + loss, BW + loss (kind order, then the last chunk's)
+    work = pipeline_model.work_weights("1f1b", S, M)(None, costs)
+    # Every (microbatch, chunk) runs one F and one BW: the mean stage does M of each, over 38 ticks.
+    assert work == pytest.approx([(S * ex["ticks"] - 2 * S * M) / (S * ex["ticks"]), (S - 1) * M / (S * ex["ticks"]),
+                                  (S - 1) * M / (S * ex["ticks"]), M / (S * ex["ticks"]), M / (S * ex["ticks"])])
+    lock = pipeline_model.lockstep_weights("1f1b", S, M)(None, costs)
+    assert sum(lock) == pytest.approx(1) and sum(w * c for w, c in zip(lock, costs)) > sum(
+        w * c for w, c in zip(work, costs))
+    assert pipeline_model.work_weights("1f1b", S, M)(None, [0.0, 1.0]) is None  # another conditional: not ours
+
+
+def _pipeline_estimate(tiny_config, schedule, microbatches=16, repeats=1, **overrides):
+    """The planner's analytic estimate (no compile) of tiny as pipeline 4 x data 2, 8 layers, 32 x 32 tokens."""
+    from jaxtrain.tools.plan import planner
+
+    config = tiny_config(**{"mesh.data": 2, "mesh.pipeline": 4, "pipeline.stages": 4, "model.n_layers": 8,
+                            "pipeline.microbatches": microbatches, "pipeline.schedule": schedule,
+                            "pipeline.repeats": repeats, "train.batch_size": 32, "model.tie_embeddings": False,
+                            **overrides})
+    resolved = config_lib.validate(config, 8)
+    return planner._estimate(config, resolved, reference=False, feedback=False)[0]
+
+
+def test_explicit_schedules_hold_their_tables_peak_of_microbatches(tiny_config):
+    """The analytic activations of an explicit schedule: the table's peak of in-flight (microbatch, chunk)
+    inputs, each with its output gradient, one chunk's layers for one microbatch (recomputed in its backward)
+    plus one layer's remat-none activations, and the stage's inputs and input gradients. GPipe under autodiff
+    keeps every tick's chunk activations. At S=4, M=16 the 1F1B table holds S = 4 where GPipe's holds M = 16:
+    1F1B's activations are at most S/M of GPipe's (under it: the chunks' layers are recomputed)."""
+    from jaxtrain.parallel import schedules
+
+    S, M, K, d, tokens = 4, 16, 2, 32, 32 * 32 // 2  # tokens per device (data 2)
+    gpipe, f1b1 = (_pipeline_estimate(tiny_config, s) for s in ("gpipe", "1f1b"))
+    peaks = {s: max(schedules.peak_activations(schedules.build(s, S, M))) for s in ("gpipe", "1f1b")}
+    assert (peaks["1f1b"], peaks["gpipe"]) == (S, M)
+    assert f1b1["pipeline"]["in_flight"] == peaks["1f1b"] and gpipe["pipeline"]["in_flight"] == M + S - 1
+    x = tokens // M * d * 4  # one microbatch's f32 hidden states on a device
+    parts = f1b1["pipeline"]["activation_parts"]
+    assert parts["in_flight"] == peaks["1f1b"] * 2 * x
+    assert parts["stage_io"] == 2 * tokens * d * 4
+    per_layer = f1b1["activations_per_layer"]  # remat none: the chunk's K layers and one more, for 1/M of the tokens
+    assert parts["chunk"] == pytest.approx((K + 1) * per_layer / M)
+    # GPipe's layer activations: M + S - 1 ticks of K layers for a microbatch; 1F1B's at most S/M of them.
+    gpipe_layers = (M + S - 1) * K * per_layer / M
+    assert gpipe["activations"] > gpipe_layers
+    assert parts["in_flight"] + parts["chunk"] < peaks["1f1b"] / peaks["gpipe"] * gpipe_layers
+    assert f1b1["activations"] < S / M * gpipe["activations"]
+    # zero_bubble holds S on every stage, like 1F1B's stage 0; interleaved its table's 2(S-1) + (R-1)S + 1.
+    assert _pipeline_estimate(tiny_config, "zero_bubble")["pipeline"]["in_flight"] == S
+    interleaved = _pipeline_estimate(tiny_config, "interleaved_1f1b", repeats=2)
+    assert interleaved["pipeline"]["in_flight"] == 2 * (S - 1) + S + 1
+
+
+@pytest.mark.parametrize("schedule, repeats", [("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)])
+def test_explicit_schedules_permute_bytes_by_hand(tiny_config, schedule, repeats):
+    """Per device a step: the schedule needs an output on and an input gradient back per microbatch and chunk
+    (2 M R microbatches from a middle stage; zero_bubble as 1f1b, interleaved R times as many); the executor
+    sends one each way on each of its ticks, idle ones included: the collective-permute the plan predicts."""
+    from jaxtrain.parallel import pipeline_exec, schedules
+
+    S, M = 4, 16
+    est = _pipeline_estimate(tiny_config, schedule, repeats=repeats)
+    x = 32 // 2 // M * 32 * 32 * 4  # rows per microbatch x seq x d_model x f32
+    ticks = len(schedules.build(schedule, S, M, repeats, costs=pipeline_exec.UNIT).rows[0])
+    sends = est["pipeline"]["sends"]
+    assert sends["microbatch_bytes"] == x and sends["ticks"] == ticks
+    assert sends["needed"] == 2 * M * repeats * x
+    assert sends["sent"] == 2 * ticks * x
+    permute = [c for c in est["collectives"] if c["kind"] == "collective-permute"]
+    assert [(c["axes"], c["bytes"]) for c in permute] == [(("pipeline",), 2 * ticks * x)]
+
+
+def test_an_explicit_schedules_compiled_flops_memory_and_permutes(plans, tiny_config):
+    """One CPU compile of 1f1b (pipeline 2 x data 4, 2 microbatches): its HLO holds every branch of the
+    executor's switch on every tick; counted as the table runs them, its dot FLOPs are within 1.5x the unpipelined
+    step's (each backward recomputes its chunk's forward: 4/3 of the layers' work, plus the loss's; measured
+    1.32x), where every branch summed is over 2x (7.9x). The temporaries (analytic/compiled 1.26: a model this
+    small is mostly its tables), the pipeline's collectives and the bubble's step follow the schedule."""
+    config = tiny_config(**{"model.tie_embeddings": False, "mesh.data": 4, "mesh.pipeline": 2, "pipeline.stages": 2,
+                            "pipeline.microbatches": 2, "pipeline.schedule": "1f1b"})
+    hlo_path = config.workdir + "/step.hlo"
+    result = plan(config, 8, "cpu", peak_flops=1e12, hlo_path=hlo_path)
+    unpipelined = plans["dp"]["flops"]["hlo_dots_total"]  # the same model and batch, data 8
+    counted = result["flops"]["hlo_dots_total"]
+    module = hlo_lib.parse_hlo(Path(hlo_path).read_text())
+    mult, _ = hlo_lib.multiplicities(module)  # every branch, as before
+    every_branch = 8 * sum(hlo_lib.instruction_flops(module, i) * mult.get(c, 0)
+                           for c, instrs in module["computations"].items() for i in instrs)
+    assert 1.0 < counted / unpipelined < 1.5, counted / unpipelined
+    assert every_branch / unpipelined > 2.0, every_branch / unpipelined
+    assert 8 * hlo_lib.dot_flops(module) > counted  # the costliest branch every tick: an upper bound
+    rows = {row["name"]: row for row in result["memory"]["rows"]}
+    assert 0.75 < rows["temporaries"]["ratio"] < 1.33, rows["temporaries"]
+    # Along the pipeline: the permutes, stage 0's input gradients, the head gathered whole and its and the lookup
+    # table's gradients reduce-scattered back, each as predicted (over data XLA:CPU sums whole tables: 0.54x).
+    along = {r["kind"]: r for r in result["collectives"] if r["axes"] == ["pipeline"]}
+    assert set(along) == {"collective-permute", "all-reduce", "all-gather", "reduce-scatter"}
+    assert all(r["ratio"] == pytest.approx(1.0, abs=0.02) for r in along.values()), along
+    bubble = result["pipeline"]["bubble"]
+    speed = result["speed"]
+    assert bubble > 0 and speed["bubble_step_s"] == pytest.approx(speed["ideal_step_s"] / (1 - bubble))
+    text = format_report(result)
+    assert "a stage holds at most 2 (microbatch, chunk) inputs" in text and "ppermutes" in text

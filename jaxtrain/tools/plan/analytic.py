@@ -14,6 +14,7 @@ import itertools
 import math
 
 from jaxtrain.observe import hlo as hlo_lib
+from jaxtrain.tools.plan import pipeline_model
 
 
 def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tuple[str, ...]]:
@@ -84,6 +85,10 @@ class _Layout:
     repeats: int  # the pipeline's repeats and microbatches (1 without a pipeline)
     pipe_microbatches: int
     ticks: int
+    schedule: str
+    explicit: bool  # run by pipeline_exec (pipeline.EXPLICIT), not under autodiff
+    in_flight: int  # explicit: the (microbatch, chunk) inputs a stage holds at once (pipeline_model.executor)
+    exec_ticks: int  # explicit: the executor's ticks (every action one tick)
     rows: int  # sequences per device per microbatch
     tokens_dev: int
     layer_runs: float
@@ -93,7 +98,7 @@ class _Layout:
 def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
             microbatches: int) -> _Layout:
     """The step's layout from the model run as `run` (models.config.Layout), the mesh, its rules and the sizes."""
-    from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415 (imports jax)
+    from jaxtrain.parallel import mesh as mesh_lib, pipeline as pipeline_parallel  # noqa: PLC0415 (imports jax)
     batch_axes = _active_axes("batch", mesh_shape, rules)
     seq_axes = _active_axes("seq", mesh_shape, rules)
     dp = math.prod(mesh_shape[a] for a in batch_axes)
@@ -103,6 +108,9 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
     stages = run.pipeline_stages
     repeats, pipe_microbatches = (run.pipeline_repeats, run.pipeline_microbatches) if stages > 1 else (1, 1)
     ticks = repeats * pipe_microbatches + stages - 1 if stages > 1 else 1
+    schedule = run.pipeline_schedule if stages > 1 else "gpipe"
+    explicit = stages > 1 and schedule in pipeline_parallel.EXPLICIT
+    ex = pipeline_model.executor(schedule, stages, pipe_microbatches, repeats) if explicit else None
     rows = batch // (microbatches * dp)
     vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
     kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
@@ -114,10 +122,13 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
         vocab_axes=vocab_axes, replicas=mesh_lib.replica_axes(mesh_shape, rules), dp=dp, seq_ways=seq_ways,
         vocab_ways=math.prod(mesh_shape[x] for x in vocab_axes), tensor=tensor, act_size=a, seq_len=seq_len,
         microbatches=microbatches, stages=stages, repeats=repeats, pipe_microbatches=pipe_microbatches, ticks=ticks,
-        rows=rows, tokens_dev=rows * seq_len // seq_ways,
-        # Layer runs per device, in whole-batch layers: L without a pipeline; with one, every tick runs L/(P*R)
-        # layers on a microbatch (bubble ticks included), ticks * L / (P * R * M).
-        layer_runs=model_cfg.n_layers * (ticks / (stages * repeats * pipe_microbatches) if stages > 1 else 1),
+        schedule=schedule, explicit=explicit, in_flight=ex["in_flight"] if ex else 0,
+        exec_ticks=ex["ticks"] if ex else ticks, rows=rows, tokens_dev=rows * seq_len // seq_ways,
+        # Layer runs per device, in whole-batch layers: L without a pipeline; with one under autodiff, every tick
+        # runs L/(P*R) layers on a microbatch (bubble ticks included), ticks * L / (P * R * M); an explicit
+        # schedule's idle ticks run nothing, L / P.
+        layer_runs=model_cfg.n_layers * (1 if stages == 1 else 1 / stages if explicit
+                                         else ticks / (stages * repeats * pipe_microbatches)),
         kv_whole=2 * rows * seq_len * kv_dim * a)
 
 
@@ -158,6 +169,13 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     gather = [x for x in axes if x in batch_axes and x not in owned]
     reduce = [x for x in batch_axes if x not in axes]
     gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
+    if lay.explicit and "layers" in names:
+        # The explicit executor (batch axes manual) gathers a stage's weights once a schedule and sums their
+        # gradients whole over the batch axes after its tick loop, in the param dtype.
+        yield "all-gather", gather, microbatches * gathered
+        if p.get("trained", True):
+            yield "all-reduce", [x for x in batch_axes if x not in owned], microbatches * gathered
+        return
     # A pipelined layer's gradient is reduced on every tick (each tick adds to the chunk each stage ran; a stage
     # holds `repeats` chunks), except over the replica axes: each replica keeps its own copy until the end.
     pipelined = lay.stages > 1 and "layers" in names
@@ -173,8 +191,8 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     # its chunk loop (cross_entropy._gathered_once).
     fused_head = not tied and not lookup and "vocab" in names and model_cfg.loss_chunk_tokens > 0
     passes = 1 if lookup or fused_head or ("layers" in names and lay.remat == "none") else 2
-    copies = pipelined or bool(lay.replicas) and (per_replica or step_lib.accumulates_per_replica(model_cfg,
-                                                                                                 microbatches))
+    copies = pipelined or bool(lay.replicas) and (per_replica or not lay.explicit and step_lib.accumulates_per_replica(
+        model_cfg, microbatches))
     yield "all-gather", gather, passes * (1 if copies else microbatches) * gathered
     if not p.get("trained", True):  # a frozen weight (LoRA's base): gathered, never reduced
         return
@@ -200,9 +218,16 @@ def _tensor_terms(model_cfg, lay: _Layout):
 
 def _vocab_terms(model_cfg, lay: _Layout):
     """Vocabulary tables split along the vocab: the lookup's partial rows and the head's input gradient are summed,
-    and the loss combines each token's f32 max, sum of exponentials and target logit over the vocab shards."""
-    yield "all-reduce", lay.vocab_axes, lay.microbatches * lay.tokens_dev * (2 * model_cfg.d_model * lay.act_size
-                                                                             + 3 * 4)
+    and the loss combines each token's f32 max, sum of exponentials and target logit over the vocab shards. The
+    lookup's rows are in the table's dtype (cast after the sum), the fused loss's input gradient in f32."""
+    d, tokens = model_cfg.d_model, lay.microbatches * lay.tokens_dev
+    lookup = d * {"float32": 4, "bfloat16": 2, "float16": 2}[model_cfg.param_dtype]
+    head = d * (4 if model_cfg.loss_chunk_tokens and not model_cfg.final_softcap else lay.act_size) + 3 * 4
+    if lay.explicit:  # the executor's head enters whole over the pipeline: its own sums only over the other axes
+        yield "all-reduce", lay.vocab_axes, tokens * lookup
+        yield "all-reduce", [x for x in lay.vocab_axes if x not in lay.pipeline_axes], tokens * head
+        return
+    yield "all-reduce", lay.vocab_axes, tokens * (lookup + head)
 
 
 def _sequence_terms(model_cfg, lay: _Layout):
@@ -239,8 +264,14 @@ def _expert_terms(model_cfg, lay: _Layout):
 
 
 def _pipeline_terms(model_cfg, lay: _Layout):
-    """Each tick hands every stage's microbatch on (x and its int32 positions and segment ids)."""
-    if lay.stages > 1:
+    """Each tick hands every stage's microbatch on (x and its int32 positions and segment ids), under autodiff;
+    the explicit executor sends x on and its gradient back (`pipeline_model`)."""
+    if lay.explicit:
+        # Every tick, idle ones too, one ppermute each way of a microbatch's x; after the loop stage 0's input
+        # gradients are summed over the pipeline (the others' are zeros).
+        yield "collective-permute", lay.pipeline_axes, lay.microbatches * 2 * lay.exec_ticks * _micro_x(model_cfg, lay)
+        yield "all-reduce", lay.pipeline_axes, lay.microbatches * lay.tokens_dev * model_cfg.d_model * lay.act_size
+    elif lay.stages > 1:
         a, seq_len, seq_ways = lay.act_size, lay.seq_len, lay.seq_ways
         micro_rows = lay.rows // lay.pipe_microbatches
         x_bytes = micro_rows * seq_len // seq_ways * model_cfg.d_model * a
@@ -249,6 +280,50 @@ def _pipeline_terms(model_cfg, lay: _Layout):
         # The last stage's output is read on stage 0 and broadcast along the pipeline (and its gradient back).
         yield "all-reduce", lay.pipeline_axes, (lay.microbatches * 2 * lay.rows * seq_len // seq_ways
                                                 * model_cfg.d_model * a)
+
+
+def _executor_table_terms(placed: list[tuple], lay: _Layout):
+    """The vocabulary tables around an explicit executor, whose head enters every stage whole: the head is
+    gathered over the pipeline axes that split it and its gradient reduce-scattered back; the lookup table's
+    gradient (from the input gradients, summed over the pipeline) is reduce-scattered too."""
+    for p, _, axes in placed if lay.explicit else ():
+        names = tuple(p["names"] or ())
+        over = [x for x in axes if x in lay.pipeline_axes]
+        if "vocab" not in names or "layers" in names or not over:
+            continue
+        whole = p["bytes"] / math.prod(lay.mesh_shape[x] for x in axes if x not in over)
+        if names[:1] != ("vocab",):  # the head
+            yield "all-gather", over, lay.microbatches * whole
+        if p.get("trained", True):
+            yield "reduce-scatter", over, lay.microbatches * whole
+
+
+def _micro_x(model_cfg, lay: _Layout) -> float:
+    """Bytes of one pipeline microbatch's hidden states on a device: what a stage sends or holds per microbatch."""
+    return lay.tokens_dev / lay.pipe_microbatches * model_cfg.d_model * lay.act_size
+
+
+def _pipeline_sends(model_cfg, lay: _Layout) -> dict:
+    """Bytes a device sends by ppermute a step under an explicit schedule: what the schedule needs (an output on
+    and an input gradient back per microbatch and chunk, the busiest stage's) and what the executor sends."""
+    x = _micro_x(model_cfg, lay)
+    need = pipeline_model.permute_payload(lay.schedule, lay.stages, lay.pipe_microbatches, lay.repeats)
+    return {"microbatch_bytes": x, "needed": lay.microbatches * need * x, "hand_offs": need, "ticks": lay.exec_ticks,
+            "sent": lay.microbatches * 2 * lay.exec_ticks * x}
+
+
+def _pipeline_estimate(model_cfg, lay: _Layout, parts: dict, buffers: float) -> dict | None:
+    """The pipeline's share of the estimate: the chunk activations a stage holds at once (the schedule's), what
+    they cost, and its ppermute bytes."""
+    if lay.stages == 1:
+        return None
+    out = {"schedule": lay.schedule, "explicit": lay.explicit, "ticks": lay.exec_ticks}
+    if lay.explicit:
+        out.update(in_flight=lay.in_flight, activation_parts=parts, gradient_buffers=buffers,
+                   sends=_pipeline_sends(model_cfg, lay))
+    else:  # autodiff saves every tick's chunk activations, bubble ticks too
+        out.update(in_flight=lay.ticks)
+    return out
 
 
 def _sum_collectives(terms, mesh_shape: dict) -> list[dict]:
@@ -262,26 +337,59 @@ def _sum_collectives(terms, mesh_shape: dict) -> list[dict]:
             sorted(comms.items(), key=lambda kv: (hlo_lib.COLLECTIVES.index(kv[0][0]), kv[0][1]))]
 
 
-def _activations(cfg, lay: _Layout) -> tuple[float, float]:
+def _activations(cfg, lay: _Layout) -> tuple[float, float, dict]:
     """Activation bytes a device holds in the backward (every layer's saved tensors, the layer being recomputed or
-    brought back, the logits), and one layer's share."""
+    brought back, the logits), one layer's share, and the parts of an explicit schedule's (`_explicit_parts`)."""
     act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     tensor, seq_len, tokens_dev = lay.tensor, lay.seq_len, lay.tokens_dev
     per_layer = _activation_bytes_per_token(cfg, lay.remat, tensor, seq_len) * tokens_dev
     if lay.seq_axes and lay.remat != "full":  # the gathered K and V (the local slice is counted per token)
         per_layer += lay.kv_whole / lay.act_size * act_bytes * (1 - 1 / lay.seq_ways)
-    total = lay.layer_runs * per_layer  # a pipeline stage keeps its layers for every tick's microbatch
-    if lay.remat == "offload_dots":  # one layer's, back from the host, during its backward
+    parts = _explicit_parts(cfg, lay, per_layer, act_bytes) if lay.explicit else {}
+    total = sum(parts.values()) if lay.explicit else lay.layer_runs * per_layer  # autodiff: every tick's layers
+    if lay.remat == "offload_dots" and not lay.explicit:  # one layer's, back from the host, during its backward
         total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
-    if lay.remat == "full":  # one layer is recomputed at a time during backward
+    if lay.remat == "full" and not lay.explicit:  # one layer is recomputed at a time during backward
         total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
+    # The explicit executor runs the head and loss a pipeline microbatch at a time, its head whole over the pipeline.
+    rows, vocab_ways = lay.rows, lay.vocab_ways
+    if lay.explicit:
+        rows //= lay.pipe_microbatches
+        vocab_ways = math.prod(lay.mesh_shape[x] for x in lay.vocab_axes if x not in lay.pipeline_axes)
+    tokens = rows * seq_len // lay.seq_ways
     if cfg.loss_chunk_tokens:  # fused head + loss: one chunk's f32 logits, f32 gradient and its dtype copy
         from jaxtrain.models import cross_entropy  # noqa: PLC0415 (imports jax)
-        chunk_tokens = tokens_dev // cross_entropy.n_chunks(lay.rows, seq_len, cfg.loss_chunk_tokens, 1, lay.seq_ways)
+        chunk_tokens = tokens // cross_entropy.n_chunks(rows, seq_len, cfg.loss_chunk_tokens, 1, lay.seq_ways)
         logits = 8 + (act_bytes if act_bytes < 4 else 0)
-        return total + chunk_tokens * cfg.vocab_size / lay.vocab_ways * logits, per_layer
+        return total + chunk_tokens * cfg.vocab_size / vocab_ways * logits, per_layer, parts
     logits = act_bytes + 4 + (4 if act_bytes < 4 else 0)  # logits, their f32 copy, softmax (f32)
-    return total + tokens_dev * cfg.vocab_size / lay.vocab_ways * logits, per_layer
+    return total + tokens * cfg.vocab_size / vocab_ways * logits, per_layer, parts
+
+
+def _explicit_parts(cfg, lay: _Layout, per_layer: float, act_bytes: int) -> dict:
+    """An explicit schedule's activations (pipeline_exec): its in-flight inputs, each with the output gradient it
+    waits for; one chunk's layers for one microbatch, saved by the recompute in its backward, with one layer's
+    remat "none" activations while that layer is differentiated; and the stage's inputs and input gradients for
+    the whole batch. (`per_layer`: one layer's saved bytes for all the device's tokens.)"""
+    M, K = lay.pipe_microbatches, cfg.n_layers // (lay.stages * lay.repeats)
+    x = lay.tokens_dev / M * cfg.d_model * act_bytes
+    none = _activation_bytes_per_token(cfg, "none", lay.tensor, lay.seq_len) * lay.tokens_dev
+    return {"in_flight": lay.in_flight * 2 * x, "chunk": (K * per_layer + none) / M,
+            "stage_io": 2 * lay.tokens_dev * cfg.d_model * act_bytes}
+
+
+def _executor_gradients(placed: list[tuple], lay: _Layout) -> float:
+    """The explicit executor's extra gradient buffers: each tick's weight gradient and the accumulator beside the
+    step's gradients, of the stage's layers whole over the (manual) batch axes and of the head and final norm
+    whole over the pipeline (they enter every stage whole)."""
+    total = 0.0
+    for p, shards, axes in placed:
+        names = tuple(p["names"] or ())
+        if not p.get("trained", True) or (names[:1] == ("vocab",) and "layers" not in names):
+            continue  # frozen, or the lookup table (outside the executor)
+        inside = [x for x in axes if x not in lay.batch_axes and ("layers" in names or x not in lay.pipeline_axes)]
+        total += 2 * p["bytes"] / math.prod(lay.mesh_shape[x] for x in inside)
+    return total
 
 
 def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
@@ -301,18 +409,22 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     collectives = _sum_collectives(itertools.chain(
         _weight_terms(model_cfg, placed, lay, per_replica), _tensor_terms(model_cfg, lay),
         _vocab_terms(model_cfg, lay), _sequence_terms(model_cfg, lay), _expert_terms(model_cfg, lay),
-        _pipeline_terms(model_cfg, lay)), mesh_shape)
+        _pipeline_terms(model_cfg, lay), _executor_table_terms(placed, lay)), mesh_shape)
     opt = opt_moments * trained_bytes + 4 * opt_counters
-    act, per_layer = _activations(model_cfg, lay)
-    act_f32, _ = _activations(dataclasses.replace(model_cfg, dtype="float32"), lay)
-    host_act = lay.layer_runs * _host_activation_bytes_per_token(model_cfg, lay.remat, lay.tensor, seq_len) \
-        * lay.tokens_dev
+    act, per_layer, parts = _activations(model_cfg, lay)
+    act_f32, _, _ = _activations(dataclasses.replace(model_cfg, dtype="float32"), lay)
+    # Offloaded matmul outputs: every layer run's; an explicit schedule's one chunk's for one microbatch.
+    host_runs = model_cfg.n_layers / (lay.stages * lay.repeats * lay.pipe_microbatches) if lay.explicit \
+        else lay.layer_runs
+    host_act = host_runs * _host_activation_bytes_per_token(model_cfg, lay.remat, lay.tensor, seq_len) * lay.tokens_dev
     batch_bytes = 3 * 4 * batch * seq_len / lay.dp
+    buffers = _executor_gradients(placed, lay) if lay.explicit else 0.0
     return {
         "params": param_bytes, "gradients": trained_bytes, "optimizer": 0.0 if offload else opt,
         "host": {"optimizer": opt if offload else 0.0, "activations": host_act},
         "activations": act, "activations_per_layer": per_layer,
-        "temporaries": trained_bytes + act, "temporaries_f32_activations": trained_bytes + act_f32,
+        "temporaries": trained_bytes + buffers + act, "temporaries_f32_activations": trained_bytes + buffers + act_f32,
+        "pipeline": _pipeline_estimate(model_cfg, lay, parts, buffers),
         "arguments": param_bytes + (0.0 if offload else opt) + 4 + batch_bytes,
         "collectives": collectives,
         "batch_axes": lay.batch_axes, "data_parallel": lay.dp, "tokens_per_device_microbatch": lay.tokens_dev,

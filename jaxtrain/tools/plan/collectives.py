@@ -81,15 +81,17 @@ _WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1
          "ragged-all-to-all": lambda n: (n - 1) / n, "collective-permute": lambda n: 1.0}
 
 
-def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = ()) -> list[dict]:
+def collectives(hlo, mesh_shape: dict, replica_axes: tuple[str, ...] = (), branch_weights=None) -> list[dict]:
     """Every collective in compiled HLO (text or `hlo_lib.parse_hlo`'s result), one dict per op (an all-reduce whose
     results are partly sliced afterwards gives two, or three): kind, axes, partial, group_size, count (executions
     per step), bytes and wire_bytes per device per step, as_all_reduce (a reduce-scatter the CPU compiler emitted
     as all-reduce + dynamic-slice). An all-reduce whose results are only sliced over part of its axes counts as a
     reduce-scatter over that part and an all-reduce of the slice over the rest (GPU's AllReduceSplitter rewrites
-    it so); `replica_axes` (mesh.replica_axes) breaks ties between parts of one size. See docs/planning.md."""
+    it so); `replica_axes` (mesh.replica_axes) breaks ties between parts of one size. `branch_weights(instr)`: how
+    often each branch of a conditional runs (hlo.multiplicities; by default every branch once). See
+    docs/planning.md."""
     module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, unknown = hlo_lib.multiplicities(module)
+    mult, unknown = hlo_lib.multiplicities(module, branch_weights)
     num_devices = math.prod(mesh_shape.values())
     done_of = {}  # start name -> its -done instruction
     for instrs in module["computations"].values():

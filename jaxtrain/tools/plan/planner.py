@@ -19,7 +19,7 @@ from pathlib import Path
 
 from jaxtrain.errors import ConfigError, PlanError
 from jaxtrain.observe import hlo as hlo_lib
-from jaxtrain.tools.plan import topology as gpu_topology
+from jaxtrain.tools.plan import pipeline_model, topology as gpu_topology
 from jaxtrain.tools.plan.analytic import analytic
 from jaxtrain.tools.plan.collectives import collectives, summarize_collectives
 from jaxtrain.tools.plan.roofline import roofline
@@ -143,13 +143,16 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
     est, inventory = _estimate(config, resolved, reference=reference, feedback=feedback)
     memory = _memory_analysis(compiled)
     module = _compiled_hlo(compiled, hlo_path)
-    collective_rows = _collective_rows(module, mesh_shape, rules, est["collectives"])
 
     tokens = t.batch_size * t.seq_len
     model_flops = _model_flops(model_cfg, resolved.reference, t)
-    flops = _flop_counts(compiled, module, model_flops, num_devices)
-    roof = _roofline(module, compiler, device_kind, peak_dev, model_flops / num_devices)
+    work, lockstep = _switch_weights(config.pipeline)
+    collective_rows = _collective_rows(module, mesh_shape, rules, est["collectives"], work)
+    flops = _flop_counts(compiled, module, model_flops, num_devices, work)
+    roof = _roofline(module, compiler, device_kind, peak_dev, model_flops / num_devices, lockstep)
     step_s = model_flops / (peak_dev * num_devices * mfu)
+    pipe = _pipeline_summary(config.pipeline)
+    bubble_step_s = step_s / (1 - pipe["bubble"])
     return {
         "config": _config_summary(config, resolved),
         "target": {"backend": backend, "device_kind": device_kind or DEFAULT_DEVICE_KIND.get(backend, "this machine"),
@@ -164,8 +167,10 @@ def plan(config, num_devices: int, backend: str = "cpu", *, device_kind: str | N
                    **({"rollout": _rollout_memory(config, resolved, sharded)}
                       if objective.data == "prompts" else {})},
         "flops": flops,
-        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof},
-        "pipeline": _pipeline_summary(config.pipeline),
+        "speed": {"mfu": mfu, "ideal_step_s": step_s, "tokens_per_s": tokens / step_s, "roofline": roof,
+                  # the step with the schedule's bubble (bubble = 0 without a pipeline)
+                  "bubble_step_s": bubble_step_s, "bubble_tokens_per_s": tokens / bubble_step_s},
+        "pipeline": pipe,
         "collectives": collective_rows,
     }
 
@@ -349,11 +354,13 @@ def _compiled_hlo(compiled, hlo_path: str | None) -> dict | None:
     return hlo_lib.parse_hlo(text) if text else None
 
 
-def _collective_rows(module: dict | None, mesh_shape: dict, rules: dict, predicted: list[dict]) -> list[dict]:
+def _collective_rows(module: dict | None, mesh_shape: dict, rules: dict, predicted: list[dict],
+                     branch_weights=None) -> list[dict]:
     """The compiled program's collectives per kind and mesh axes, each beside the analytic bytes `predicted`; then
-    those predicted but not in the program."""
+    those predicted but not in the program. `branch_weights`: an explicit schedule's switch (pipeline_model)."""
     from jaxtrain.parallel import mesh as mesh_lib  # noqa: PLC0415
-    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules)) if module is not None else []
+    weights = (lambda instr: branch_weights(instr, [0.0] * len(hlo_lib.called(instr)))) if branch_weights else None
+    ops = collectives(module, mesh_shape, mesh_lib.replica_axes(mesh_shape, rules), weights) if module else []
     rows = summarize_collectives(ops)
     analytic_by_key = {(r["kind"], r["axes"]): r["bytes"] for r in predicted}
     for row in rows:
@@ -374,23 +381,36 @@ def _model_flops(model_cfg, reference: bool, t) -> float:
     return model_flops
 
 
-def _flop_counts(compiled, module: dict | None, model_flops: float, num_devices: int) -> dict:
-    """The model's FLOPs beside XLA's cost analysis and the HLO's dots, over all devices."""
+def _switch_weights(p) -> tuple:
+    """hlo.chosen_branches weights for an explicit schedule's switch (pipeline_model): (the work each tick's
+    branch does, for the FLOPs; the slowest stage's branch each tick, for the roofline), or (None, None)."""
+    from jaxtrain.parallel import pipeline as pipeline_parallel  # noqa: PLC0415
+    if p.stages == 1 or p.schedule not in pipeline_parallel.EXPLICIT:
+        return None, None
+    args = (p.schedule, p.stages, p.microbatches, p.repeats)
+    return pipeline_model.work_weights(*args), pipeline_model.lockstep_weights(*args)
+
+
+def _flop_counts(compiled, module: dict | None, model_flops: float, num_devices: int, branch_weights=None) -> dict:
+    """The model's FLOPs beside XLA's cost analysis and the HLO's dots, over all devices (a conditional's branches
+    as `branch_weights` weighs them, hlo.chosen_branches)."""
     cost = _cost_flops(compiled)
-    dots = hlo_lib.dot_flops(module) if module is not None else None
+    dots = hlo_lib.dot_flops(module, branch_weights) if module is not None else None
     cost_total = cost * num_devices if cost is not None else None
     dots_total = dots * num_devices if dots is not None else None
     return {"model_per_step": model_flops, "cost_analysis_per_device": cost, "cost_analysis_total": cost_total,
+            "conditionals": "branches as the schedule runs them" if branch_weights else "costliest branch",
             "hlo_dots_total": dots_total, "cost_analysis_vs_model": _ratio(cost_total, model_flops),
             "hlo_dots_vs_model": _ratio(dots_total, model_flops)}
 
 
 def _roofline(module: dict | None, compiler: str, device_kind: str | None, peak_dev: float,
-              flops_per_device: float) -> dict | None:
+              flops_per_device: float, branch_weights=None) -> dict | None:
     """The roofline of an XLA:GPU program (roofline.py), with the MFU it allows; None for other compilers."""
     if compiler != "gpu" or module is None:
         return None
-    roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"])
+    roof = roofline(module, peak_dev, gpu_topology.spec_for(device_kind)[1]["memory_bandwidth"],
+                    branch_weights=branch_weights)
     roof["mfu"] = flops_per_device / (peak_dev * roof["seconds"]) if roof["seconds"] else None
     return roof
 
@@ -441,10 +461,13 @@ def _config_summary(config, resolved) -> dict:
 
 
 def _pipeline_summary(p) -> dict:
+    """The schedule's bubble, chart and peak of held chunk activations per stage (its table's); the analytic
+    estimate's pipeline part is the memory's (analytic._pipeline_estimate)."""
     from jaxtrain.parallel import pipeline as pipeline_parallel, schedules  # noqa: PLC0415
     # The schedule's chart, as report prints it (indented 4).
     table = schedules.build(p.schedule, p.stages, p.microbatches, p.repeats) if p.stages > 1 else None
     chart = schedules.format_table(table, width=116, max_blocks=3) if table else ""
-    bubble = pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats, p.schedule)
+    bubble = pipeline_parallel.bubble_fraction(p.stages, p.microbatches, p.repeats, p.schedule) if table else 0.0
     return {"stages": p.stages, "microbatches": p.microbatches, "schedule": p.schedule, "repeats": p.repeats,
-            "bubble": bubble, "chart": chart}
+            "bubble": bubble, "chart": chart,
+            "peak_activations": list(schedules.peak_activations(table)) if table else []}

@@ -104,6 +104,7 @@ def _memory_notes(r: dict) -> list[str]:
     lines.append(f"  analytic temporaries = gradients {_b(a['gradients'])} + activations {_b(a['activations'])} "
                  f"({_b(a['activations_per_layer'])} per layer, {a['tokens_per_device_microbatch']:,} tokens "
                  f"per device per microbatch)")
+    lines += _pipeline_memory_lines(a.get("pipeline"), r["pipeline"])
     if c["dtype"] != "float32" and tg["compiler"] == "cpu":
         temp = (compiled or {}).get("temp")
         lines.append(f"  note: the CPU compiler computes {c['dtype']} matmuls in f32 and keeps f32 activations; with "
@@ -115,6 +116,21 @@ def _memory_notes(r: dict) -> list[str]:
                      f"keeps [batch, heads, seq, seq] scores that the target's fused kernel does not; the analytic "
                      f"counts the fused kernel's (its softmax statistics only)")
     return lines
+
+
+def _pipeline_memory_lines(est: dict | None, p: dict) -> list[str]:
+    """What the schedule makes a stage hold: the analytic parts beside the table's peak."""
+    if not est:
+        return []
+    if not est["explicit"]:
+        return [f"  pipeline {est['schedule']} under autodiff: the backward keeps every tick's chunk activations, "
+                f"{est['in_flight']} ticks (the table's peak {max(p['peak_activations'])}, plus the bubble's ticks)"]
+    parts = est["activation_parts"]
+    return [f"  pipeline {est['schedule']}: a stage holds at most {est['in_flight']} (microbatch, chunk) inputs at "
+            f"once (the table's peak per stage {p['peak_activations']}; every device allocates the most): "
+            f"{_b(parts['in_flight'])} with their output gradients, + one chunk's layers for one microbatch in its "
+            f"backward's recompute {_b(parts['chunk'])}, + the stage's inputs and input gradients "
+            f"{_b(parts['stage_io'])}, + the executor's gradient buffers {_b(est['gradient_buffers'])}"]
 
 
 def _compute_lines(r: dict) -> list[str]:
@@ -129,7 +145,8 @@ def _compute_lines(r: dict) -> list[str]:
         f"  {'XLA cost_analysis flops':<38}{_f(f['cost_analysis_total']):>16}   "
         f"x{_r(f['cost_analysis_vs_model'])} of model (while-loop bodies counted once)",
         f"  {'HLO dot FLOPs x trip counts':<38}{_f(f['hlo_dots_total']):>16}   "
-        f"x{_r(f['hlo_dots_vs_model'])} of model (with remat, full attention)",
+        f"x{_r(f['hlo_dots_vs_model'])} of model (with remat, full attention; a conditional's "
+        f"{f.get('conditionals', 'costliest branch')})",
         f"  peak {_f(tg['peak_flops_per_device'])}/s per device x {tg['num_devices']} ({tg['peak_source']})",
         f"  at {s['mfu']:.0%} MFU: ideal step {_t(s['ideal_step_s'])}, {s['tokens_per_s']:,.0f} tokens/s",
     ]
@@ -140,7 +157,8 @@ def _compute_lines(r: dict) -> list[str]:
     if p["stages"] > 1:
         lines.append(f"  pipeline {p['stages']} stages x {p['microbatches']} microbatches ({p['schedule']}"
                      f"{', %d repeats' % p['repeats'] if p['repeats'] > 1 else ''}): bubble "
-                     f"{p['bubble']:.1%}, so at most {1 - p['bubble']:.0%} of that MFU")
+                     f"{p['bubble']:.1%}, so at most {1 - p['bubble']:.0%} of that MFU: step "
+                     f"{_t(s['bubble_step_s'])}, {s['bubble_tokens_per_s']:,.0f} tokens/s")
         lines += ["    " + line for line in p.get("chart", "").splitlines()]
     return lines
 
@@ -148,7 +166,8 @@ def _compute_lines(r: dict) -> list[str]:
 def _roofline_lines(roof: dict) -> list[str]:
     lines = [f"  roofline of the XLA:GPU program: {_t(roof['seconds'])} a step, {roof['mfu']:.1%} MFU if each "
              f"of its {roof['kernels']} kernels ran at max(FLOPs / peak, bytes / "
-             f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped)"]
+             f"{roof['bandwidth'] / 1e12:.2f} TB/s), one after another (collectives overlapped; a pipeline's "
+             f"bubble included: its idle ticks compute, or wait for the slowest stage)"]
     eight = roof.get("matmul_flops_8bit") or 0
     in_8bit = f", {_f(eight)} of them in 8-bit at 2x the peak" if eight else ""
     lines.append(f"    matmuls {_t(roof['matmul_seconds'])} ({_f(roof['matmul_flops'])}{in_8bit}); other kernels "
@@ -172,4 +191,11 @@ def _collective_lines(r: dict) -> list[str]:
                      f"{_b(row['wire_bytes']):>14}{_b(row.get('analytic_bytes')):>14}{_r(row['ratio']):>19}{flags}")
     if not r["collectives"]:
         lines.append("  (none: one device, or nothing is sharded)")
+    est = r["memory"]["analytic"].get("pipeline")
+    if est and est["explicit"]:
+        sends = est["sends"]
+        lines.append(f"  pipeline {est['schedule']} ppermutes: the schedule needs {sends['hand_offs']} microbatch "
+                     f"hand-offs of {_b(sends['microbatch_bytes'])} a step from the busiest stage, "
+                     f"{_b(sends['needed'])}; the executor sends one each way every tick, idle ones too: "
+                     f"2 x {sends['ticks']} ticks, {_b(sends['sent'])} (the collective-permute row)")
     return lines

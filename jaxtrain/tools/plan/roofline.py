@@ -68,38 +68,49 @@ def _fusion_bytes(module, fusion, comp: str) -> float:
     return total + written
 
 
-def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5) -> dict:
+def _kernel(module, instr) -> tuple[float, float, float] | None:
+    """(FLOPs, 8-bit FLOPs, bytes) of one kernel: an op of _KERNEL_OPS in a non-fused computation; else None."""
+    if instr["comp"] in module["fusion_of"] or instr["op"] not in _KERNEL_OPS:
+        return None
+    called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"])
+    if instr["op"] == "fusion" and called and called.group(1) in module["computations"]:
+        return (*_flops_within(module, called.group(1)), _fusion_bytes(module, instr, called.group(1)))
+    nbytes = hlo_lib.shape_bytes(instr["shape"]) + sum(hlo_lib.shape_bytes(module["shapes"].get(o, ""))
+                                                       for o in hlo_lib.operands(instr))
+    own = hlo_lib.instruction_flops(module, instr)
+    inner = _flops_within(module, called.group(1)) if called else (0.0, 0.0)
+    return own + inner[0], (own if own and _is_8bit(module, instr) else 0.0) + inner[1], nbytes
+
+
+def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5, branch_weights=None) -> dict:
     """A roofline estimate of one device's step from compiled HLO: every kernel takes max(FLOPs / peak_flops,
     bytes / bandwidth) and they run one after another (one stream), times how often its computation runs; 8-bit
     matmul FLOPs count at EIGHT_BIT_SPEEDUP x peak_flops.
     A custom call shaped as a grouped matmul (tokamax's ragged_dot) counts its FLOPs (hlo.instruction_flops); other
-    custom calls (cuDNN attention) count by their bytes only.
+    custom calls (cuDNN attention) count by their bytes only. A conditional runs one branch
+    (`hlo.chosen_branches` with `branch_weights`; by default the slowest).
     Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
     module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
-    mult, _ = hlo_lib.multiplicities(module)
+
+    def seconds(k):
+        flops, eight, nbytes = k
+        return max((flops - eight) / peak_flops + eight / (EIGHT_BIT_SPEEDUP * peak_flops), nbytes / bandwidth)
+
+    kernel_of = {instr["name"]: k for instrs in module["computations"].values() for instr in instrs
+                 if (k := _kernel(module, instr)) is not None}
+    cost = lambda instr: seconds(kernel_of[instr["name"]]) if instr["name"] in kernel_of else 0.0  # noqa: E731
+    mult, _ = hlo_lib.multiplicities(module, hlo_lib.chosen_branches(module, cost, branch_weights))
     kernels = []
     for comp, instrs in module["computations"].items():
-        if comp in module["fusion_of"] or not mult.get(comp):
-            continue
-        for instr in instrs:
-            if instr["op"] not in _KERNEL_OPS:
+        times = mult.get(comp)
+        for instr in instrs if times else ():
+            if instr["name"] not in kernel_of:
                 continue
-            called = re.search(r"\bcalls=%?([\w.\-]+)", instr["rest"])
-            if instr["op"] == "fusion" and called and called.group(1) in module["computations"]:
-                nbytes = _fusion_bytes(module, instr, called.group(1))
-                flops, eight = _flops_within(module, called.group(1))
-            else:
-                nbytes = hlo_lib.shape_bytes(instr["shape"]) + sum(hlo_lib.shape_bytes(module["shapes"].get(o, ""))
-                                                                   for o in hlo_lib.operands(instr))
-                own = hlo_lib.instruction_flops(module, instr)
-                inner = _flops_within(module, called.group(1)) if called else (0.0, 0.0)
-                flops, eight = own + inner[0], (own if own and _is_8bit(module, instr) else 0.0) + inner[1]
-            times = mult[comp]
+            flops, eight, nbytes = kernel_of[instr["name"]]
             op_name = re.search(r'op_name="([^"]*)"', instr["rest"])
-            compute_s = (flops - eight) / peak_flops + eight / (EIGHT_BIT_SPEEDUP * peak_flops)
             kernels.append({"name": instr["name"], "kind": "matmul" if flops else instr["op"], "runs": times,
                             "flops": flops * times, "flops_8bit": eight * times, "bytes": nbytes * times,
-                            "seconds": max(compute_s, nbytes / bandwidth) * times,
+                            "seconds": seconds(kernel_of[instr["name"]]) * times,
                             "op_name": op_name.group(1) if op_name else ""})
     matmul = [k for k in kernels if k["kind"] == "matmul"]
     other = sorted((k for k in kernels if k["kind"] != "matmul"), key=lambda k: -k["seconds"])
