@@ -1,7 +1,8 @@
 """The explicit pipeline schedules (1f1b, interleaved_1f1b, zero_bubble) in real train steps: on pipeline 4 x
-data 2 (and 2 x fsdp 2 x tensor 2), three steps give the one-device run's losses and parameter updates within
-1e-5 in f32; gradient accumulation, LoRA (with dropout and remat), a mixture of experts and eval compose; what
-does not is refused by the field's name."""
+data 2 (and 2 x fsdp 2 x tensor 2, 2 x expert 2 x data 2), three steps give the one-device run's losses and
+parameter updates within 1e-5 in f32; gradient accumulation, LoRA (with dropout and remat), a mixture of experts
+(with a dense first layer, and over an expert axis) and eval compose; what does not is refused by the field's
+name."""
 
 import jax
 import numpy as np
@@ -28,6 +29,11 @@ RUNS = {  # id: (schedule, repeats, overrides); 8 layers: 2 per stage, or 1 per 
     "zero_bubble_moe": ("zero_bubble", 1, {"model.n_experts": 4, "model.moe_top_k": 2, "model.moe_aux_weight": 0.0,
                                            "model.moe_routing": "dropless", "model.n_layers": 9,
                                            "model.first_dense_layers": 1, "model.dense_d_ff": 64}),
+    # Experts split over `expert` inside each stage, with a remat policy that keeps the matmuls.
+    "1f1b_moe_expert": ("1f1b", 1, {"mesh": {"pipeline": 2, "expert": 2, "data": 2}, "pipeline.stages": 2,
+                                    "model.n_layers": 4, "model.n_experts": 4, "model.moe_top_k": 2,
+                                    "model.moe_aux_weight": 0.0, "model.moe_routing": "dropless",
+                                    "model.remat": "dots_saveable"}),
     # fsdp (manual, as a batch axis) and tensor (left to XLA inside the executor's shard_map).
     "zero_bubble_fsdp_tensor": ("zero_bubble", 1, {"mesh": {"pipeline": 2, "fsdp": 2, "tensor": 2},
                                                    "pipeline.stages": 2, "model.n_layers": 4}),
