@@ -42,6 +42,10 @@ PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "fsdp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP},
     "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
     "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
+    # Long context: the weights split over sequence too (ZeRO-3 over fsdp x sequence), so sequence 8 holds what
+    # fsdp 8 would; XLA:GPU reduce-scatters their gradients over both. With data > 1 it sums the vocabulary
+    # tables' gradients whole over data first (docs/parallelism.md), so the other presets keep them off sequence.
+    "fsdp_seq": {"batch": ("fsdp", "expert"), "embed": ("fsdp", "sequence"), **_PP_EP_SP},
 }
 # Activations use their own names ("act_embed", "act_mlp", ...) so that FSDP shards the weights' "embed"
 # dimension without also sharding the activations' hidden dimension. By default an activation axis

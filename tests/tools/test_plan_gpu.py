@@ -314,3 +314,25 @@ def test_the_recipes_fit_the_h100s_the_docs_claim(tmp_path):
         cells = _docs_row(run)
         assert cells[3] == "yes", cells
         assert float(cells[2].split()[0].replace(",", "")) == pytest.approx(peak / 2**30, rel=0.02), (run, cells[2])
+
+
+def test_weights_over_sequence_hold_and_reduce_what_fsdp_over_every_device_would(tmp_path):
+    """rules fsdp_seq (ZeRO-3 over fsdp x sequence) on fsdp 2 x sequence 4, ring attention: per device the params
+    and Adam state of fsdp 8, and the gradients' reductions move no more than fsdp 8's (XLA:GPU reduce-scatters
+    them over both axes; ring attention itself reduces nothing, it passes K/V by permutes)."""
+    model = {"model.d_model": 128, "model.d_ff": 256, "model.n_heads": 4, "model.n_kv_heads": 4,
+             "model.head_dim": 32, "train.seq_len": 512, "train.batch_size": 8, "mesh.data": 1}
+    plans = _plan_many(tmp_path, {
+        "fsdp8": ("configs/tiny.py", 8, {**model, "mesh.fsdp": 8, "mesh.rules": "fsdp"}, {}),
+        "fsdp2_seq4": ("configs/tiny.py", 8, {**model, "mesh.fsdp": 2, "mesh.sequence": 4, "mesh.rules": "fsdp_seq",
+                                              "model.context_parallel": "ring"}, {}),
+    }, hlo=False)
+    (fsdp, _, _), (seq, _, _) = plans["fsdp8"], plans["fsdp2_seq4"]
+    for part in ("params", "optimizer"):
+        assert seq["memory"]["sharding"][part] == fsdp["memory"]["sharding"][part], part
+
+    def reduced(result):  # wire bytes of the gradients' reductions
+        return sum(r["wire_bytes"] for r in result["collectives"]
+                   if r["kind"] in ("reduce-scatter", "all-reduce") and r["bytes"] > 1024)
+
+    assert 0 < reduced(seq) <= 1.01 * reduced(fsdp), (reduced(seq), reduced(fsdp))

@@ -166,7 +166,8 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     names = tuple(p["names"] or ())
     # Experts are owned, not ZeRO-sharded: the tokens travel to them (all-to-all below), the weights never do.
     owned = [x for x in axes if x in lay.expert_axes and "experts" in names]
-    gather = [x for x in axes if x in batch_axes and x not in owned]
+    # ZeRO-3 over every token-splitting axis: a weight split over sequence is gathered over it too.
+    gather = [x for x in axes if (x in batch_axes or x in lay.seq_axes) and x not in owned]
     reduce = [x for x in batch_axes if x not in axes]
     gathered = p["bytes"] / math.prod(mesh_shape[x] for x in axes if x not in gather)
     if lay.explicit and "layers" in names:
@@ -204,8 +205,11 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     # Per-replica copies (mesh.per_replica) under a pipeline or gradient accumulation: once a step.
     once = [x for x in reduce if copies and x in lay.replicas]
     yield "all-reduce", once, reduced_scale * p["bytes"] / shards
-    yield "all-reduce", [x for x in reduce if x not in once], parts * times * p["bytes"] / shards
-    yield "all-reduce", lay.seq_axes, parts * times * p["bytes"] / shards  # each slice's share
+    # XLA sums a vocabulary table's gradient whole over the other batch axes before slicing it over sequence.
+    whole = "vocab" in names and any(x in lay.seq_axes for x in gather)
+    yield "all-reduce", [x for x in reduce if x not in once], parts * times * (gathered if whole else p["bytes"] / shards)
+    if not any(x in lay.seq_axes for x in axes):
+        yield "all-reduce", lay.seq_axes, parts * times * p["bytes"] / shards  # each slice's share
 
 
 def _tensor_terms(model_cfg, lay: _Layout):
