@@ -207,7 +207,8 @@ def _param_terms(model_cfg, p: dict, shards: int, axes: tuple, lay: _Layout, per
     yield "all-reduce", once, reduced_scale * p["bytes"] / shards
     # XLA sums a vocabulary table's gradient whole over the other batch axes before slicing it over sequence.
     whole = "vocab" in names and any(x in lay.seq_axes for x in gather)
-    yield "all-reduce", [x for x in reduce if x not in once], parts * times * (gathered if whole else p["bytes"] / shards)
+    summed = gathered if whole else p["bytes"] / shards
+    yield "all-reduce", [x for x in reduce if x not in once], parts * times * summed
     if not any(x in lay.seq_axes for x in axes):
         yield "all-reduce", lay.seq_axes, parts * times * p["bytes"] / shards  # each slice's share
 
