@@ -44,12 +44,15 @@ def with_reference(graphdef, reference_params, batch, microbatches: int = 1):
 
 
 def context_layout(graphdef, params, batch):
-    """`batch` as the model's attention wants it: in ring attention's zigzag layout where the sequence splits and
-    model.context_balance is on. Done here, not by the data pipeline, because the objectives take their targets by
-    shifting tokens (taken first: objectives.zigzag), and so eval steps get it too; the cost is an exchange of the
-    batch's int fields along `sequence`, small beside the K/V that ring attention passes. Decoding never sees it."""
+    """`batch` as the model's attention wants it: in ring attention's zigzag layout (USP's: over its ring of
+    Ulysses groups) where the sequence splits and model.context_balance is on. Done here, not by the data pipeline,
+    because the objectives take their targets by shifting tokens (taken first: objectives.zigzag), and so eval steps
+    get it too; the cost is an exchange of the batch's int fields along `sequence`, small beside the K/V that ring
+    attention passes. Decoding never sees it."""
     cfg, n = nnx.merge(graphdef, params).cfg, mesh_lib.split_ways("seq")
-    if cfg.context_parallel != "ring" or not cfg.context_balance or n == 1:
+    if cfg.context_parallel == "usp":  # the ring runs across the Ulysses groups: balanced over them
+        n //= context.ulysses_ways(cfg.ulysses_ways, n, cfg.n_heads, cfg.n_kv_heads)
+    if cfg.context_parallel not in ("ring", "usp") or not cfg.context_balance or n == 1:
         return batch
     return objectives.zigzag(batch, context.balance_permutation(batch["tokens"].shape[1], n))
 

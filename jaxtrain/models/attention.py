@@ -1,7 +1,7 @@
 """Causal self-attention over packed documents: the mask, and the ways the model computes it.
 
 Under sequence parallelism `layer_mask` and `self_attention` pick how K/V cross the `sequence` axis
-(model.context_parallel): gathered whole (XLA's), or ring / Ulysses attention (jaxtrain.parallel.context).
+(model.context_parallel): gathered whole (XLA's), or ring / Ulysses / USP attention (jaxtrain.parallel.context).
 
 `model.attention_block` = 0: one `jax.nn.dot_product_attention` call (XLA's kernel, or cuDNN's on GPU).
 `model.attention_block` > 0: written out in query blocks that skip the keys above the diagonal, with a backward of
@@ -49,21 +49,23 @@ class ContextMask(NamedTuple):
 
 
 def layer_mask(segment_ids, positions, window: int, mode: str):
-    """What a layer's attention is masked by: a ContextMask under model.context_parallel `mode` "ring" or "ulysses"
-    with the sequence split over devices; else `attention_mask`'s (K/V gathered whole). The one place that decides."""
+    """What a layer's attention is masked by: a ContextMask under model.context_parallel `mode` "ring", "ulysses" or
+    "usp" with the sequence split over devices; else `attention_mask`'s (K/V gathered whole). The one place that
+    decides."""
     if mode == "allgather" or split_ways("seq") == 1:
         return attention_mask(segment_ids, window)
     return ContextMask(segment_ids, positions, jnp.asarray(window, jnp.int32))
 
 
-def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0):
+def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0, ulysses_ways: int = 0):
     """A layer's attention of q [B, T, N, D] (split along the sequence) over its k, v under `layer_mask`'s `mask`:
-    ring or Ulysses attention (`mode`) for a ContextMask, the K/V shards exchanged explicitly; else every query
-    needs every earlier key, so K/V are gathered whole along the sequence (None = not split) and attend(q, k, v,
-    mask) runs on each device's queries."""
+    ring, Ulysses or USP attention (`mode`; USP's Ulysses groups of `ulysses_ways`, model.ulysses_ways) for a
+    ContextMask, the K/V shards exchanged explicitly; else every query needs every earlier key, so K/V are gathered
+    whole along the sequence (None = not split) and attend(q, k, v, mask) runs on each device's queries."""
     if isinstance(mask, ContextMask):
         kv_names = ("batch", "seq", "act_kv_heads", None)
-        attention = context.ring_attention if mode == "ring" else context.ulysses_attention
+        attention = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,
+                     "usp": functools.partial(context.usp_attention, ulysses=ulysses_ways)}[mode]
         return attention(q, constrain(k, kv_names), constrain(v, kv_names), mask.segment_ids, mask.positions,
                          window=mask.window, scale=scale)
     k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))

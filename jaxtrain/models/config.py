@@ -18,6 +18,7 @@ import jax
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
+from jaxtrain.parallel import context
 
 # Every matmul against a weight (`project`, the MoE router) names its output WEIGHT_MATMUL, and
 # "dots_with_no_batch_dims_saveable" saves by that name. Those are the dots jax's policy of that name saves in our
@@ -52,9 +53,8 @@ REMAT_POLICIES = {
 
 # jax.nn.dot_product_attention's kernels that model.attention_impl may name (`check_backend` says where each runs).
 ATTENTION_IMPLS = ("xla", "cudnn")
-# model.context_parallel's modes. USP (ring over Ulysses groups: context.usp_attention) needs a second sequence axis
-# of the mesh, which it does not have yet.
-CONTEXT_PARALLEL = ("allgather", "ring", "ulysses")
+# model.context_parallel's modes; "usp": the ring across groups of model.ulysses_ways devices, Ulysses within each.
+CONTEXT_PARALLEL = ("allgather", "ring", "ulysses", "usp")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ROUTINGS = ("capacity", "dropless")
@@ -105,11 +105,14 @@ class ModelConfig:
     # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). See ATTENTION_IMPLS.
     attention_impl: str = "xla"
     # How attention crosses the `sequence` mesh axis (jaxtrain.parallel.context; docs/parallelism.md):
-    # "allgather" (K/V gathered whole on every device), "ring" (K/V shards passed round it) or "ulysses" (an
-    # all-to-all trades the sequence split for a head split). `context_balance`: ring's zigzag layout, which the
-    # step applies to the batch (step.context_layout) so every device does the same causal work.
+    # "allgather" (K/V gathered whole on every device), "ring" (K/V shards passed round it), "ulysses" (an
+    # all-to-all trades the sequence split for a head split) or "usp" (Ulysses within groups of `ulysses_ways`
+    # consecutive devices, the ring across the groups; 0: the largest divisor of mesh.sequence, at most 8, that
+    # divides the query and KV heads). `context_balance`: the ring's zigzag layout, which the step applies to the
+    # batch (step.context_layout) so every device does the same causal work.
     context_parallel: str = "allgather"
     context_balance: bool = True
+    ulysses_ways: int = 0
     dtype: str = "auto"
     param_dtype: str = "auto"
     rope_theta: float = 10000.0
@@ -448,11 +451,13 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
     mode = g.choice("context_parallel", CONTEXT_PARALLEL, what="mode")
     if not isinstance(m.context_balance, bool):
         raise ConfigError("model.context_balance", f"must be True or False, got {m.context_balance!r}")
+    g.positive_int("ulysses_ways", allow_zero=True)
     if mode == "allgather":
         return
+    ring = mode in ("ring", "usp")
     why = {"attn_softcap": m.attn_softcap and "its blocks do not soft-cap the logits",
            "kv_lora_rank": m.kv_lora_rank and "latent attention (jaxtrain.models.mla) gathers K/V itself",
-           "mtp_layers": m.mtp_layers and mode == "ring" and m.context_balance
+           "mtp_layers": m.mtp_layers and ring and m.context_balance
            and "the prediction modules look tokens ahead in the original order, not the zigzag layout"}
     for field, reason in why.items():
         if reason:
@@ -461,15 +466,24 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
     if stages > 1:
         raise ConfigError("model.context_parallel", f"{mode} does not combine with a pipeline (mesh.pipeline="
                           f"{stages}) yet; use allgather")
-    if mode == "ulysses":
-        for field in ("n_heads", "n_kv_heads"):
-            if m[field] % n:
-                raise ConfigError(f"model.{field}", f"{m[field]} heads do not divide by mesh.sequence={n}: "
-                                  "Ulysses attention splits the heads over it (use ring attention, or a "
-                                  "mesh.sequence that divides them)")
-    elif m.context_balance and n > 1 and seq_len % (2 * n):
-        raise ConfigError("train.seq_len", f"{seq_len} does not split into 2 x mesh.sequence={n} equal chunks, as "
-                          "ring attention's balanced (zigzag) layout needs (or set model.context_balance=False)")
+    if n > 1 and m.attention_impl != "xla":
+        raise ConfigError("model.attention_impl", f"{m.attention_impl} applies to model.context_parallel=allgather "
+                          f"only: under {mode} the blocks are XLA einsums (kernels per step are not wired); use "
+                          "'xla', or allgather")
+    if m.ulysses_ways and n % m.ulysses_ways:
+        raise ConfigError("model.ulysses_ways", f"{m.ulysses_ways} does not divide mesh.sequence={n}")
+    ways = {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[mode]
+    where = "mesh.sequence" if mode == "ulysses" else "model.ulysses_ways"
+    for field in ("n_heads", "n_kv_heads"):
+        if m[field] % ways:
+            raise ConfigError(f"model.{field}", f"{m[field]} heads do not divide by {where}={ways}: Ulysses "
+                              "attention splits the heads over its group (use ring attention, or a size that "
+                              "divides them)")
+    r = n // ways  # the ring's size
+    if ring and m.context_balance and r > 1 and seq_len % (2 * r):
+        raise ConfigError("train.seq_len", f"{seq_len} does not split into 2 x {r} equal chunks (the ring's size, "
+                          f"mesh.sequence={n} / {ways} Ulysses ways), as the balanced (zigzag) layout needs (or set "
+                          "model.context_balance=False)")
 
 
 def _check_latent_attention(g: Group, m) -> None:

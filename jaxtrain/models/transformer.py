@@ -99,7 +99,7 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, keys)
         q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
         out = self_attention(q, rope(k, rotary_tables), v, mask, self.attend, self.cfg.context_parallel,
-                             self.cfg.attn_scale)
+                             self.cfg.attn_scale, self.cfg.ulysses_ways)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.grad_dtype), contract=2, keys=keys)

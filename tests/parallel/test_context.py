@@ -1,7 +1,7 @@
-"""Context parallelism (jaxtrain.parallel.context) on 8 fake CPU devices (conftest): ring and Ulysses attention equal
-the unsharded attention (models/attention.py's mask and math), outputs and gradients wrt q, k, v within 1e-5 in f32,
-with packed documents crossing the shard borders, a sliding window, and the zigzag layout; and the zigzag layout
-balances the causal work that the contiguous one does not."""
+"""Context parallelism (jaxtrain.parallel.context) on 8 fake CPU devices (conftest): ring, Ulysses and USP attention
+equal the unsharded attention (models/attention.py's mask and math), outputs and gradients wrt q, k, v within 1e-5
+in f32, with packed documents crossing the shard borders, a sliding window, and the zigzag layout; and the zigzag
+layout balances the causal work that the contiguous one does not, modelled and read from the compiled ring."""
 
 import re
 
@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.models.attention import attend, attention_mask
@@ -136,19 +135,23 @@ def test_ulysses_attention_equals_unsharded_attention(shape, window):
 
 
 def test_ring_across_ulysses_groups_equals_unsharded_attention():
-    """USP: ring 2 x Ulysses 4 (8 heads, 4 KV heads), packed documents, a window, the zigzag layout of the ring."""
-    mesh = jax.make_mesh((2, 4), ("ring", "sequence"), axis_types=(AxisType.Auto,) * 2)
+    """USP on the one sequence axis of 8: Ulysses within groups of 4 consecutive devices (8 heads, 4 KV heads), the
+    ring across the 2 groups, packed documents, a window, the zigzag layout of the ring (2 members). The compiled
+    step's all-to-alls stay within the groups, and K/V hop between them."""
+    mesh = mesh_lib.make_mesh({"sequence": 8})
     seg = packed_segments()
     window = 21
     perm, inv = context.balance_permutation(T, 2), context.inverse_balance_permutation(T, 2)
 
     def attention(q, k, v):
         out = context.usp_attention(q[:, perm], k[:, perm], v[:, perm], jnp.asarray(seg[:, perm]),
-                                    jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (B, T)), mesh=mesh,
-                                    ring_axis="ring", window=window)
+                                    jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (B, T)), mesh=mesh, ulysses=4,
+                                    window=window)
         return out[:, inv]
 
-    assert_equal_to_reference(attention, seg, window, heads=8, kv_heads=4)
+    hlo = assert_equal_to_reference(attention, seg, window, heads=8, kv_heads=4)
+    assert re.search(r"all-to-all\(.*replica_groups=\{\{0,1,2,3\},\{4,5,6,7\}\}", hlo), "all-to-all groups"
+    assert set(collectives(hlo)["collective-permute"]) == {f"f32[{B},{T // 2},1,{D}]"}  # a group's block, 1 KV head
 
 
 def test_ulysses_needs_kv_heads_that_divide_by_the_axis():
@@ -156,6 +159,11 @@ def test_ulysses_needs_kv_heads_that_divide_by_the_axis():
     with pytest.raises(ConfigError) as e:
         context.ulysses_attention(q, k, v, jnp.ones((B, T), jnp.int32), mesh=mesh_lib.make_mesh({"sequence": 4}))
     assert e.value.field == "model.n_kv_heads" and "mesh.sequence=4" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        context.usp_attention(q, k, v, jnp.ones((B, T), jnp.int32), mesh=mesh_lib.make_mesh({"sequence": 8}),
+                              ulysses=4)
+    assert e.value.field == "model.n_kv_heads" and "model.ulysses_ways=4" in str(e.value)
+    assert context.ulysses_ways(0, 8, 8, 2) == 2 and context.ulysses_ways(0, 16, 16, 16) == 8
 
 
 def test_balance_permutation_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
@@ -173,7 +181,7 @@ def test_balance_permutation_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
 def test_zigzag_balances_the_causal_work():
     """Sequence 8, 1024 tokens, each shard cut in 2 sub-blocks: contiguous, device i computes 4i + 3 sub-block
     pairs (the last one 31, 1.82x the mean); zigzag every device 17, and the unmasked q.k pairs within 1.15x too.
-    Packed documents (a batch of 64 rows of 200-2000 tokens): the unmasked pairs 1.07x under zigzag, 1.67x
+    Packed documents (a batch of 64 rows of 200-2000 tokens): the unmasked pairs 1.07x under zigzag, 1.61x
     contiguous."""
     n, t = 8, 1024
     contiguous = np.broadcast_to(np.arange(t), (1, t))
@@ -192,6 +200,27 @@ def test_zigzag_balances_the_causal_work():
     _, contiguous_pairs = context.attention_work(np.broadcast_to(contiguous, seg.shape), seg, n)
     _, zigzag_pairs = context.attention_work(np.broadcast_to(perm, seg.shape), seg[:, perm], n)
     assert context.imbalance(zigzag_pairs) <= 1.15 < 1.5 < context.imbalance(contiguous_pairs)
+
+
+def test_the_compiled_ring_is_balanced_under_zigzag():
+    """Read from the compiled ring (context.ring_work: the sub-block pairs its conditionals ran, forward and
+    backward, on each of 8 sequence devices, times a pair's FLOPs), 1,024 tokens: causal, one document, the busiest
+    device does 1.82x the mean contiguous and 1.00x zigzag; 64 packed rows of 200-2000-token documents the same
+    (every sub-block below the diagonal holds some row's document). The counts are attention_work's sub-blocks."""
+    n, t = 8, 1024
+    mesh = mesh_lib.make_mesh({"sequence": n})
+    perm = context.balance_permutation(t, n)
+    rng = np.random.default_rng(1)
+    packed = packed_segments([cut(rng.integers(200, 2000, size=8), t) for _ in range(64)], t)
+    for seg, contiguous_bound in ((np.ones((1, t), np.int32), 1.8), (packed, 1.5)):
+        ratios = []
+        for order in (np.arange(t), perm):
+            pos = np.broadcast_to(order, seg.shape)
+            flops = context.ring_work(seg[:, order], pos, mesh=mesh)
+            blocks, _ = context.attention_work(pos, seg[:, order], n)
+            np.testing.assert_allclose(flops / flops.sum(), blocks / blocks.sum())
+            ratios.append(context.imbalance(flops))
+        assert ratios[1] <= 1.15 and ratios[0] > contiguous_bound, ratios
 
 
 def cut(lengths, t):

@@ -1,9 +1,10 @@
 """model.context_parallel wired into the model and the step, on 8 fake CPU devices (conftest): ring (sequence 8;
-data 2 x sequence 4, zigzag layout) and Ulysses (data 2 x sequence 4) attention train like one device, loss and
-gradient norm of each of 3 steps within 1e-5 in f32 (steps 2 and 3 start from the updated weights, so the gradients
-agree too), on packed rows whose documents cross the shard borders, with layers that alternate a sliding window and
-global attention. Under ring the compiled step passes K/V shards and gathers no float array; bad heads, sequence
-lengths and combinations are refused by the config's validation, naming the field."""
+data 2 x sequence 4, zigzag layout), Ulysses (data 2 x sequence 4) and USP (sequence 8: the ring across 2 groups of
+Ulysses 4, zigzag over the ring) attention train like one device, loss and gradient norm of each of 3 steps within
+1e-5 in f32 (steps 2 and 3 start from the updated weights, so the gradients agree too), on packed rows whose
+documents cross the shard borders, with layers that alternate a sliding window and global attention. Under ring and
+USP the compiled step passes K/V blocks and gathers no float array; bad heads, sequence lengths, kernels and
+combinations are refused by the config's validation, naming the field."""
 
 import re
 
@@ -69,17 +70,19 @@ def one_device(tiny_config, batches):
 
 # Layer 0 attends through a 12-token window, layer 1 globally: the window is picked per layer, and both kinds run.
 WINDOW = {"sliding_window": 12, "global_every": 2}
-CASES = {
-    "ring_sequence8": ({"sequence": 8}, "ring"),
-    "ring_data2_sequence4": ({"data": 2, "sequence": 4}, "ring"),
-    "ulysses_data2_sequence4": ({"data": 2, "sequence": 4}, "ulysses"),
+CASES = {  # id: (mesh, mode, other model fields)
+    "ring_sequence8": ({"sequence": 8}, "ring", {}),
+    "ring_data2_sequence4": ({"data": 2, "sequence": 4}, "ring", {}),
+    "ulysses_data2_sequence4": ({"data": 2, "sequence": 4}, "ulysses", {}),
+    # The ring across 2 groups of 4 (zigzag over the 2), Ulysses within each: 2 of the 8 heads, 1 of the 4 KV heads.
+    "usp_sequence8_ring2_ulysses4": ({"sequence": 8}, "usp", {"ulysses_ways": 4}),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_context_parallel_trains_like_one_device(tiny_config, case):
-    mesh, mode = CASES[case]
-    cfg = configure(tiny_config, mesh, context_parallel=mode, **WINDOW)
+    mesh, mode, fields = CASES[case]
+    cfg = configure(tiny_config, mesh, context_parallel=mode, **WINDOW, **fields)
     batches = packed_batches(3, cfg.model.vocab_size)
     got, hlo = run(cfg, batches)
     want = one_device(tiny_config, batches)
@@ -87,13 +90,14 @@ def test_context_parallel_trains_like_one_device(tiny_config, case):
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
     m = cfg.model
-    rows, shard = B // mesh.get("data", 1), T // mesh["sequence"]
-    if mode == "ring":  # K/V shards go round the ring; nothing but int fields (segment ids, positions) is gathered
+    ways = fields.get("ulysses_ways", 1)
+    rows, block = B // mesh.get("data", 1), T // mesh["sequence"] * ways
+    if mode != "ulysses":  # K/V blocks go round the ring; nothing but int fields (segment ids, positions) is gathered
         moved = re.findall(r"= (\S+) (all-gather|collective-permute)(?:-start)?\(", hlo)
-        assert any(kind == "collective-permute" and shape.startswith(f"f32[{rows},{shard},{m.n_kv_heads},")
+        assert any(kind == "collective-permute" and shape.startswith(f"f32[{rows},{block},{m.n_kv_heads // ways},")
                    for shape, kind in moved), moved
         assert all(shape.startswith(("s32[", "(s32[")) for shape, kind in moved if kind == "all-gather"), moved
-    else:  # the heads traded for the sequence and back
+    if mode != "ring":  # the heads traded for the sequence and back
         assert hlo.count(" all-to-all(") >= 2
 
 
@@ -103,7 +107,12 @@ def test_context_parallel_trains_like_one_device(tiny_config, case):
      "model.n_heads"),
     ({"mesh.sequence": 8, "model.context_parallel": "ring", "train.seq_len": 72}, "train.seq_len"),
     ({"mesh.sequence": 4, "model.context_parallel": "ring", "model.attn_softcap": 50.0}, "model.context_parallel"),
-    ({"mesh.sequence": 4, "model.context_parallel": "usp"}, "model.context_parallel"),
+    ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 3}, "model.ulysses_ways"),
+    ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 8}, "model.n_kv_heads"),
+    ({"mesh.sequence": 4, "model.context_parallel": "usp", "model.mtp_layers": 1}, "model.context_parallel"),
+    # Each ring step and Ulysses group runs XLA einsum blocks: a kernel named for the gathered path is refused.
+    ({"mesh.sequence": 4, "model.context_parallel": "ring", "model.attention_impl": "cudnn"}, "model.attention_impl"),
+    ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.attention_impl": "cudnn"}, "model.attention_impl"),
 ])
 def test_bad_context_parallel_settings_name_the_field(tiny_config, overrides, field):
     cfg = tiny_config(**{"mesh.data": -1, "train.seq_len": T, **overrides})
