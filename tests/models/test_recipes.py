@@ -10,9 +10,9 @@ from jaxtrain.models import families
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.py"))
 # Published totals (Hugging Face model cards), in billions.
-PARAMS = {"llama3_1b": 1.24, "llama3_8b": 8.03, "qwen3_0_6b": 0.60, "qwen3_8b": 8.19, "mistral_7b": 7.25,
-          "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7, "qwen3_moe_30b_a3b": 30.5,
-          "deepseek_v3_671b": 671, "moonlight_16b_a3b": 16.0}
+PARAMS = {"llama3_1b": 1.24, "llama3_8b": 8.03, "llama3_8b_128k": 8.03, "qwen3_0_6b": 0.60, "qwen3_8b": 8.19,
+          "qwen3_8b_128k": 8.19, "mistral_7b": 7.25, "gemma3_1b": 1.00, "gemma3_4b": 3.88, "mixtral_8x7b": 46.7,
+          "qwen3_moe_30b_a3b": 30.5, "deepseek_v3_671b": 671, "moonlight_16b_a3b": 16.0}
 # The multi-token prediction modules' (DeepSeek-V3's card: 14B, counting the module's own copies of the embedding and
 # head, which the model's are here).
 MTP_PARAMS = {"deepseek_v3_671b": 14}
