@@ -30,12 +30,13 @@ def _param_shards(shape, names, mesh_shape: dict, rules: dict) -> tuple[int, tup
     return math.prod(mesh_shape[a] for a in taken), taken
 
 
-def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int) -> float:
-    """Saved-for-backward bytes per token for one layer (docs/planning.md)."""
+def _activation_bytes_per_token(cfg, policy: str, tensor: int, seq_len: int, flash: bool = False) -> float:
+    """Saved-for-backward bytes per token for one layer (docs/planning.md); `flash`: attention saves softmax
+    statistics, not scores, whatever model.attention_impl (ring attention's custom_vjp)."""
     a = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     d, h, kv, hd, f, t = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, tensor
     qkv = (h + 2 * kv) * hd / t
-    fused = cfg.attention_impl != "xla"  # a flash kernel keeps f32 softmax statistics per query, not the scores
+    fused = flash or cfg.attention_impl != "xla"  # a flash kernel keeps f32 softmax statistics per query
     scores = 4 * h / t if fused else (8 + a) * h * seq_len / t
     none = a * (4 * d + qkv + h * hd / t + 4 * f / t) + 8 * d + scores
     if policy in ("none", "everything_saveable"):
@@ -93,6 +94,9 @@ class _Layout:
     tokens_dev: int
     layer_runs: float
     kv_whole: float  # one layer's K and V, the whole sequence
+    ring: int = 0  # model.context_parallel ring or usp over a split sequence: the ring's size (0: none)
+    ulysses: int = 1  # Ulysses' group size (ulysses: the whole sequence axis; usp: model.ulysses_ways)
+    sub_block: int = 0  # tokens a side of the ring's sub-blocks (jaxtrain.parallel.context._chunks)
 
 
 def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_len: int,
@@ -114,6 +118,7 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
     rows = batch // (microbatches * dp)
     vocab_axes = _param_shards((model_cfg.vocab_size,), ("vocab",), mesh_shape, rules)[1]
     kv_dim = model_cfg.n_kv_heads * model_cfg.head_dim // (tensor if model_cfg.n_kv_heads % tensor == 0 else 1)
+    ring, ulysses, sub_block = _context(model_cfg, seq_ways, seq_len)
     return _Layout(
         remat=run.remat, grad_reduce_dtype=run.grad_reduce_dtype, mesh_shape=mesh_shape, batch_axes=batch_axes,
         seq_axes=seq_axes,
@@ -129,7 +134,21 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
         # schedule's idle ticks run nothing, L / P.
         layer_runs=model_cfg.n_layers * (1 if stages == 1 else 1 / stages if explicit
                                          else ticks / (stages * repeats * pipe_microbatches)),
-        kv_whole=2 * rows * seq_len * kv_dim * a)
+        kv_whole=2 * rows * seq_len * kv_dim * a, ring=ring, ulysses=ulysses, sub_block=sub_block)
+
+
+def _context(model_cfg, seq_ways: int, seq_len: int) -> tuple[int, int, int]:
+    """(ring size, Ulysses group size, ring sub-block tokens) of model.context_parallel on `seq_ways` devices."""
+    mode = model_cfg.context_parallel
+    if seq_ways == 1 or mode == "allgather":
+        return 0, 1, 0
+    from jaxtrain.parallel import context  # noqa: PLC0415 (imports jax)
+    if mode == "ulysses":
+        return 0, seq_ways, 0
+    u = 1 if mode == "ring" else context.ulysses_ways(model_cfg.ulysses_ways, seq_ways, model_cfg.n_heads,
+                                                     model_cfg.n_kv_heads)
+    block = seq_len // (seq_ways // u)  # a ring member's tokens
+    return seq_ways // u, u, block // context._chunks(block, 0)
 
 
 def _param_memory(placed: list[tuple]) -> tuple[float, float]:
@@ -236,13 +255,33 @@ def _vocab_terms(model_cfg, lay: _Layout):
 
 
 def _sequence_terms(model_cfg, lay: _Layout):
-    """Every layer gathers K and V whole along the sequence axes; their gradients go back as a reduce-scatter."""
-    if lay.seq_axes:
-        # The backward gathers again what remat drops: both under `full`; K under the dots policies (RoPE is not a dot).
-        again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
-                 "offload_dots": 0.5}.get(lay.remat, 0.0)
-        yield "all-gather", lay.seq_axes, lay.microbatches * lay.layer_runs * (1 + again) * lay.kv_whole
-        yield "reduce-scatter", lay.seq_axes, lay.microbatches * lay.layer_runs * lay.kv_whole
+    """allgather: every layer gathers K and V whole along the sequence axes, their gradients going back as a
+    reduce-scatter. ring (and usp's ring): each K/V shard goes round by permutes, again in the backward with its
+    f32 gradient accumulators and a last hop home. ulysses (and usp's groups): all-to-alls of q, k, v and the
+    output, forward and backward."""
+    if not lay.seq_axes:
+        return
+    runs = lay.microbatches * lay.layer_runs
+    # The backward runs again what remat drops: the whole layer under `full`; K under the dots policies (RoPE is
+    # not a dot).
+    again = {"full": 1.0, "dots_saveable": 0.5, "dots_with_no_batch_dims_saveable": 0.5,
+             "offload_dots": 0.5}.get(lay.remat, 0.0)
+    if not lay.ring and lay.ulysses == 1:
+        yield "all-gather", lay.seq_axes, runs * (1 + again) * lay.kv_whole
+        yield "reduce-scatter", lay.seq_axes, runs * lay.kv_whole
+        return
+    # The segment ids and positions of the whole sequence (int32), gathered once a microbatch for every layer.
+    yield "all-gather", lay.seq_axes, lay.microbatches * 2 * lay.rows * lay.seq_len * 4
+    forwards = 2.0 if lay.remat == "full" else 1.0  # the custom_vjp's forward runs again under full remat
+    if lay.ring > 1:  # usp whose groups take the whole axis is a ring of one: nothing goes round
+        shard = lay.kv_whole / lay.seq_ways  # a device's K and V (usp: its group's block, its share of the heads)
+        hops = lay.ring - 1
+        yield "collective-permute", lay.seq_axes, runs * (forwards * hops * shard + hops * shard
+                                                          + lay.ring * shard * 4 / lay.act_size)
+    if lay.ulysses > 1:
+        q_out = 2 * lay.tokens_dev * model_cfg.n_heads * model_cfg.head_dim / lay.tensor * lay.act_size
+        kv = lay.kv_whole / lay.seq_ways
+        yield "all-to-all", lay.seq_axes, runs * (forwards + 1) * (q_out + kv)
 
 
 def _expert_terms(model_cfg, lay: _Layout):
@@ -346,16 +385,19 @@ def _activations(cfg, lay: _Layout) -> tuple[float, float, dict]:
     """Activation bytes a device holds in the backward (every layer's saved tensors, the layer being recomputed or
     brought back, the logits), one layer's share, and the parts of an explicit schedule's (`_explicit_parts`)."""
     act_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-    tensor, seq_len, tokens_dev = lay.tensor, lay.seq_len, lay.tokens_dev
-    per_layer = _activation_bytes_per_token(cfg, lay.remat, tensor, seq_len) * tokens_dev
-    if lay.seq_axes and lay.remat != "full":  # the gathered K and V (the local slice is counted per token)
+    tensor, seq_len, tokens_dev, flash = lay.tensor, lay.seq_len, lay.tokens_dev, lay.ring > 0
+    per_layer = _activation_bytes_per_token(cfg, lay.remat, tensor, seq_len, flash) * tokens_dev
+    if lay.seq_axes and lay.remat != "full" and not flash:  # the gathered K and V (the local slice is per token)
         per_layer += lay.kv_whole / lay.act_size * act_bytes * (1 - 1 / lay.seq_ways)
     parts = _explicit_parts(cfg, lay, per_layer, act_bytes) if lay.explicit else {}
     total = sum(parts.values()) if lay.explicit else lay.layer_runs * per_layer  # autodiff: every tick's layers
     if lay.remat == "offload_dots" and not lay.explicit:  # one layer's, back from the host, during its backward
-        total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len) * tokens_dev
+        total += _activation_bytes_per_token(cfg, "dots_with_no_batch_dims_saveable", tensor, seq_len,
+                                             flash) * tokens_dev
     if lay.remat == "full" and not lay.explicit:  # one layer is recomputed at a time during backward
-        total += _activation_bytes_per_token(cfg, "none", tensor, seq_len) * tokens_dev
+        total += _activation_bytes_per_token(cfg, "none", tensor, seq_len, flash) * tokens_dev
+    if flash:  # the ring's working set: a sub-block pair's f32 logits, probabilities and their gradient
+        total += 3 * 4 * lay.rows * cfg.n_heads / tensor / lay.ulysses * lay.sub_block ** 2
     # The explicit executor runs the head and loss a pipeline microbatch at a time, its head whole over the pipeline.
     rows, vocab_ways = lay.rows, lay.vocab_ways
     if lay.explicit:
