@@ -37,6 +37,10 @@ RUNS = {  # id: (schedule, repeats, overrides); 8 layers: 2 per stage, or 1 per 
     # fsdp (manual, as a batch axis) and tensor (left to XLA inside the executor's shard_map).
     "zero_bubble_fsdp_tensor": ("zero_bubble", 1, {"mesh": {"pipeline": 2, "fsdp": 2, "tensor": 2},
                                                    "pipeline.stages": 2, "model.n_layers": 4}),
+    "1f1b_fsdp_tensor": ("1f1b", 1, {"mesh": {"pipeline": 2, "fsdp": 2, "tensor": 2}, "pipeline.stages": 2,
+                                     "model.n_layers": 4}),
+    "interleaved_fsdp_tensor": ("interleaved_1f1b", 2, {"mesh": {"pipeline": 2, "fsdp": 2, "tensor": 2},
+                                                        "pipeline.stages": 2, "model.n_layers": 4}),
 }
 
 
