@@ -493,12 +493,10 @@ def _misplaced_node(tier: checkpoint_local.NodeTier, step: int, run_id: str | No
 
 
 def _check_node_local(path: str) -> None:
-    """ConfigError unless this process can write its node-local directory under `path`."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("checkpoint.local_dir", f"{path}: not writable by this process ({existing})")
+    """ConfigError on every process unless each can write `path` and none shares it with another (collective:
+    a marker file each, checkpoint_local.check_private). os.access would not do: it says yes to root."""
+    if problem := checkpoint_local.check_private(path):
+        raise ConfigError("checkpoint.local_dir", problem)
 
 
 def _check_identity(record: dict, step: int, run_id: str | None) -> None:
@@ -553,8 +551,9 @@ class Checkpointer:
 
     On a multi-host run every method must be called by all processes at the same steps. With `local_mode`
     "shared", `local_directory` must be visible to all of them (Orbax writes each process's shards into one
-    shared step directory); with "node", each process keeps its own shards in its own subdirectory, and a peer
-    a replica of them unless `local_replica` is "none" (checkpoint_local).
+    shared step directory); with "node", each process keeps its own shards in its own subdirectory of a
+    directory no other process sees (checked at construction: ConfigError), and a peer a replica of them unless
+    `local_replica` is "none" (checkpoint_local).
 
     `layer_order`: the order of the stacked layers in the states this saves, and into which it restores
     (`pipeline_parallel.layer_order`; None = the model's). See the module docstring. `resettable`: top-level

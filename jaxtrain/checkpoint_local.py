@@ -17,12 +17,14 @@ returns against the integrity record, as for any other tier.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
 import os
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -165,6 +167,55 @@ def _bytes(x: np.ndarray) -> np.ndarray:
 
 def _sha(data) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+# ===== Is the directory this process's own? ========================================================================
+
+
+def check_private(root) -> str | None:
+    """Why `root` cannot be a node-local directory, the same answer on every process (collective), or None: some
+    process cannot write it, or processes share it. Each writes a marker `.jaxtrain-node-<process>` holding a
+    random nonce; after an allgather of the nonces (every marker is written by then), each looks for the others'
+    markers with their current nonces (a marker left by a killed run holds another), and a second allgather
+    shares what each saw. Processes sharing one disk can lose it together, with their replicas: a node-local
+    copy is only as safe as that disk, so the dir must be each process's own."""
+    root = os.path.abspath(str(root))
+    p, n = jax.process_index(), jax.process_count()
+    nonce, problem = secrets.randbits(31), None  # allgather sends int32 (no jax_enable_x64)
+    marker = [os.path.join(root, f".jaxtrain-node-{q}") for q in range(n)]
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(marker[p], "w") as f:
+            f.write(str(nonce))
+    except OSError as e:
+        nonce, problem = -1, f"{root}: not writable by process {p} ({e.strerror or e})"
+    try:
+        if n == 1:
+            return problem
+        nonces = _allgather([nonce, -1, 0])[:, 0]
+        seen = [q for q in range(n) if q != p and min(nonce, nonces[q]) >= 0
+                and _reads(marker[q]) == str(nonces[q])]
+        table = _allgather([nonce < 0, len(seen), 0])  # the same shape as above: one compiled program
+    finally:
+        if nonce >= 0:
+            with contextlib.suppress(OSError):
+                os.remove(marker[p])
+    if unwritable := [q for q in range(n) if table[q, 0]]:
+        return problem or f"{root}: not writable by process {unwritable[0]}"
+    if sharing := [q for q in range(n) if table[q, 1]]:
+        listed = ", ".join(map(str, sharing[:8])) + (f" and {len(sharing) - 8} more" if len(sharing) > 8 else "")
+        return (f"{root} is shared by processes {listed} (each sees another's marker file there): local_mode=node "
+                f"needs each node's own disk or /dev/shm; use checkpoint.local_mode=shared for a directory every "
+                f"process sees")
+    return None
+
+
+def _reads(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 # ===== The tier =====================================================================================================

@@ -12,7 +12,9 @@ bucket's endpoint (a local GCS emulator) down for 0.5-12 s as a save starts (buc
 or the run exits 4 with one line, no traceback, and the supervisor's restart resumes); a bit flipped in the newest
 checkpoint of the local tier (local:flip_bit: the restore must name it and fall back to checkpoint.dir); the
 node-local dir (local_mode=node) deleted after a kill, as on a replaced machine (local:lost_dir: one process has
-no peer, so it restores from checkpoint.dir; tests/e2e/test_local_replicas.py has the two-process case); or a
+no peer, so it restores from checkpoint.dir; tests/e2e/test_local_replicas.py has the two-process case); a SIGKILL
+while a node-local save is being written (local:kill_in_save: that step never commits, and the restart restores an
+older verified one and sweeps the partial write away); or a
 straggler (two processes, gloo; one stopped by SIGSTOP/SIGCONT bursts, not killed: process 0 must name it and the
 run finish). docs/reliability.md says what each must do.
 
@@ -45,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORRUPTIONS = ("flip_bit", "truncate", "missing_manifest", "missing_commit_marker", "broken_data_json")
 AFTER_KILL = ("swap_steps", "stale_lock", "damaged_shard")  # like corrupt:*: kill, change files, restart
 FAULTS = ("sigkill", "sigterm", "kill_in_save", *(f"corrupt:{c}" for c in CORRUPTIONS), *AFTER_KILL, "concurrent",
-          "bucket_outage", "local:flip_bit", "local:lost_dir", "straggler")
+          "bucket_outage", "local:flip_bit", "local:lost_dir", "local:kill_in_save", "straggler")
 STRAGGLER_EVERY = 5  # faults.straggler_every_steps in straggler trials: named after 3 slow reports in a row
 STRAGGLER_LINE = re.compile(r"^straggler: host (\S+) \(process (\d+)\) step [\d.e+-]+s, [\d.]+x the median", re.M)
 OUTAGE_BUDGET_S = 3  # JAXTRAIN_STORAGE_RETRY_SECONDS in bucket_outage trials: longer outages fail the save
@@ -249,10 +251,23 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
     if fault == "damaged_shard":  # a private copy of the data, damaged below
         data_dir = str(Path(args.out) / f"data{n:02d}")
         shutil.copytree(args.data_dir, data_dir)
-    extra = local_tier(workdir, node=fault == "local:lost_dir") if fault.startswith("local:") else ()
+    node = fault in ("local:lost_dir", "local:kill_in_save")
+    extra = local_tier(workdir, node=node) if fault.startswith("local:") else ()
     local = Path(f"{workdir}-local")
-    local_steps = local / "process-0" if fault == "local:lost_dir" else local
-    if fault.startswith(("corrupt:", "local:")) or fault in AFTER_KILL:
+    local_steps = local / "process-0" if node else local
+    if fault == "local:kill_in_save":
+        sup = supervise(workdir, args, extra=extra)
+        target = rng.randrange(args.every + 1, args.steps - args.every)
+        if wait_until(lambda: last_step(workdir) >= target and bool(partial_saves(local_steps)), sup, poll=0.0005) \
+                and (pids := children(sup.pid)):
+            partial = partial_saves(local_steps)
+            os.kill(pids[0], signal.SIGKILL)  # its writer thread is between creating <step>.tmp-<pid> and the rename
+            t_fault, killed_save = time.time(), min(int(name.split(".")[0]) for name in partial)
+            # A save that committed between the look and the kill was not hit: no fault injected.
+            result["injected"] = not (local_steps / str(killed_save)).exists()
+            result["note"] = f"at step {last_step(workdir)}, during the node-local save of {partial}" + (
+                "" if result["injected"] else " (it committed before the kill: missed)")
+    elif fault.startswith(("corrupt:", "local:")) or fault in AFTER_KILL:
         # Train unsupervised past two checkpoints, kill, change the files, then resume under supervision.
         proc = subprocess.Popen(train_cmd(workdir, args, data_dir, extra=extra), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -348,6 +363,11 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
                            f"; not detected, restored from the {restart_tier(workdir)} tier")
     if fault == "local:lost_dir":
         result["note"] += f"; restored from the {restart_tier(workdir)} tier"
+    if fault == "local:kill_in_save" and result["injected"]:
+        restored, left = restart_step(workdir), partial_saves(local_steps)
+        result["note"] += (f"; restored step {restored} from the {restart_tier(workdir)} tier"
+                           + (f"; partial writes left: {left}" if left else "; the partial write swept away"))
+        unexpected = restored is None or restored >= killed_save or bool(left)  # the partial step never commits
     if fault == "bucket_outage":
         gcs.stop()
         failed = [line for line in out.splitlines() if line.startswith("error: ")]
@@ -372,6 +392,20 @@ def trial(n: int, fault: str, args, rng: random.Random, reference_checksum: str)
     if sup_json.exists():
         result["goodput"] = json.loads(sup_json.read_text()).get("goodput", {}).get("goodput")
     return result
+
+
+def partial_saves(local_steps: Path) -> list[str]:
+    """The node-local step dirs being written (or left by a killed save): `<step>.tmp-<pid>`."""
+    try:
+        return sorted(n for n in os.listdir(local_steps) if ".tmp-" in n)
+    except FileNotFoundError:
+        return []
+
+
+def restart_step(workdir: Path) -> int | None:
+    """The step the workdir's last (re)start restored (goodput.jsonl's "phases" record)."""
+    phases = [json.loads(line) for line in (workdir / "goodput.jsonl").read_text().splitlines() if '"phases"' in line]
+    return phases[-1].get("step") if phases else None
 
 
 def restart_tier(workdir: Path) -> str | None:

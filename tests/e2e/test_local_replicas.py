@@ -3,7 +3,8 @@
 A process that comes back with an empty local dir (a replaced machine) gets its shards from its peer's replica
 and reads nothing from the persistent tier; a flipped bit in one process's copy is found, that copy is taken
 from the peer and the damaged one is moved aside. In-process tests cover the fallback to the persistent tier
-and the config checks.
+and the config checks. Each process gets a local_dir of its own (`<local>/node<i>`), as on two machines: one
+they share is refused (exit 2 naming checkpoint.local_dir).
 """
 
 import json
@@ -53,12 +54,18 @@ def node_config(tiny_config, tmp_path, across: str, **overrides):
         "checkpoint.local_every_steps": 1, "checkpoint.local_mode": "node", **overrides})
 
 
-def start(config, tmp_path, name, **extra_env):
-    (tmp_path / f"{name}.json").write_text(config.to_json())
+def start(config, tmp_path, name, shared_local=False, **extra_env):
+    """The two processes; each with its own local_dir `<local_dir>/node<i>` unless `shared_local`."""
+    for i in range(2):
+        own = ConfigDict(config.to_dict())
+        if not shared_local:
+            own.checkpoint.local_dir = f"{config.checkpoint.local_dir}/node{i}"
+        (tmp_path / f"{name}.{i}.json").write_text(own.to_json())
     (tmp_path / "worker.py").write_text(WORKER.format(tests=str(REPO / "tests"), out=str(tmp_path)))
     port = free_port()
     return [subprocess.Popen(
-        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.npz")],
+        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / f"{name}.{i}.json"),
+         str(tmp_path / f"{name}.npz")],
         env={**os.environ, **extra_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
              "JAX_PLATFORMS": "cpu", "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": "2",
              "JAXTRAIN_PROCESS_ID": str(i), "PYTHONPATH": str(REPO)},
@@ -104,11 +111,12 @@ def test_replaced_machine_restores_from_its_peer_bit_identical(reference, tiny_c
         procs[0].send_signal(signal.SIGKILL)
         finish(procs, timeout=30)
     local = tmp_path / "local"
-    assert sorted(os.listdir(local)) == ["process-0", "process-1"]
+    assert [sorted(os.listdir(local / f"node{i}")) for i in (0, 1)] == [["process-0"], ["process-1"]]
     # fsdp spans the processes: each holds half of every sharded array, and its buddy a copy of that half.
-    newest = max(int(n) for n in os.listdir(local / "process-0") if n.isdigit())
-    assert (local / "process-0" / str(newest) / "replica.bin").stat().st_size > 0
-    shutil.rmtree(local / "process-1")  # the replaced machine comes back without its disk
+    newest = max(int(n) for n in os.listdir(local / "node0/process-0") if n.isdigit())
+    assert (local / "node0/process-0" / str(newest) / "replica.bin").stat().st_size > 0
+    shutil.rmtree(local / "node1")  # the replaced machine comes back without its disk
+    (local / "node0/.jaxtrain-node-1").write_text("12345")  # a marker a killed run left: not another process's
     persistent = [int(n) for n in os.listdir(Path(config.workdir) / "checkpoints") if n.isdigit()]
     assert persistent == [4]  # a restorable older step, which the restore must not need
 
@@ -117,6 +125,25 @@ def test_replaced_machine_restores_from_its_peer_bit_identical(reference, tiny_c
     assert restore["restore_tier"] == "peer" and restore["step"] >= 5, restore
     assert persistent_reads(tmp_path) == []  # no checkpoint in checkpoint.dir was opened
     assert summary(config)["state_checksum"] == reference
+    assert [sorted(os.listdir(local / f"node{i}")) for i in (0, 1)] == [[".jaxtrain-node-1", "process-0"],
+                                                                      ["process-1"]]
+
+
+def test_a_local_dir_the_processes_share_exits_2_naming_it(tiny_config, tmp_path):
+    """Node mode with one local_dir for both processes (one disk, as an NFS path would be): each process exits
+    2 with one line naming checkpoint.local_dir, before any checkpoint is read or written or anything compiles,
+    and leaves no marker behind."""
+    config = node_config(tiny_config, tmp_path, "fsdp")
+    codes, outputs = finish(start(config, tmp_path, "shared", shared_local=True), timeout=120)
+    local = tmp_path / "local"
+    assert codes == [2, 2], [o[-3000:] for o in outputs]
+    for out in outputs:
+        errors = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert errors == [f"error: checkpoint.local_dir: {local} is shared by processes 0, 1 (each sees another's "
+                          f"marker file there): local_mode=node needs each node's own disk or /dev/shm; use "
+                          f"checkpoint.local_mode=shared for a directory every process sees"], out[-3000:]
+        assert "Traceback" not in out and "compiled train step" not in out
+    assert os.listdir(local) == [] and not (Path(config.workdir) / "checkpoints").exists()
 
 
 # Two processes saving and restoring through the Checkpointer alone (no model to compile): for each layout, steps
@@ -141,13 +168,13 @@ for across in ("data", "fsdp"):
         w = np.random.default_rng(step).standard_normal((64, 16)).astype(np.float32)
         return {"step": put(np.int32(step)), "w": put(w, "fsdp"), "b": put(np.arange(8, dtype=np.float32) * step)}
     logs = []
-    kw = dict(keep=2, every_steps=100, local_directory=f"{root}/{across}/local", local_every_steps=1,
+    kw = dict(keep=2, every_steps=100, local_directory=f"{root}/{across}/local{p}", local_every_steps=1,
               local_mode="node", log=logs.append)
     ckpt = checkpoint.Checkpointer(f"{root}/{across}/dir", **kw)
     for step in range(1, 5):
         ckpt.should_save(step) and ckpt.save(step, state(step), {"pos": step})
     ckpt.close()
-    mine = f"{root}/{across}/local/process-{p}/4"
+    mine = f"{root}/{across}/local{p}/process-{p}/4"
     replica_bytes = os.path.getsize(f"{mine}/replica.bin")
     multihost_utils.sync_global_devices("saved " + across)
     if p == 1:
@@ -193,7 +220,7 @@ def test_flipped_bit_in_a_local_shard_is_replaced_from_the_peer_and_kept(tmp_pat
             aside = [n for n in r["listing"] if n.startswith("4.corrupt-")]
             assert r["listing"] == (["3", "4"] if p == 0 else ["3", *aside]) and len(aside) == p, r
     # The damaged copy is kept as it was: the flipped bit is still there.
-    kept = next((tmp_path / "fsdp/local/process-1").glob("4.corrupt-*"))
+    kept = next((tmp_path / "fsdp/local1/process-1").glob("4.corrupt-*"))
     assert (kept / "own.bin").stat().st_size > 300
 
 
@@ -245,3 +272,14 @@ def test_bad_node_local_settings_name_their_field(field, value, message):
     with pytest.raises(ConfigError, match=message) as e:
         checkpoint.check_config(c)
     assert e.value.field == f"checkpoint.{field}"
+
+
+def test_an_unwritable_node_local_dir_names_its_field(tmp_path):
+    """Written, not asked: os.access says yes to root, which cannot create a directory in /sys either."""
+    if not os.path.isdir("/sys"):
+        pytest.skip("no /sys")
+    with pytest.raises(ConfigError, match=r"^checkpoint.local_dir: /sys/jaxtrain-test/local: not writable by "
+                                          r"process 0 \(") as e:
+        checkpoint.Checkpointer(tmp_path / "dir", keep=1, local_directory="/sys/jaxtrain-test/local",
+                                local_every_steps=1, local_mode="node")
+    assert e.value.field == "checkpoint.local_dir" and not os.path.exists("/sys/jaxtrain-test")
