@@ -335,9 +335,9 @@ ANALYTIC_CASES = {
     "accumulation": {"mesh.data": 8, "train.microbatches": 2, "train.batch_size": 16},  # reduced once a step
     "sequence": {"mesh.data": 2, "mesh.sequence": 4},
     "sequence_remat_full": {"mesh.data": 2, "mesh.sequence": 4, "model.remat": "full"},
-    # model.context_parallel: K/V round the ring by permutes (forward, and again in the backward with the f32
-    # gradient accumulators); Ulysses' all-to-alls of q, k, v and the output; USP both, in groups of 4.
-    "ring": {"mesh.data": 2, "mesh.sequence": 4, "model.context_parallel": "ring"},
+    # model.context_parallel: Ulysses' all-to-alls of q, k, v and the output (again in the backward, and the
+    # forward twice under remat full); USP's in groups of 4 and, across the 2 groups, K/V round the ring by
+    # permutes (forward, and again in the backward with the f32 gradient accumulators).
     "ulysses_remat_full": {"mesh.data": 2, "mesh.sequence": 4, "model.context_parallel": "ulysses",
                            "model.remat": "full"},
     "usp": {"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 4},
