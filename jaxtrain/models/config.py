@@ -237,6 +237,11 @@ class ModelConfig:
     lora_targets: str = "all"
     lora_dropout: float = 0.0
 
+    @property
+    def stacked_layers(self) -> int:
+        """The layers of the `blocks` stack, the ones a pipeline splits: all but DeepSeek-V3's dense first ones."""
+        return self.n_layers - self.first_dense_layers
+
     def __post_init__(self):
         if "auto" in (self.dtype, self.param_dtype):  # built directly, not by `from_config`: the host's platform
             resolved = resolve_dtypes(self.dtype, self.param_dtype, jax.default_backend())

@@ -229,7 +229,7 @@ class Transformer(nnx.Module):
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
         if cfg.first_dense_layers:  # DeepSeek-V3: a stack of its own, run before `blocks`
             self.dense_blocks = stacked_blocks(cfg, rngs, layout, cfg.first_dense_layers, dense=True)
-        self.blocks = stacked_blocks(cfg, rngs, layout, cfg.n_layers - cfg.first_dense_layers)
+        self.blocks = stacked_blocks(cfg, rngs, layout, cfg.stacked_layers)
         self.final_norm = RMSNorm(cfg, rngs)
         if cfg.mtp_layers:  # after the model, a stack of their own (Predictor)
             self.mtp = stacked(cfg, rngs, cfg.mtp_layers, lambda r: Predictor(cfg, r, layout.grad_reduce_dtype))
@@ -376,7 +376,7 @@ class Transformer(nnx.Module):
 
             routing = {}
             if cfg.n_experts:
-                routing = moe.zero_stats((tokens.shape[0], cfg.n_layers - cfg.first_dense_layers), cfg.n_experts)
+                routing = moe.zero_stats((tokens.shape[0], cfg.stacked_layers), cfg.n_experts)
             carry = {"x": x, "positions": positions, "segment_ids": segment_ids, "moe": routing}
             if dropout_keys is not None:
                 carry["dropout"] = dropout_keys
@@ -403,7 +403,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg  # config.validate refuses a load-balancing loss here (its batch-wide routing comes too late)
         mesh, rules = mesh_lib.active_sharding()
         S, R = run.pipeline_stages, run.pipeline_repeats
-        K = (cfg.n_layers - cfg.first_dense_layers) // (S * R)
+        K = cfg.stacked_layers // (S * R)
         x = constrain(self.embed_tokens(tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "act_embed"))
         x, dropout_keys = self.dense_first(x, positions, segment_ids, dropout_keys)
         # Under LoRA the base weights are not differentiated: only the adapters' weight gradients are computed.
@@ -659,7 +659,7 @@ def layer_order(cfg: ModelConfig, layout: Layout = Layout()) -> tuple[int, ...]:
     """The model's layer at each position of the stacked `blocks` (counted after DeepSeek-V3's dense first layers,
     a stack of their own) in a training state for `cfg` run as `layout`: its own order, unless the pipeline is
     circular (jaxtrain.parallel.pipeline.layer_order)."""
-    return pipeline_parallel.layer_order(cfg.n_layers - cfg.first_dense_layers, layout.pipeline_stages,
+    return pipeline_parallel.layer_order(cfg.stacked_layers, layout.pipeline_stages,
                                          layout.pipeline_repeats)
 
 

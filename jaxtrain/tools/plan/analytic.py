@@ -131,9 +131,9 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
         exec_ticks=ex["ticks"] if ex else ticks, rows=rows, tokens_dev=rows * seq_len // seq_ways,
         # Layer runs per device, in whole-batch layers: L without a pipeline; with one under autodiff, every tick
         # runs L/(P*R) layers on a microbatch (bubble ticks included), ticks * L / (P * R * M); an explicit
-        # schedule's idle ticks run nothing, L / P.
-        layer_runs=model_cfg.n_layers * (1 if stages == 1 else 1 / stages if explicit
-                                         else ticks / (stages * repeats * pipe_microbatches)),
+        # schedule's idle ticks run nothing, L / P. (L: the stacked layers; dense first ones run on every stage.)
+        layer_runs=model_cfg.first_dense_layers + model_cfg.stacked_layers * (
+            1 if stages == 1 else 1 / stages if explicit else ticks / (stages * repeats * pipe_microbatches)),
         kv_whole=2 * rows * seq_len * kv_dim * a, ring=ring, ulysses=ulysses, sub_block=sub_block)
 
 
@@ -418,7 +418,7 @@ def _explicit_parts(cfg, lay: _Layout, per_layer: float, act_bytes: int) -> dict
     waits for; one chunk's layers for one microbatch, saved by the recompute in its backward, with one layer's
     remat "none" activations while that layer is differentiated; and the stage's inputs and input gradients for
     the whole batch. (`per_layer`: one layer's saved bytes for all the device's tokens.)"""
-    M, K = lay.pipe_microbatches, cfg.n_layers // (lay.stages * lay.repeats)
+    M, K = lay.pipe_microbatches, cfg.stacked_layers // (lay.stages * lay.repeats)
     x = lay.tokens_dev / M * cfg.d_model * act_bytes
     none = _activation_bytes_per_token(cfg, "none", lay.tensor, lay.seq_len) * lay.tokens_dev
     return {"in_flight": lay.in_flight * 2 * x, "chunk": (K * per_layer + none) / M,
@@ -461,7 +461,7 @@ def analytic(model_cfg, params: list[dict], mesh_shape: dict, rules: dict, *, ba
     act, per_layer, parts = _activations(model_cfg, lay)
     act_f32, _, _ = _activations(dataclasses.replace(model_cfg, dtype="float32"), lay)
     # Offloaded matmul outputs: every layer run's; an explicit schedule's one chunk's for one microbatch.
-    host_runs = model_cfg.n_layers / (lay.stages * lay.repeats * lay.pipe_microbatches) if lay.explicit \
+    host_runs = model_cfg.stacked_layers / (lay.stages * lay.repeats * lay.pipe_microbatches) if lay.explicit \
         else lay.layer_runs
     host_act = host_runs * _host_activation_bytes_per_token(model_cfg, lay.remat, lay.tensor, seq_len) * lay.tokens_dev
     batch_bytes = 3 * 4 * batch * seq_len / lay.dp
