@@ -658,8 +658,9 @@ def router_balancer(cfg: ModelConfig, layout: Layout = Layout()):
 def layer_order(cfg: ModelConfig, layout: Layout = Layout()) -> tuple[int, ...]:
     """The model's layer at each position of the stacked `blocks` (counted after DeepSeek-V3's dense first layers,
     a stack of their own) in a training state for `cfg` run as `layout`: its own order, unless the pipeline is
-    circular (jaxtrain.parallel.pipeline.layer_order)."""
-    return pipeline_parallel.layer_order(cfg.stacked_layers, layout.pipeline_stages,
+    circular (jaxtrain.parallel.pipeline.layer_order). `cfg` may be the config's `model` group too (a ConfigDict,
+    which has no stacked_layers)."""
+    return pipeline_parallel.layer_order(cfg.n_layers - cfg.first_dense_layers, layout.pipeline_stages,
                                          layout.pipeline_repeats)
 
 
