@@ -31,7 +31,7 @@ from etils import epath
 from jax import lax
 from jax.experimental import multihost_utils
 
-from jaxtrain import checkpoint_local, files, storage
+from jaxtrain import checkpoint_local, compile_cache, files, storage
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError, DataError
 from jaxtrain.fields import Group
 from jaxtrain.parallel import distributed
@@ -136,6 +136,7 @@ def _array_checksum(x):
     return jnp.stack([jnp.sum(w * f1, dtype=jnp.uint32), jnp.sum(_fmix(w) * f2, dtype=jnp.uint32)])
 
 
+@compile_cache.cached
 @jax.jit
 def _checksum_leaves(leaves):  # host-memory leaves (optim.offload) are summed on their device
     return [_array_checksum(jax.device_put(x, jax.memory.Space.Device)) for x in leaves]

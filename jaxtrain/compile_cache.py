@@ -7,11 +7,13 @@ turns it off; any other value is the directory. Every program is cached, not onl
 compile (unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise). No size limit is set: with one,
 jax rereads every entry's access time at each write. jax's cache is process-wide and opened at the first
 compile, so `install` belongs to entry points (`jaxtrain train`), before anything compiles; the library never
-calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`).
+calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`). On CPU, a
+process other than 0 keeps entries of its own beside jax's (`compile`): there jax's key names the process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from jaxtrain.errors import ConfigError
@@ -102,3 +104,80 @@ def install(config, environ=os.environ, warn=print) -> str | None:
     if MIN_TIME_ENV not in environ:  # every program: a restore's checksum program compiles in about 1 s, too
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path
+
+
+
+def _own_entry(lowered, args) -> tuple[str, list] | None:
+    """(where this process keeps its own entry for `lowered`, the devices it runs on), or None where jax's cache
+    serves it. On CPU jax's key hashes compile options and a topology that name the process, and jax writes
+    entries from process 0 only, so a process other than 0 would compile at every restart. Only a program over
+    one mesh (its arguments' NamedShardings) is kept: the mesh's device order is the executable's. The key
+    hashes the program, that order, the process, jax's versions and XLA_FLAGS."""
+    import jax
+    import jaxlib
+
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if (not jax.config.jax_enable_compilation_cache or not cache_dir or "://" in cache_dir
+            or jax.process_index() == 0 or jax.devices()[0].platform != "cpu"):
+        return None
+    meshes = {getattr(a, "sharding", None).mesh for a in jax.tree.leaves(args)
+              if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)}
+    if len(meshes) != 1:
+        return None
+    devices = list(meshes.pop().devices.flat)
+    key = hashlib.sha256()
+    for part in (lowered.as_text(), str([d.id for d in devices]), jax.__version__, jaxlib.__version__,
+                 os.environ.get("XLA_FLAGS", ""), f"{jax.process_index()}/{jax.process_count()}"):
+        key.update(part.encode() + b"\0")
+    return os.path.join(cache_dir, f"jaxtrain-cpu-process-{jax.process_index()}", key.hexdigest()), devices
+
+
+def compile(jitted, *args):
+    """`jitted.lower(*args).compile()` through the persistent cache: jax's, or on CPU in a process other than 0
+    an entry of its own (`_own_entry`), counted as a hit like jax's. An entry that fails to load is compiled
+    again and replaced."""
+    import jax
+    from jax.experimental import serialize_executable
+
+    lowered = jitted.lower(*args)
+    own = _own_entry(lowered, args)
+    if own is None:
+        return lowered.compile()
+    path, devices = own
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                compiled = serialize_executable.deserialize_and_load(
+                    f.read(), jax.tree.structure(lowered.args_info), lowered.out_tree, execution_devices=devices)
+            _count("/jax/compilation_cache/cache_hits")
+            return compiled
+        except Exception:  # noqa: BLE001 - a damaged or stale entry: compile as if it were absent
+            pass
+    compiled = lowered.compile()  # jax counts its miss
+    try:
+        payload, _, _ = serialize_executable.serialize(compiled)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + f".tmp{os.getpid()}", "wb") as f:
+            f.write(payload)
+        os.replace(path + f".tmp{os.getpid()}", path)
+    except (ValueError, NotImplementedError, OSError):  # not serializable, or no room: the next start compiles
+        pass
+    return compiled
+
+
+def cached(jitted):
+    """`jitted`, its executable for each new argument signature from `compile`: for a program that a restart
+    runs before its first step (the restore's checksums), which would otherwise compile afresh in a CPU process
+    other than 0."""
+    import jax
+
+    executables = {}
+
+    def call(*args):
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        if key not in executables:
+            executables[key] = compile(jitted, *args)
+        return executables[key](*args)
+
+    return call

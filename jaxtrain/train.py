@@ -286,7 +286,7 @@ def compile_step(config, trainer, ddir: str, objective, say, t_start: float, pha
                                               jnp.float32 if k in objective.float_keys else jnp.int32,
                                               sharding=trainer.batch_sharding)
                       for k in keys}
-    train_step = trainer.train_step.lower(trainer.abstract_state, abstract_batch).compile()
+    train_step = compile_cache.compile(trainer.train_step, trainer.abstract_state, abstract_batch)
     compiled_from = compile_cache.source(before, compile_cache.counts())
     if phases:
         phases.seconds["compile"] = time.perf_counter() - t

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from helpers import install_poison
-from jaxtrain import main as main_lib, train
+from jaxtrain import compile_cache, main as main_lib, train
 from jaxtrain.data import pipeline
 
 
@@ -49,7 +49,7 @@ def main(config_path: str, out_path: str, gloo_coordinator: str = "") -> int:
         flat = {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
         np.savez(out_path, **flat)
     print(f"process {jax.process_index()}/{jax.process_count()} devices {jax.device_count()} "
-          f"step {summary['step']}", flush=True)
+          f"step {summary['step']} compile cache {compile_cache.counts()}", flush=True)
     return 0
 
 

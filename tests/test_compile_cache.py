@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import compile_cache
 from jaxtrain import config as config_lib
@@ -101,3 +102,50 @@ def test_a_restart_loads_the_train_step_from_the_cache(tiny_config, tmp_path):
     assert "Persistent compilation cache hit for 'jit_train_step'" in second
     assert "CACHE MISS for 'jit_train_step'" not in second
     assert sorted(os.listdir(tmp_path / "xla")) == entries  # nothing new to write
+
+
+
+@pytest.fixture
+def own_cache_dir(tmp_path):
+    """jax's cache on and pointed at tmp_path/xla for the test, as `install` leaves it; restored after."""
+    import jax
+
+    names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir")
+    previous = [getattr(jax.config, n) for n in names]
+    jax.config.update(names[0], True)
+    jax.config.update(names[1], str(tmp_path / "xla"))
+    yield tmp_path / "xla"
+    for n, v in zip(names, previous):
+        jax.config.update(n, v)
+
+
+def test_a_cpu_process_other_than_0_keeps_and_loads_entries_of_its_own(own_cache_dir, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # jax's own cache key names the process here
+    f = jax.jit(lambda x, y: {"z": jnp.tanh(x @ y).sum(0)})
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2])[::-1], ("d",))  # devices 1, 0: the mesh's order is kept
+    x = jax.device_put(jnp.arange(24.0).reshape(6, 4) / 24, jax.sharding.NamedSharding(mesh, P("d")))
+    y = jax.device_put(jnp.ones((4, 5)), jax.sharding.NamedSharding(mesh, P()))
+    monkeypatch.setattr(compile_cache, "_counts", {"hits": 0, "misses": 0})
+    compiled = compile_cache.compile(f, x, y)
+    own = own_cache_dir / "jaxtrain-cpu-process-1"
+    (entry,) = os.listdir(own)
+    assert compile_cache.counts()["hits"] == 0
+    loaded = compile_cache.compile(f, x, y)
+    assert compile_cache.counts()["hits"] == 1
+    np.testing.assert_array_equal(loaded(x, y)["z"], compiled(x, y)["z"])
+    np.testing.assert_array_equal(loaded(x, y)["z"], f(x, y)["z"])
+    compile_cache.compile(f, x, y[:, :3])  # another program: another entry
+    assert len(os.listdir(own)) == 2
+    compile_cache.compile(f, np.ones((6, 4)), np.ones((4, 5)))  # over no mesh: left to jax
+    assert len(os.listdir(own)) == 2
+    (own / entry).write_bytes(b"damaged")
+    again = compile_cache.compile(f, x, y)  # compiled again and rewritten
+    np.testing.assert_array_equal(again(x, y)["z"], f(x, y)["z"])
+    assert (own / entry).read_bytes() != b"damaged" and compile_cache.counts()["hits"] == 1
+    monkeypatch.setattr(jax, "process_index", lambda: 0)  # process 0: jax's cache, nothing of ours
+    compile_cache.compile(f, x, y[:, :2])
+    assert not (own_cache_dir / "jaxtrain-cpu-process-0").exists()

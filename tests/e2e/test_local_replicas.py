@@ -9,6 +9,7 @@ they share is refused (exit 2 naming checkpoint.local_dir).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,9 @@ def test_replaced_machine_restores_from_its_peer_bit_identical(reference, tiny_c
     persistent = [int(n) for n in os.listdir(Path(config.workdir) / "checkpoints") if n.isdigit()]
     assert persistent == [4]  # a restorable older step, which the restore must not need
 
-    run(config, tmp_path, "resumed")
+    outputs = run(config, tmp_path, "resumed")
+    # Process 1 loads its step from its own entry in the compile cache (jax's key names the process on CPU).
+    assert re.search(r"process 1/2 .* compile cache \{'hits': [1-9]", outputs[1]), outputs[1][-500:]
     restore = last_restore(config)
     assert restore["restore_tier"] == "peer" and restore["step"] >= 5, restore
     assert persistent_reads(tmp_path) == []  # no checkpoint in checkpoint.dir was opened
