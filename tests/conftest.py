@@ -4,7 +4,9 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from helpers import cpu_flags  # noqa: E402 - no jax import there
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for the session, which xdist's workers and the tests' subprocesses inherit (the

@@ -5,6 +5,16 @@ import json
 import os
 from pathlib import Path
 
+# XLA:CPU's LLVM optimizations are most of a tiny test program's compile time and buy nothing at its size; the
+# optimized HLO that tests inspect does not change. Every jax process of the suite gets it: conftest.py, and
+# `cpu_flags` where a test's subprocess sets XLA_FLAGS of its own.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def cpu_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess: `devices` simulated CPU devices, compiled as the suite compiles."""
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]

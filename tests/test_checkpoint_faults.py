@@ -25,6 +25,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import cpu_flags
 from jaxtrain import checkpoint
 from jaxtrain.compat import orbax_noise
 
@@ -290,7 +291,7 @@ def test_two_processes_agree_on_time_saves_and_on_skipping_a_bad_step_local_and_
     local = tmp_path / "ckpt"
     names = {"local": lambda: sorted(p.name for p in local.iterdir() if p.name[0].isdigit()),
              "s3": lambda: sorted({p.split("/")[2] for p in fs.find("bucket/ckpt")})}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+    env.update(XLA_FLAGS=cpu_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
                CKPT_ROOTS=f"{local},s3://bucket/ckpt", CKPT_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES], env={**env, "CKPT_PID": str(i)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]

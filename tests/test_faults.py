@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from helpers import cpu_flags
 from jaxtrain import errors, faults
 
 TIMEOUT_S = 0.5
@@ -221,7 +222,7 @@ def pair(tmp_path):
     def start(mode):
         script = tmp_path / "child.py"
         script.write_text(CHILD)
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "XLA_FLAGS": cpu_flags(2), "JAX_PLATFORMS": "cpu"}
         port = _free_port()
         for i in range(2):
             with open(tmp_path / f"out{i}.txt", "w") as out, open(tmp_path / f"err{i}.txt", "w") as err:

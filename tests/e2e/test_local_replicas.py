@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from helpers import read_jsonl
+from helpers import cpu_flags, read_jsonl
 from jaxtrain import checkpoint
 from jaxtrain.errors import ConfigError
 from test_multihost import finish, free_port, wait_for_step
@@ -67,7 +67,7 @@ def start(config, tmp_path, name, shared_local=False, **extra_env):
     return [subprocess.Popen(
         [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / f"{name}.{i}.json"),
          str(tmp_path / f"{name}.npz")],
-        env={**os.environ, **extra_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        env={**os.environ, **extra_env, "XLA_FLAGS": cpu_flags(2),
              "JAX_PLATFORMS": "cpu", "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": "2",
              "JAXTRAIN_PROCESS_ID": str(i), "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -203,7 +203,7 @@ def test_flipped_bit_in_a_local_shard_is_replaced_from_the_peer_and_kept(tmp_pat
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, str(tmp_path / "worker.py"), str(tmp_path)],
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+        env={**os.environ, "XLA_FLAGS": cpu_flags(2), "JAX_PLATFORMS": "cpu",
              "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": "2",
              "JAXTRAIN_PROCESS_ID": str(i), "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]

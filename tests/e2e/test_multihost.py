@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import cpu_flags
 from jaxtrain import train
 from jaxtrain.data import pipeline
 
@@ -44,7 +45,7 @@ def start_two_processes(config, tmp_path, name, **extra_env):
     port = free_port()
     procs = []
     for i in range(2):
-        env = {**os.environ, **extra_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+        env = {**os.environ, **extra_env, "XLA_FLAGS": cpu_flags(4), "JAX_PLATFORMS": "cpu",
                "JAXTRAIN_COORDINATOR": f"127.0.0.1:{port}", "JAXTRAIN_NUM_PROCESSES": "2",
                "JAXTRAIN_PROCESS_ID": str(i), "PYTHONPATH": str(REPO)}
         procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "multihost_worker.py"), str(config_path),
@@ -139,7 +140,7 @@ def test_two_processes_equal_one_process(tiny_config, tmp_path):
     # Bit for bit against 1 process x 8 devices, uninterrupted, with the same (gloo) collectives.
     single_cfg = tiny_config(**overrides)
     (tmp_path / "single.json").write_text(single_cfg.to_json())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": cpu_flags(8), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, str(REPO / "tests" / "multihost_worker.py"), str(tmp_path / "single.json"),
                     str(tmp_path / "single.npz"), f"127.0.0.1:{free_port()}"], env=env, check=True, timeout=300,

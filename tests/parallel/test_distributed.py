@@ -13,6 +13,7 @@ import time
 import jax
 import pytest
 
+from helpers import cpu_flags
 from jaxtrain.parallel import distributed
 from jaxtrain.parallel.distributed import Settings
 
@@ -249,7 +250,7 @@ def test_two_processes_sum_a_global_array():
     port = _free_port()
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("JAXTRAIN_", "SLURM_", "TPU_", "MEGASCALE_", "JOB", "REPLICATED_JOB", "JAX_"))}
-    base.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    base.update(XLA_FLAGS=cpu_flags(4), JAX_PLATFORMS="cpu",
                 PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
                 JAXTRAIN_COORDINATOR=f"127.0.0.1:{port}", JAXTRAIN_NUM_PROCESSES="2")
     procs = [subprocess.Popen([sys.executable, "-c", WORKER], cwd=REPO, env={**base, "JAXTRAIN_PROCESS_ID": str(i)},

@@ -23,7 +23,7 @@ from jaxtrain import train
 from jaxtrain.models import transformer
 from jaxtrain import trainer as trainer_lib
 from jaxtrain.observe import hlo as hlo_lib
-from helpers import read_jsonl, trainer_on
+from helpers import cpu_flags, read_jsonl, trainer_on
 from parallel_worker import MESH_KEYS, leaf_errors, synthetic_batches, train_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -318,7 +318,7 @@ def test_bad_expert_settings_name_the_field(tiny_config, overrides, message):
 def test_all_axes_combined_on_16_devices(tmp_path):
     """data x fsdp x tensor x pipeline (a dense model) and data x expert x tensor x pipeline (a mixture of experts),
     each 3 steps against its single-device run, in a process that sees 16 devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=16", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": cpu_flags(16), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     out = tmp_path / "combined.json"
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "parallel_worker.py"), str(out)], env=env,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import read_jsonl
+from helpers import cpu_flags, read_jsonl
 from optuna.trial import TrialState
 
 from jaxtrain import train
@@ -353,7 +353,7 @@ def test_grid_sweep_real_with_pruning(tiny_config, tmp_path):
 
 
 def cli(tmp_path, *args, devices=1, timeout=600):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(devices)}
     return subprocess.run([sys.executable, "-m", "jaxtrain", "sweep", "--config", "configs/tiny.py", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
