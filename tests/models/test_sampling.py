@@ -127,7 +127,9 @@ def test_cached_decoding_equals_full_recompute(model, case, setting):
     assert ids == ref_ids
     for step, (cached, full) in enumerate(zip(cached_logits(graphdef, params, prompt, ref_ids, window=window),
                                               ref_logits)):
-        np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")  # ulps of f32 on logits up to ~5
+        # Rounding of f32 sums over a cache and over the whole prefix, logits up to ~5: 1.4e-5 apart at most
+        # when the suite compiles without LLVM's optimizations (tests/helpers.py FAST_COMPILE).
+        np.testing.assert_allclose(cached, full, rtol=1e-5, atol=3e-5, err_msg=f"step {step}")
     if setting != "greedy":  # the settings must change something, or the equality above is weak
         greedy = sampling.sample(graphdef, params, prompt, window=window, max_new_tokens=NEW_TOKENS, seed=7,
                                  temperature=0.0, top_k=0)
