@@ -37,7 +37,8 @@ import chaos  # noqa: E402 - scripts/chaos.py: its process helpers
 REPO = chaos.REPO
 MODES = ("cold", "cache", "cache+local")
 PHASES = ("restart_wait", "process_start", "distributed_init", "setup", "restore", "data_restore", "compile")
-# jax's compiler log (JAX_DEBUG_LOG_MODULES=jax._src.compiler): a glog prefix, then the train step's cache outcome.
+# jax's compiler log (JAX_DEBUG_LOG_MODULES=jax._src.compiler,jaxtrain.compile_cache): a glog prefix, then the
+# train step's cache outcome (a CPU process other than 0 hits an entry of its own: jaxtrain/compile_cache.py).
 STEP_COMPILE = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*(cache hit|CACHE MISS) for 'jit_train_step'", re.M)
 NOT_WRITTEN = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*Not writing persistent cache entry", re.M)
 
@@ -67,7 +68,7 @@ def run_mode(config: str, mode: str, disk: Path, memory: Path, kills: list[int],
     workdir = disk / mode.replace("+", "_")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     if processes > 1:  # each process's cache hits and misses, in its log (step_compiles)
-        env["JAX_DEBUG_LOG_MODULES"] = "jax._src.compiler"
+        env["JAX_DEBUG_LOG_MODULES"] = "jax._src.compiler,jaxtrain.compile_cache"
     port = chaos.free_port()
     logs = [disk / f"{workdir.name}.{i}.log" for i in range(processes)]
     cache, local = disk / f"xla_cache_{workdir.name}", memory / workdir.name
