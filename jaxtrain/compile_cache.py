@@ -108,7 +108,6 @@ def install(config, environ=os.environ, warn=print) -> str | None:
     return path
 
 
-
 def _own_entry(lowered, args) -> tuple[str, list] | None:
     """(where this process keeps its own entry for `lowered`, the devices it runs on), or None where jax's cache
     serves it. On CPU jax's key hashes compile options and a topology that name the process, and jax writes
