@@ -111,7 +111,7 @@ if (( MOE )); then
   # (the dense model's active width), 6 layers so that its three models fit together.
   # shellcheck disable=SC2086
   "$PY" scripts/bench_ragged_dot.py ${RAGGED_ARGS:-} >"$OUT/ragged_dot.log" 2>&1
-  tail -n 4 "$OUT/ragged_dot.log"; tail -n 1 "$OUT/ragged_dot.log" >> "$OUT/gpu_moe.jsonl"
+  tail -n 8 "$OUT/ragged_dot.log"; tail -n 1 "$OUT/ragged_dot.log" >> "$OUT/gpu_moe.jsonl"
   # shellcheck disable=SC2086
   "$PY" scripts/bench_moe.py --config "$CONFIG" --tokamax --expert_d_ff 2816 --config.model.n_layers=6 \
     --steps "$STEPS" ${MOE_ARGS:-} >"$OUT/bench_moe.log" 2>&1

@@ -9,7 +9,8 @@ probabilities (renormalised to sum to 1 with `moe_renormalize`). "capacity": wit
 choices before second ones; the rest are dropped (the residual carries them); dispatch and combine are one-hot
 einsums with static shapes, so with experts on the `expert` mesh axis XLA inserts the all-to-alls. "dropless":
 the call's assignments sorted by expert run through a ragged_dot, jax's or tokamax's (`model.moe_kernel`; on CPU
-cpu_grouped's tiles), reaching experts on other devices by gather or all-to-all (`model.moe_dispatch`).
+cpu_grouped's tiles; its weight gradient XLA's or gpu_grouped's, `model.moe_weight_grad`), reaching experts on
+other devices by gather or all-to-all (`model.moe_dispatch`).
 load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts,
 padding included (docs/parallelism.md).
 """
@@ -178,15 +179,20 @@ def _flat_batch(op):
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
 
-def _kernel_ops(name: str, tiled: bool):
+def _kernel_ops(name: str, tiled: bool, weight_grad: str = "xla"):
     """(ragged_dot, weight gradient) of the library `model.moe_kernel` names (tokamax imported only then), or
     jaxtrain.models.cpu_grouped's if `tiled`. tokamax's forward and input gradient, and XLA's weight gradient:
     tokamax 0.0.17's ragged-contracting kernel gave weight gradients off by 14-34% of their largest entry on an H200
     with jax 0.11.2, where its other two equal XLA's (docs/performance.md; `scripts/bench_ragged_dot.py` checks it
-    again)."""
+    again). `weight_grad` "pallas" (`model.moe_weight_grad`): jaxtrain.models.gpu_grouped's instead of XLA's."""
     if tiled:
         return cpu_grouped.ragged_dot, cpu_grouped.ragged_weight_grad
-    grad = lambda x, g, sizes: jax.lax.ragged_dot_general(x, g, sizes, _RAGGED_CONTRACTING)  # noqa: E731
+    if weight_grad == "pallas":
+        from jaxtrain.models import gpu_grouped  # Pallas's Triton API, imported only then
+
+        grad = gpu_grouped.ragged_weight_grad
+    else:
+        grad = lambda x, g, sizes: jax.lax.ragged_dot_general(x, g, sizes, _RAGGED_CONTRACTING)  # noqa: E731
     if name == "tokamax":
         import tokamax  # optional: jaxtrain[kernels]; its absl flags: jaxtrain.compat.tokamax
 
@@ -202,11 +208,11 @@ def tiled_here(kernel: str) -> bool:
 
 
 @functools.cache
-def grouped_matmul(kernel: str = "xla", tiled: bool = False):
+def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = "xla"):
     """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot (cpu_grouped's if `tiled`), with
     its backward written out so that every grouped matmul, the gradients' too, goes through `_flat_batch` and the
     same kernel (the choice is made once, when the forward is traced: the backward may be traced elsewhere)."""
-    dot, grad = _kernel_ops(kernel, tiled)
+    dot, grad = _kernel_ops(kernel, tiled, weight_grad)
     forward, weight_grad = _flat_batch(dot), _flat_batch(grad)
 
     @jax.custom_vjp
@@ -244,11 +250,13 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
 
 def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
-    one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`."""
+    one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`;
+    `kernel` may also be (model.moe_kernel, model.moe_weight_grad)."""
+    kernel, weight_grad = (kernel, "xla") if isinstance(kernel, str) else kernel
     tiled = tiled_here(kernel)
     if tiled and adapters == (None, None):  # the hidden activations of the routed rows only
         return cpu_grouped.expert_mlp(rows, sizes, w_gate_up, w_down, act)
-    matmul = grouped_matmul(kernel, tiled)
+    matmul = grouped_matmul(kernel, tiled, weight_grad)
     m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape
     joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(m, ways, width)
@@ -395,12 +403,12 @@ class MoE(nnx.Module):
             gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
                                     gate_up, down, activation(cfg.mlp_activation), adapters,
-                                    cfg.moe_kernel).reshape(b, t, d)
+                                    (cfg.moe_kernel, cfg.moe_weight_grad)).reshape(b, t, d)
 
         if cfg.moe_dispatch == "all_to_all" and expert_parallel.can_dispatch(batch, tokens):
             # Each routed row sent once to its expert's device and back (parallel/experts.py).
             local = lambda w, rows, sizes: expert_mlp(rows, sizes, w[0], w[1], activation(cfg.mlp_activation), w[2],
-                                                      cfg.moe_kernel)
+                                                      (cfg.moe_kernel, cfg.moe_weight_grad))
             y, dropped = expert_parallel.dispatch(local, cfg.n_experts, cfg.moe_dispatch_capacity)(
                 weights, x, experts, gates)
             return constrain(y, ("batch", "seq", "act_embed")), {**stats, "dropped": jnp.sum(dropped, axis=1)}

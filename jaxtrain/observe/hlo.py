@@ -206,11 +206,17 @@ def instruction_flops(module, instr) -> float:
 
 def _grouped_matmul_flops(module, instr) -> float:
     """A kernel taking x [m, k] and w [groups, k, n] to [m, n] (tokamax's ragged_dot, a Pallas or Mosaic custom
-    call) multiplies each row by one group's weight: 2 m k n."""
+    call) multiplies each row by one group's weight: 2 m k n. One taking x [m, k] and g [m, n] to [groups, k, n]
+    (a grouped weight gradient: models.gpu_grouped) adds each row's outer product to one group's: 2 m k n too."""
     out = dims(instr["shape"]) if not instr["shape"].startswith("(") else []
+    shapes = [dims(module["shapes"].get(name, "")) for name in operands(instr)]  # a kernel's own operands too
+    if len(out) == 3:
+        for x in (s for s in shapes if len(s) == 2 and s[1] == out[1]):
+            if any(len(g) == 2 and g[0] == x[0] and g[1] == out[2] for g in shapes):
+                return 2.0 * x[0] * x[1] * out[2]
+        return 0.0
     if len(out) != 2:
         return 0.0
-    shapes = [dims(module["shapes"].get(name, "")) for name in operands(instr)]  # a kernel's own operands too
     for x in (s for s in shapes if len(s) == 2 and s[0] == out[0]):
         if any(len(w) == 3 and w[1] == x[1] and w[2] == out[1] for w in shapes):
             return 2.0 * x[0] * x[1] * out[1]

@@ -159,28 +159,33 @@ def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(t
     """model.moe_kernel=tokamax on 8 H100s (fsdp): tokamax picks its kernel by the default device, which the
     planner sets to the target, so the program holds its Mosaic GPU kernels (not XLA's fallback). Inside the
     per-shard shard_map each takes one device's rows: 16 x 64 tokens / 8 devices x top-2 = 256. The weight
-    gradients are XLA's ragged_dot_general (tokamax's was wrong on an H200: moe._kernel_ops), so no kernel
-    writes an [experts, ...] output."""
+    gradients (not tokamax's, which was wrong on an H200: moe._kernel_ops) are jaxtrain.models.gpu_grouped's
+    Triton kernels (model.moe_weight_grad=pallas), one [experts, k, n] output per weight."""
     r, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
                       "gpu", "--config.model.n_experts=4", "--config.model.moe_top_k=2",
                       "--config.model.moe_routing=dropless", "--config.model.moe_kernel=tokamax",
+                      "--config.model.moe_weight_grad=pallas",
                       "--config.model.d_model=128", "--config.model.d_ff=256", "--config.train.batch_size=16",
                       "--config.train.seq_len=64")
-    outputs = sorted(re.findall(r"= (bf16\[[\d,]+\])\{[\d,]*\} custom-call\([^\n]*custom_call_target=\"mosaic_gpu_v2\"",
-                                hlo))
+
+    def kernels(target):
+        return sorted(re.findall(r"= (bf16\[[\d,]+\])\{[\d,]*\} custom-call\([^\n]*custom_call_target=\"" + target
+                                 + '"', hlo))
+
     # One scan body's: gate-and-up [256 rows, 2 x 256] and down [256, 128] forward; their input gradients
-    # [256, 128] and [256, 256].
-    assert outputs == sorted(["bf16[256,512]", "bf16[256,128]", "bf16[256,128]", "bf16[256,256]"]), outputs
+    # [256, 128] and [256, 256]; the weight gradients [4 experts, 128, 512] and [4, 256, 128].
+    assert kernels("mosaic_gpu_v2") == sorted(["bf16[256,512]", "bf16[256,128]", "bf16[256,128]", "bf16[256,256]"])
+    assert kernels(re.escape("__gpu$xla.gpu.triton")) == sorted(["bf16[4,128,512]", "bf16[4,256,128]"])
     assert r["memory"]["compiled"]["peak"] > 0
     # Their FLOPs count (the roofline's matmuls, the HLO dot FLOPs): each row times one expert, 2 x 256 x k x n
-    # per kernel (gate-and-up 128 -> 512 and down 256 -> 128, forward and input gradient), in each of 2 layers.
+    # per kernel (gate-and-up 128 -> 512 and down 256 -> 128: forward, input and weight gradient), in 2 layers.
     from jaxtrain.observe import hlo as hlo_lib
 
     module = hlo_lib.parse_hlo(hlo)
     runs, _ = hlo_lib.multiplicities(module)
     counted = sum(hlo_lib.instruction_flops(module, i) * runs.get(c, 0) for c, instrs in module["computations"].items()
                   for i in instrs if i["op"] == "custom-call")
-    assert counted == 2 * 2 * 256 * (128 * 512 + 256 * 128 + 512 * 128 + 128 * 256)
+    assert counted == 2 * 2 * 256 * (128 * 512 + 256 * 128 + 512 * 128 + 128 * 256 + 128 * 512 + 256 * 128)
     assert r["speed"]["roofline"]["matmul_flops"] >= counted and r["flops"]["hlo_dots_total"] >= counted
 
 
