@@ -39,3 +39,13 @@ def test_bf16_accumulates_in_f32():
     want = jax.lax.ragged_dot_general(x.astype(jnp.float32), g.astype(jnp.float32), sizes, RAGGED_CONTRACTING)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=1e-2, atol=0.1)  # bf16's output rounding
+
+
+def test_vmapped_each_slice_equals_xla_s():  # a pipeline's stages and weight copies vmap the MoE layer
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(3, 50, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(3, 50, 24)), jnp.float32)
+    sizes = jnp.asarray([[10, 0, 40], [50, 0, 0], [1, 2, 3]], jnp.int32)
+    got = jax.vmap(lambda a, b, s: gpu_grouped.ragged_weight_grad(a, b, s, interpret=True))(x, g, sizes)
+    want = jax.vmap(lambda a, b, s: jax.lax.ragged_dot_general(a, b, s, RAGGED_CONTRACTING))(x, g, sizes)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
