@@ -168,10 +168,9 @@ def compile(jitted, *args):
     return compiled
 
 
-def cached(jitted):
-    """`jitted`, its executable for each new argument signature from `compile`: for a program that a restart
-    runs before its first step (the restore's checksums), which would otherwise compile afresh in a CPU process
-    other than 0."""
+def per_signature(compile_fn):
+    """A function that runs `compile_fn(*args)`'s executable, compiled once for each argument signature (tree,
+    shapes, dtypes, shardings)."""
     import jax
 
     executables = {}
@@ -180,7 +179,14 @@ def cached(jitted):
         leaves, tree = jax.tree.flatten(args)
         key = (tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         if key not in executables:
-            executables[key] = compile(jitted, *args)
+            executables[key] = compile_fn(*args)
         return executables[key](*args)
 
     return call
+
+
+def cached(jitted):
+    """`jitted`, its executable for each new argument signature from `compile`: for a program that a restart
+    runs before its first step (the restore's checksums), which would otherwise compile afresh in a CPU process
+    other than 0."""
+    return per_signature(lambda *args: compile(jitted, *args))

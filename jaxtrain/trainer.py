@@ -20,7 +20,7 @@ from flax import nnx
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import checkpoint as ckpt_lib, compile_cache
 from jaxtrain import config as config_lib
 from jaxtrain import objectives, optim, step as step_lib
 from jaxtrain import workdir as workdir_lib
@@ -144,16 +144,8 @@ def compiled_to_run_once(jitted, mesh):
     process compiles it the same way, so runs stay bit-identical to each other."""
     if mesh.devices.flat[0].platform != "cpu":
         return jitted
-    compiled = {}
-
-    def call(*args):
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
-        if key not in compiled:
-            compiled[key] = jitted.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
-        return compiled[key](*args)
-
-    return call
+    return compile_cache.per_signature(
+        lambda *args: jitted.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0}))
 
 
 def build_trainer(config, resolved: config_lib.Resolved, devices=None) -> Trainer:
