@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 
@@ -188,7 +190,7 @@ def instruction_flops(module, instr) -> float:
     """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module, or of a custom
     call shaped as a grouped matmul (0 otherwise)."""
     if instr["op"] == "custom-call":
-        return _grouped_matmul_flops(module, instr)
+        return _cudnn_attention_flops(module, instr) or _grouped_matmul_flops(module, instr)
     if instr["op"] not in ("dot", "convolution"):
         return 0.0
     out = math.prod(dims(instr["shape"]))
@@ -202,6 +204,29 @@ def instruction_flops(module, instr) -> float:
         rhs = dims(module["shapes"].get(names[1], "")) if len(names) > 1 else []
         k = math.prod(rhs) / max(dims(instr["shape"])[-1:] or [1])
     return 2.0 * out * k
+
+
+def _cudnn_attention_flops(module, instr) -> float:
+    """cuDNN's fused attention (`__cudnn$fmha...`): 2 (d_qk + d_v) per unmasked query-key pair and head in the
+    forward; the backward recomputes the scores and takes dv, dp, dq and dk: 2 (3 d_qk + 2 d_v). Pairs follow
+    its mask: causal, within a sliding window, or all."""
+    target = re.search(r'custom_call_target="__cudnn\$fmha(\w*)"', instr["rest"])
+    shape = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', instr["rest"])
+    names = operands(instr)
+    if not target or not shape or len(names) < 3:
+        return 0.0
+    b, h, sq, sk = ints(shape.group(1))
+    d_qk, d_v = dims(module["shapes"].get(names[0], ""))[-1], dims(module["shapes"].get(names[2], ""))[-1]
+    window = re.search(r'"sliding_window_length":\s*(\d+)', instr["rest"])
+    window = int(window.group(1)) if window else 0
+    mask = re.search(r'"mask_type":\s*"(\w+)"', instr["rest"])
+    if (mask and "CAUSAL" in mask.group(1)) or window:
+        visible = np.minimum(np.arange(1, sq + 1) + max(sk - sq, 0), window or sk)  # keys each query sees
+        pairs = float(visible.sum())
+    else:
+        pairs = float(sq) * sk
+    per_pair = 3 * d_qk + 2 * d_v if target.group(1).endswith("Backward") else d_qk + d_v
+    return 2.0 * b * h * pairs * per_pair
 
 
 def _grouped_matmul_flops(module, instr) -> float:

@@ -52,13 +52,18 @@ def _fusion_bytes(module, fusion, comp: str) -> float:
     for instr in body:
         for i, name in enumerate(hlo_lib.operands(instr)):
             users.setdefault(name, []).append((instr, i))
+
+    def uses_of(name):  # a bitcast moves no data (a layer's [1, ...] view of a stacked buffer): see through it
+        for instr, i in users.get(name, []):
+            yield from uses_of(instr["name"]) if instr["op"] == "bitcast" else [(instr, i)]
+
     args = hlo_lib.operands(fusion)
     total, written = 0.0, hlo_lib.shape_bytes(fusion["shape"])
     for instr in body:
         if instr["op"] != "parameter":
             continue
         index = int(re.match(r"(\d+)", instr["rest"]).group(1))
-        uses = users.get(instr["name"], [])
+        uses = list(uses_of(instr["name"]))
         if uses and all(u["op"] in ("dynamic-slice", "slice") and i == 0 for u, i in uses):
             total += sum(hlo_lib.shape_bytes(u["shape"]) for u, _ in uses)
         elif uses and all(u["op"] == "dynamic-update-slice" and i == 0 for u, i in uses):
@@ -86,8 +91,8 @@ def roofline(hlo, peak_flops: float, bandwidth: float, top: int = 5, branch_weig
     """A roofline estimate of one device's step from compiled HLO: every kernel takes max(FLOPs / peak_flops,
     bytes / bandwidth) and they run one after another (one stream), times how often its computation runs; 8-bit
     matmul FLOPs count at EIGHT_BIT_SPEEDUP x peak_flops.
-    A custom call shaped as a grouped matmul (tokamax's ragged_dot) counts its FLOPs (hlo.instruction_flops); other
-    custom calls (cuDNN attention) count by their bytes only. A conditional runs one branch
+    cuDNN's attention and a custom call shaped as a grouped matmul (tokamax's ragged_dot) count their FLOPs
+    (hlo.instruction_flops); other custom calls count by their bytes only. A conditional runs one branch
     (`hlo.chosen_branches` with `branch_weights`; by default the slowest).
     Returns the seconds, the matmul and other kernels' parts, and the `top` other kernels by time."""
     module = hlo_lib.parse_hlo(hlo) if isinstance(hlo, str) else hlo
