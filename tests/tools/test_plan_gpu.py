@@ -103,9 +103,9 @@ def test_the_gpu_compiler_plans_bf16_activations_where_the_cpu_compiler_keeps_f3
     assert 0.8 < analytic["temporaries_f32_activations"] / temporaries(cpu) < 1.25
     assert temporaries(gpu) < 0.75 * temporaries(cpu)
     # The roofline of the GPU program: the matmuls are the HLO's dots; XLA's attention writes and re-reads the
-    # [batch, heads, seq, seq] scores, so the other kernels move ~560 GiB a step and cap MFU near 25% (cuDNN's
-    # flash kernel, not installable here, reads ~63%: BUILD.md). Counting a scan's stacked buffers whole in every
-    # iteration instead of the slice it reads or writes would read ~15%.
+    # [batch, heads, seq, seq] scores, so the other kernels move ~540 GiB a step and cap MFU near 28% (cuDNN's
+    # flash kernel, not installed here, reads ~64%: docs/planning.md). Counting a scan's stacked buffers whole in
+    # every iteration instead of the slice it reads or writes would read ~15% (tests/tools/test_roofline.py).
     roof = gpu["speed"]["roofline"]
     assert cpu["speed"]["roofline"] is None
     assert roof["matmul_flops"] == pytest.approx(gpu["flops"]["hlo_dots_total"], rel=1e-9)
