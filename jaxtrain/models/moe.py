@@ -334,8 +334,9 @@ class MoE(nnx.Module):
         """w_gate and w_up [E, d, f] joined as [E, d, T, 2f/T], T the ways "mlp" is split (1 if that does not divide
         f): each device's gate and up blocks side by side, so joining moves nothing and the input's gradient under
         tensor parallelism is one all-reduce (as layers.project_fused). `sharded` keeps the result split over
-        "embed" as the weights are, so the join happens on each shard and the gather after it moves one tensor
-        (dropless: its kernels gather the weights themselves; joined whole, XLA:GPU gathered, then copied both)."""
+        "embed" as the weights are, so the join happens on each shard and one joined tensor is gathered: for
+        tokamax's kernels, where XLA:GPU otherwise gathers both and copies them into one (docs/models.md). XLA:CPU
+        gathers the joined weight beside the two, so the other kernels join after the gather."""
         w_gate, w_up = weight(self.w_gate, dt), weight(self.w_up, dt)
         e, d, f = w_gate.shape
         ways = split_ways("mlp") if f % split_ways("mlp") == 0 else 1
@@ -397,7 +398,7 @@ class MoE(nnx.Module):
         logits = checkpoint_name(jnp.einsum("btd,de->bte", x.astype(jnp.float32),
                                             weight(self.w_router, jnp.float32)), WEIGHT_MATMUL)
         experts, gates, stats = dropless_route(logits, cfg.moe_top_k, **self.routing())  # stats per row
-        weights = (self.gate_up_weights(dt, sharded=True), weight(self.w_down, dt),
+        weights = (self.gate_up_weights(dt, sharded=cfg.moe_kernel == "tokamax"), weight(self.w_down, dt),
                    (lora.factors(self, "w_gate_up", dt), lora.factors(self, "w_down", dt)))
 
         def run(weights, x, experts, gates):  # one shard's tokens [b, t, ...], the weights whole
