@@ -52,9 +52,9 @@ def test_all_to_all_layer_equals_one_device(axes, preset, form, routing, monkeyp
     compiled, _ = layer_on_mesh_equals_one_device(cfg, graphdef, params, axes, preset)
 
     # Rows moved by all-to-all only: the counts, the rows there and back, and those two again in the backward.
-    # No other collective moves a token-sized array (every weight dim here is at most 24, gate and up joined:
-    # 2 x d_ff; "gather" dispatch all-gathers the expert choices, s32[64], and all-reduces the partial outputs,
-    # f32[64,8]).
+    # No other collective moves a token-sized array (every weight dim here is at most 24: tokamax's case gathers
+    # gate and up joined, 2 x d_ff; "gather" dispatch all-gathers the expert choices, s32[64], and all-reduces
+    # the partial outputs, f32[64,8]).
     hlo = compiled.as_text()
     assert hlo.count(" all-to-all(") == 5 or form == "ragged"  # emulated there, by more all-to-alls
     others = [line for line in hlo.splitlines()
