@@ -230,12 +230,14 @@ def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = 
     return matmul
 
 
-def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
+def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla",
+                     weight_grad: str = "xla"):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
     (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run through
     `expert_mlp`: no capacity, nothing dropped. `adapters`: the LoRA factors (lora.factors) of gate-and-up
-    (A [E, d, r], B [E, r, 2, f]) and of down, or None. `kernel`: whose ragged_dot (`model.moe_kernel`)."""
+    (A [E, d, r], B [E, r, 2, f]) and of down, or None. `kernel`: whose ragged_dot (`model.moe_kernel`);
+    `weight_grad`: whose weight gradient (`model.moe_weight_grad`)."""
     n, k = experts.shape
     flat = experts.reshape(n * k)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
@@ -243,16 +245,16 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
     sizes = jnp.sum(jax.nn.one_hot(flat, w_down.shape[0], dtype=jnp.int32), axis=0)
     # Each token's row repeated k times (the backward sums the copies), then sorted by expert.
     rows = _permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
-    out = expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters, kernel)
+    out = expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters, kernel, weight_grad)
     out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
     return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
 
 
-def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla"):
+def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla",
+               weight_grad: str = "xla"):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
-    one ragged_dot per projection (rows past sum(sizes) give zeros). Weights and adapters as `dropless_experts`;
-    `kernel` may also be (model.moe_kernel, model.moe_weight_grad)."""
-    kernel, weight_grad = (kernel, "xla") if isinstance(kernel, str) else kernel
+    one ragged_dot per projection (rows past sum(sizes) give zeros). Weights, adapters and kernels as
+    `dropless_experts`."""
     tiled = tiled_here(kernel)
     if tiled and adapters == (None, None):  # the hidden activations of the routed rows only
         return cpu_grouped.expert_mlp(rows, sizes, w_gate_up, w_down, act)
@@ -406,12 +408,12 @@ class MoE(nnx.Module):
             gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
                                     gate_up, down, activation(cfg.mlp_activation), adapters,
-                                    (cfg.moe_kernel, cfg.moe_weight_grad)).reshape(b, t, d)
+                                    cfg.moe_kernel, cfg.moe_weight_grad).reshape(b, t, d)
 
         if cfg.moe_dispatch == "all_to_all" and expert_parallel.can_dispatch(batch, tokens):
             # Each routed row sent once to its expert's device and back (parallel/experts.py).
             local = lambda w, rows, sizes: expert_mlp(rows, sizes, w[0], w[1], activation(cfg.mlp_activation), w[2],
-                                                      (cfg.moe_kernel, cfg.moe_weight_grad))
+                                                      cfg.moe_kernel, cfg.moe_weight_grad)
             y, dropped = expert_parallel.dispatch(local, cfg.n_experts, cfg.moe_dispatch_capacity)(
                 weights, x, experts, gates)
             return constrain(y, ("batch", "seq", "act_embed")), {**stats, "dropped": jnp.sum(dropped, axis=1)}
