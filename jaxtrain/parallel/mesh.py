@@ -36,16 +36,20 @@ _TP = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": ("te
 # stage would hold (and Adam) both whole tables and compute the whole head and loss of its batch again.
 _PP_EP_SP = {"layers": "pipeline", "stages": "pipeline", "experts": "expert", "seq": "sequence",
              "vocab": "pipeline"}
+# Under fsdp an expert weight [E, d, f] is split over its experts, not its d_model: gathered along the leading
+# dim, it arrives in the layout the grouped matmuls read, where gathered along d XLA:GPU transposed every expert
+# weight and its gradient for every layer and microbatch (docs/models.md). Its activations stay on `expert`.
+_EXPERTS_FSDP = {"experts": ("expert", "fsdp"), "act_experts": "expert"}
 # Logical axis -> mesh axis (or tuple of mesh axes). Unlisted logical axes are replicated.
 PRESETS: dict[str, dict[str, str | tuple[str, ...]]] = {
     "dp": {"batch": ("data", "expert"), **_PP_EP_SP},
-    "fsdp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP},
-    "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
-    "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP},
+    "fsdp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_EXPERTS_FSDP},
+    "fsdp_tp": {"batch": ("fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP, **_EXPERTS_FSDP},
+    "dp_fsdp_tp": {"batch": ("data", "fsdp", "expert"), "embed": "fsdp", **_PP_EP_SP, **_TP, **_EXPERTS_FSDP},
     # Long context: the weights split over sequence too (ZeRO-3 over fsdp x sequence), so sequence 8 holds what
     # fsdp 8 would; XLA:GPU reduce-scatters their gradients over both. With data > 1 it sums the vocabulary
     # tables' gradients whole over data first (docs/parallelism.md), so the other presets keep them off sequence.
-    "fsdp_seq": {"batch": ("fsdp", "expert"), "embed": ("fsdp", "sequence"), **_PP_EP_SP},
+    "fsdp_seq": {"batch": ("fsdp", "expert"), "embed": ("fsdp", "sequence"), **_PP_EP_SP, **_EXPERTS_FSDP},
 }
 # Activations use their own names ("act_embed", "act_mlp", ...) so that FSDP shards the weights' "embed"
 # dimension without also sharding the activations' hidden dimension. By default an activation axis

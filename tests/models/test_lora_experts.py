@@ -81,11 +81,12 @@ def test_expert_adapters_shard_like_the_experts_and_eight_devices_equal_one(tiny
     eight = trainer_lib.build_trainer(cfg, facts)
     mlp = eight.shardings["params"]["blocks"]["mlp"]
     d, f = cfg.model.d_model, cfg.model.d_ff
-    # [layers, experts, embed, r] / [layers, experts, r, 2, mlp]: experts over `expert`, and each weight's own axes
-    assert mlp["w_gate_up_lora_a"].shard_shape((2, 4, d, 4)) == (2, 2, d // 2, 4)
-    assert mlp["w_gate_up_lora_b"].shard_shape((2, 4, 4, 2, f)) == (2, 2, 4, 2, f // 2)
-    assert mlp["w_down_lora_b"].shard_shape((2, 4, 4, d)) == (2, 2, 4, d // 2)
-    assert mlp["w_gate"].shard_shape((2, 4, d, f)) == (2, 2, d // 2, f // 2)
+    # [layers, experts, embed, r] / [layers, experts, r, 2, mlp]: the 4 experts over `expert` x fsdp (one each),
+    # and mlp over `tensor`, as their experts' weights
+    assert mlp["w_gate_up_lora_a"].shard_shape((2, 4, d, 4)) == (2, 1, d, 4)
+    assert mlp["w_gate_up_lora_b"].shard_shape((2, 4, 4, 2, f)) == (2, 1, 4, 2, f // 2)
+    assert mlp["w_down_lora_b"].shard_shape((2, 4, 4, d)) == (2, 1, 4, d)
+    assert mlp["w_gate"].shard_shape((2, 4, d, f)) == (2, 1, d, f // 2)
     one = trainer_on(tiny_config(**moe), {"data": 1, "fsdp": 1, "tensor": 1},
                                     mesh_lib.resolve_rules("dp_fsdp_tp"), devices=jax.devices()[:1])
     before, after, history = train_on_stream(one, tiny_data_dir, 3)

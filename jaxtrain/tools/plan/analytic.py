@@ -122,7 +122,8 @@ def _layout(model_cfg, run, mesh_shape: dict, rules: dict, *, batch: int, seq_le
     return _Layout(
         remat=run.remat, grad_reduce_dtype=run.grad_reduce_dtype, mesh_shape=mesh_shape, batch_axes=batch_axes,
         seq_axes=seq_axes,
-        expert_axes=_active_axes("experts", mesh_shape, rules),
+        # Experts are owned along `expert` only; split over fsdp too, they are ZeRO-gathered like any weight.
+        expert_axes=tuple(x for x in _active_axes("experts", mesh_shape, rules) if x == "expert"),
         pipeline_axes=_active_axes("stages", mesh_shape, rules) if stages > 1 else (),
         vocab_axes=vocab_axes, replicas=mesh_lib.replica_axes(mesh_shape, rules), dp=dp, seq_ways=seq_ways,
         vocab_ways=math.prod(mesh_shape[x] for x in vocab_axes), tensor=tensor, act_size=a, seq_len=seq_len,
