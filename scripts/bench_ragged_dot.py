@@ -10,8 +10,9 @@ process. tokamax (`pip install 'jaxtrain[kernels]'`) is timed where it imports, 
 (its forward and dx, XLA's dw: moe._kernel_ops) is checked against XLA's on uneven groups (one of them empty):
 the largest difference over the largest entry, at most 2% (bf16's rounding of one sum) or the script exits 1.
 tokamax's own dw kernel is measured beside it ("own_dw_vs_xla"). On a GPU, each also runs with
-jaxtrain.models.gpu_grouped's Triton weight gradient (`model.moe_weight_grad=pallas`, "<kernel>+pallas_dw"),
-checked the same way. Also prints what each compiled forward calls.
+jaxtrain.models.gpu_grouped's Triton weight gradient (`model.moe_weight_grad=pallas`, "<kernel>+pallas_dw"), and
+with its input gradient too (`model.moe_input_grad=pallas`, "<kernel>+pallas_dw_dx"), checked the same way. Also
+prints what each compiled forward calls.
 Ends with one JSON line, e.g. {"dense_ms": ..., "xla": {"fwd_ms": ..., "fwd_bwd_ms": ...}, "tokamax": {...,
 "vs_xla": {"fwd": ..., "dx": ..., "dw": ...}, "own_dw_vs_xla": ...}}
 """
@@ -55,7 +56,7 @@ def main(argv):
 
     @functools.partial(jax.jit, static_argnums=0)
     def outputs(variant, x, w, sizes, probe):  # forward, dx, dw in f32
-        out, pull = jax.vjp(lambda x, w: moe.grouped_matmul(variant[0], False, variant[1])(x, w, sizes), x, w)
+        out, pull = jax.vjp(lambda x, w: moe.grouped_matmul(variant[0], False, *variant[1:])(x, w, sizes), x, w)
         return [a.astype(jnp.float32) for a in (out, *pull(probe))]
 
     def ms(f, *args):
@@ -73,14 +74,15 @@ def main(argv):
     print(f"{device}: dense {dense_ms:.3f} ms ({tflops / dense_ms:,.2f} TFLOP/s)")
     result = {"device": device, "jax": jax.__version__, "rows": rows, "k": k, "n": n, "groups": groups,
               "dense_ms": dense_ms}
-    reference = outputs(("xla", "xla"), x, w, uneven, probe)
+    reference = outputs(("xla", "xla", "kernel"), x, w, uneven, probe)
     failed = []
-    # (model.moe_kernel, model.moe_weight_grad); gpu_grouped's Triton weight gradient on GPUs only.
-    variants = [(kr, dw) for kr in ("xla", "tokamax") if kr == "xla" or importlib.util.find_spec(kr)
-                for dw in ("xla", "pallas") if dw == "xla" or jax.devices()[0].platform == "gpu"]
+    # (model.moe_kernel, moe_weight_grad, moe_input_grad): gpu_grouped's Triton kernels on GPUs only.
+    names = {("xla", "kernel"): "", ("pallas", "kernel"): "+pallas_dw", ("pallas", "pallas"): "+pallas_dw_dx"}
+    variants = [(kr, *grads) for kr in ("xla", "tokamax") if kr == "xla" or importlib.util.find_spec(kr)
+                for grads in names if grads[0] == "xla" or jax.devices()[0].platform == "gpu"]
     for variant in variants:
-        kernel = variant[0] if variant[1] == "xla" else f"{variant[0]}+pallas_dw"
-        matmul = moe.grouped_matmul(variant[0], False, variant[1])
+        kernel = variant[0] + names[variant[1:]]
+        matmul = moe.grouped_matmul(*variant[:1], False, *variant[1:])
         forward = jax.jit(lambda x, w, sizes: matmul(x, w, sizes))
         both = jax.jit(jax.grad(lambda x, w, sizes: jnp.sum(matmul(x, w, sizes) * probe), argnums=(0, 1)))
         fwd_ms, fwd_bwd_ms = ms(forward, x, w, sizes), ms(both, x, w, sizes)
@@ -102,7 +104,7 @@ def main(argv):
             print(f"{kernel} against XLA on groups {uneven.tolist()}: "
                   + ", ".join(f"{name} off by {e:.2%} of the largest entry" for name, e in errors.items())
                   + (f": NOT EQUAL ({worst})" if unequal else ""))
-            if variant != ("tokamax", "xla"):
+            if variant != ("tokamax", "xla", "kernel"):
                 continue
             # Its own weight-gradient kernel, which jaxtrain does not use (moe._kernel_ops): once this reads
             # within TOLERANCE on a GPU, it can be used again.

@@ -62,6 +62,7 @@ MOE_ROUTINGS = ("capacity", "dropless")
 MOE_KERNELS = ("xla", "tokamax")
 # Its weight gradient: XLA's (never the kernel library's own: moe._kernel_ops), or models.gpu_grouped's.
 MOE_WEIGHT_GRADS = ("xla", "pallas")
+MOE_INPUT_GRADS = ("kernel", "pallas")
 MOE_DISPATCHES = ("gather", "all_to_all")
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_AUX_LOSSES = ("batch", "sequence")
@@ -219,6 +220,9 @@ class ModelConfig:
     # The weight gradient of dropless's grouped matmuls: "xla" (ragged_dot_general: on GPUs one dense matmul over
     # every expert) or "pallas" (jaxtrain.models.gpu_grouped's Triton kernel, routed rows only; GPUs only).
     moe_weight_grad: str = "xla"
+    # Its input gradient: "kernel" (moe_kernel's ragged_dot on each expert weight transposed, a copy XLA makes per
+    # layer and microbatch) or "pallas" (gpu_grouped's Triton kernel, reading the weight as it is; GPUs only).
+    moe_input_grad: str = "kernel"
     # How dropless routing reaches experts split over mesh.expert: "gather" (XLA gathers every token to every
     # expert shard and all-reduces the partial outputs) or "all_to_all" (each routed row sent once to its expert's
     # device and back: jaxtrain.parallel.experts). The same function; only the communication differs.
@@ -412,19 +416,22 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if importlib.util.find_spec(m.moe_kernel) is None:
             raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is not installed "
                               f"(pip install 'jaxtrain[kernels]')")
-    g.choice("moe_weight_grad", MOE_WEIGHT_GRADS, what="grouped weight gradient")
-    if m.moe_weight_grad != "xla" and not (m.n_experts and m.moe_routing == "dropless"):
-        raise ConfigError("model.moe_weight_grad", f"{m.moe_weight_grad} is dropless routing's weight gradient; "
-                          f"this model has {'capacity routing' if m.n_experts else 'no experts'} (use 'xla')")
-    for field in ("moe_kernel", "moe_weight_grad"):
+    for field, choices, default, what in (("moe_weight_grad", MOE_WEIGHT_GRADS, "xla", "weight gradient"),
+                                          ("moe_input_grad", MOE_INPUT_GRADS, "kernel", "input gradient")):
+        g.choice(field, choices, what=f"grouped {what}")
+        if m[field] != default and not (m.n_experts and m.moe_routing == "dropless"):
+            raise ConfigError(f"model.{field}", f"{m[field]} is dropless routing's {what}; this model has "
+                              f"{'capacity routing' if m.n_experts else 'no experts'} (use '{default}')")
+    for field in ("moe_kernel", "moe_weight_grad", "moe_input_grad"):
         # A Pallas kernel is a custom call XLA cannot partition: it would see the experts gathered whole along
         # `expert` (and repeat every expert's work there) or the MLP width gathered along `tensor`. The
         # all-to-all dispatch hands it each device's own experts and rows.
         local = ("tensor",) if m.moe_dispatch == "all_to_all" else ("expert", "tensor")
-        if m[field] != "xla" and (split := [a for a in local if mesh_shape[a] > 1]):
+        default = "kernel" if field == "moe_input_grad" else "xla"
+        if m[field] != default and (split := [a for a in local if mesh_shape[a] > 1]):
             raise ConfigError(f"model.{field}", f"{m[field]}'s kernel runs each device's tokens through whole "
                               f"expert weights; with mesh.{split[0]}={mesh_shape[split[0]]} XLA would gather them "
-                              f"there (use 'xla', or data/fsdp/sequence axes"
+                              f"there (use '{default}', or data/fsdp/sequence axes"
                               f"{'' if split[0] == 'tensor' else ', or model.moe_dispatch=all_to_all'})")
     g.choice("quant", QUANT_MODES, what="quantization")
     if m.n_experts:
@@ -535,9 +542,10 @@ def check_backend(model, backend: str) -> None:
         if dtype not in ("bfloat16", "float16"):
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
-    if model.moe_weight_grad == "pallas" and backend != "gpu":  # a Triton kernel; CPUs run cpu_grouped's tiles
-        raise ConfigError("model.moe_weight_grad", f"pallas runs on GPUs only; this run compiles for {backend} "
-                          f"(use 'xla')")
+    for field, default in (("moe_weight_grad", "xla"), ("moe_input_grad", "kernel")):
+        if model[field] == "pallas" and backend != "gpu":  # a Triton kernel; CPUs run cpu_grouped's tiles
+            raise ConfigError(f"model.{field}", f"pallas runs on GPUs only; this run compiles for {backend} "
+                              f"(use '{default}')")
     if model.moe_kernel == "tokamax" and backend == "gpu":
         # jax 0.11 renamed an argument of the Mosaic GPU API tokamax's kernels call (out_shape -> out_type), and
         # tokamax 0.0.13 moved to it: an older one fails to trace there (H100, docs/performance.md).

@@ -9,8 +9,8 @@ probabilities (renormalised to sum to 1 with `moe_renormalize`). "capacity": wit
 choices before second ones; the rest are dropped (the residual carries them); dispatch and combine are one-hot
 einsums with static shapes, so with experts on the `expert` mesh axis XLA inserts the all-to-alls. "dropless":
 the call's assignments sorted by expert run through a ragged_dot, jax's or tokamax's (`model.moe_kernel`; on CPU
-cpu_grouped's tiles; its weight gradient XLA's or gpu_grouped's, `model.moe_weight_grad`), reaching experts on
-other devices by gather or all-to-all (`model.moe_dispatch`).
+cpu_grouped's tiles; on GPUs its gradients may be gpu_grouped's: `model.moe_weight_grad`, `moe_input_grad`),
+reaching experts on other devices by gather or all-to-all (`model.moe_dispatch`).
 load_balance_loss = E * sum_e f_e * P_e (1 when balanced; only P_e carries a gradient). Every token counts,
 padding included (docs/parallelism.md).
 """
@@ -179,25 +179,28 @@ def _flat_batch(op):
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
 
-def _kernel_ops(name: str, tiled: bool, weight_grad: str = "xla"):
-    """(ragged_dot, weight gradient) of the library `model.moe_kernel` names (tokamax imported only then), or
-    jaxtrain.models.cpu_grouped's if `tiled`. tokamax's forward and input gradient, and XLA's weight gradient:
-    tokamax 0.0.17's ragged-contracting kernel gave weight gradients off by 14-34% of their largest entry on an H200
-    with jax 0.11.2, where its other two equal XLA's (docs/performance.md; `scripts/bench_ragged_dot.py` checks it
-    again). `weight_grad` "pallas" (`model.moe_weight_grad`): jaxtrain.models.gpu_grouped's instead of XLA's."""
+def _kernel_ops(name: str, tiled: bool, weight_grad: str = "xla", input_grad: str = "kernel"):
+    """(ragged_dot, weight gradient, input gradient or None) of the library `model.moe_kernel` names (tokamax
+    imported only then), or jaxtrain.models.cpu_grouped's if `tiled`. tokamax's forward and input gradient, and
+    XLA's weight gradient: tokamax 0.0.17's ragged-contracting kernel gave weight gradients off by 14-34% of their
+    largest entry on an H200 with jax 0.11.2, where its other two equal XLA's (docs/performance.md;
+    `scripts/bench_ragged_dot.py` checks it again). "pallas" for `weight_grad` (`model.moe_weight_grad`) or
+    `input_grad` (`model.moe_input_grad`): jaxtrain.models.gpu_grouped's kernel instead; the input gradient's None
+    is the forward kernel on the transposed weight."""
     if tiled:
-        return cpu_grouped.ragged_dot, cpu_grouped.ragged_weight_grad
-    if weight_grad == "pallas":
+        return cpu_grouped.ragged_dot, cpu_grouped.ragged_weight_grad, None
+    if "pallas" in (weight_grad, input_grad):
         from jaxtrain.models import gpu_grouped  # Pallas's Triton API, imported only then
-
+    if weight_grad == "pallas":
         grad = gpu_grouped.ragged_weight_grad
     else:
         grad = lambda x, g, sizes: jax.lax.ragged_dot_general(x, g, sizes, _RAGGED_CONTRACTING)  # noqa: E731
+    dx = gpu_grouped.ragged_transposed_dot if input_grad == "pallas" else None
     if name == "tokamax":
         import tokamax  # optional: jaxtrain[kernels]; its absl flags: jaxtrain.compat.tokamax
 
-        return tokamax.ragged_dot, grad
-    return jax.lax.ragged_dot, grad
+        return tokamax.ragged_dot, grad, dx
+    return jax.lax.ragged_dot, grad, dx
 
 
 def tiled_here(kernel: str) -> bool:
@@ -208,12 +211,13 @@ def tiled_here(kernel: str) -> bool:
 
 
 @functools.cache
-def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = "xla"):
+def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = "xla", input_grad: str = "kernel"):
     """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot (cpu_grouped's if `tiled`), with
     its backward written out so that every grouped matmul, the gradients' too, goes through `_flat_batch` and the
-    same kernel (the choice is made once, when the forward is traced: the backward may be traced elsewhere)."""
-    dot, grad = _kernel_ops(kernel, tiled, weight_grad)
+    same kernels (the choice is made once, when the forward is traced: the backward may be traced elsewhere)."""
+    dot, grad, dx = _kernel_ops(kernel, tiled, weight_grad, input_grad)
     forward, weight_grad = _flat_batch(dot), _flat_batch(grad)
+    input_grad = _flat_batch(dx) if dx else lambda g, w, sizes: forward(g, jnp.swapaxes(w, -1, -2), sizes)
 
     @jax.custom_vjp
     def matmul(x, w, sizes):
@@ -224,20 +228,25 @@ def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = 
 
     def bwd(res, g):
         x, w, sizes = res
-        return forward(g, jnp.swapaxes(w, -1, -2), sizes), weight_grad(x, g, sizes).astype(w.dtype), None
+        return input_grad(g, w, sizes), weight_grad(x, g, sizes).astype(w.dtype), None
 
     matmul.defvjp(fwd, bwd)
     return matmul
 
 
-def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla",
-                     weight_grad: str = "xla"):
+def kernels_of(cfg: ModelConfig) -> tuple[str, str, str]:
+    """Dropless's grouped-matmul kernels: (`model.moe_kernel`, `moe_weight_grad`, `moe_input_grad`)."""
+    return cfg.moe_kernel, cfg.moe_weight_grad, cfg.moe_input_grad
+
+
+def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None),
+                     kernels: tuple[str, str, str] = ("xla", "xla", "kernel")):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
     (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run through
     `expert_mlp`: no capacity, nothing dropped. `adapters`: the LoRA factors (lora.factors) of gate-and-up
-    (A [E, d, r], B [E, r, 2, f]) and of down, or None. `kernel`: whose ragged_dot (`model.moe_kernel`);
-    `weight_grad`: whose weight gradient (`model.moe_weight_grad`)."""
+    (A [E, d, r], B [E, r, 2, f]) and of down, or None. `kernels` (`kernels_of`): whose ragged_dot, whose weight
+    gradient and whose input gradient."""
     n, k = experts.shape
     flat = experts.reshape(n * k)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> assignment (token * k + j)
@@ -245,20 +254,20 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
     sizes = jnp.sum(jax.nn.one_hot(flat, w_down.shape[0], dtype=jnp.int32), axis=0)
     # Each token's row repeated k times (the backward sums the copies), then sorted by expert.
     rows = _permute(jnp.broadcast_to(x[:, None], (n, k, x.shape[-1])).reshape(n * k, -1), order, inverse)
-    out = expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters, kernel, weight_grad)
+    out = expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters, kernels)
     out = _permute(out, inverse, order).reshape(n, k, -1)  # back to assignment order
     return jnp.einsum("nk,nkd->nd", gates.astype(x.dtype), out)
 
 
-def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None), kernel: str = "xla",
-               weight_grad: str = "xla"):
+def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None),
+               kernels: tuple[str, str, str] = ("xla", "xla", "kernel")):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
     one ragged_dot per projection (rows past sum(sizes) give zeros). Weights, adapters and kernels as
     `dropless_experts`."""
-    tiled = tiled_here(kernel)
+    tiled = tiled_here(kernels[0])
     if tiled and adapters == (None, None):  # the hidden activations of the routed rows only
         return cpu_grouped.expert_mlp(rows, sizes, w_gate_up, w_down, act)
-    matmul = grouped_matmul(kernel, tiled, weight_grad)
+    matmul = grouped_matmul(kernels[0], tiled, *kernels[1:])
     m = rows.shape[0]
     e, d, ways, width = w_gate_up.shape
     joined = matmul(rows, w_gate_up.reshape(e, d, ways * width), sizes).reshape(m, ways, width)
@@ -408,12 +417,12 @@ class MoE(nnx.Module):
             gate_up, down, adapters = weights
             return dropless_experts(x.reshape(b * t, d), experts.reshape(b * t, -1), gates.reshape(b * t, -1),
                                     gate_up, down, activation(cfg.mlp_activation), adapters,
-                                    cfg.moe_kernel, cfg.moe_weight_grad).reshape(b, t, d)
+                                    kernels_of(cfg)).reshape(b, t, d)
 
         if cfg.moe_dispatch == "all_to_all" and expert_parallel.can_dispatch(batch, tokens):
             # Each routed row sent once to its expert's device and back (parallel/experts.py).
             local = lambda w, rows, sizes: expert_mlp(rows, sizes, w[0], w[1], activation(cfg.mlp_activation), w[2],
-                                                      cfg.moe_kernel, cfg.moe_weight_grad)
+                                                      kernels_of(cfg))
             y, dropped = expert_parallel.dispatch(local, cfg.n_experts, cfg.moe_dispatch_capacity)(
                 weights, x, experts, gates)
             return constrain(y, ("batch", "seq", "act_embed")), {**stats, "dropped": jnp.sum(dropped, axis=1)}

@@ -231,8 +231,9 @@ def _cudnn_attention_flops(module, instr) -> float:
 
 def _grouped_matmul_flops(module, instr) -> float:
     """A kernel taking x [m, k] and w [groups, k, n] to [m, n] (tokamax's ragged_dot, a Pallas or Mosaic custom
-    call) multiplies each row by one group's weight: 2 m k n. One taking x [m, k] and g [m, n] to [groups, k, n]
-    (a grouped weight gradient: models.gpu_grouped) adds each row's outer product to one group's: 2 m k n too."""
+    call), or w [groups, n, k] read transposed (models.gpu_grouped's input gradient), multiplies each row by one
+    group's weight: 2 m k n. One taking x [m, k] and g [m, n] to [groups, k, n] (a grouped weight gradient:
+    models.gpu_grouped) adds each row's outer product to one group's: 2 m k n too."""
     out = dims(instr["shape"]) if not instr["shape"].startswith("(") else []
     shapes = [dims(module["shapes"].get(name, "")) for name in operands(instr)]  # a kernel's own operands too
     if len(out) == 3:
@@ -243,7 +244,7 @@ def _grouped_matmul_flops(module, instr) -> float:
     if len(out) != 2:
         return 0.0
     for x in (s for s in shapes if len(s) == 2 and s[0] == out[0]):
-        if any(len(w) == 3 and w[1] == x[1] and w[2] == out[1] for w in shapes):
+        if any(len(w) == 3 and {(w[1], w[2]), (w[2], w[1])} & {(x[1], out[1])} for w in shapes):
             return 2.0 * x[0] * x[1] * out[1]
     return 0.0
 

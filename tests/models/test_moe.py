@@ -651,6 +651,10 @@ def test_bad_config_raises(overrides, field):
     ({"moe_weight_grad": "pallas"}, "pallas is dropless routing's weight gradient; this model has capacity routing"),
     ({"moe_weight_grad": "pallas", "moe_routing": "dropless", "mesh": {"expert": 2}}, "with mesh.expert=2 XLA would"),
     ({"moe_weight_grad": "pallas", "moe_routing": "dropless"}, "pallas runs on GPUs only; this run compiles for cpu"),
+    ({"moe_input_grad": "xla"}, "unknown grouped input gradient 'xla'"),
+    ({"moe_input_grad": "pallas"}, "pallas is dropless routing's input gradient; this model has capacity routing"),
+    ({"moe_input_grad": "pallas", "moe_routing": "dropless", "mesh": {"tensor": 2}}, "with mesh.tensor=2 XLA would"),
+    ({"moe_input_grad": "pallas", "moe_routing": "dropless"}, "pallas runs on GPUs only; this run compiles for cpu"),
     ({"moe_dispatch": "ragged"}, "moe_dispatch: unknown expert dispatch 'ragged'"),
     ({"moe_dispatch": "all_to_all"}, "moe_dispatch: all_to_all dispatches dropless routing; this model has capacity"),
     ({"moe_dispatch": "all_to_all", "moe_routing": "dropless", "mesh": {"expert": 4}}, None),
@@ -671,7 +675,7 @@ def test_moe_kernel_and_dispatch_are_checked_at_config_time(setting, reason, mon
     if reason is None:
         config_lib.validate(cfg, 8)
     else:
-        field = next(f for f in ("moe_kernel", "moe_weight_grad", "moe_dispatch") if f in setting)
+        field = next(f for f in ("moe_kernel", "moe_weight_grad", "moe_input_grad", "moe_dispatch") if f in setting)
         with pytest.raises(config_lib.ConfigError, match=f"^model.{field}: .*{reason.removeprefix(field + ': ')}"):
             config_lib.validate(cfg, 8)
 
