@@ -165,6 +165,13 @@ def _bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
+def _mapped(path: str) -> np.ndarray:
+    """A step file's bytes, mapped read-only rather than read: a node-local dir is tmpfs or a disk's page cache,
+    and reading into fresh memory faulted in every page of it first (0.6 s of a 247 MB restore on 2 cores). The
+    files are written once and renamed into place, never rewritten, so the mapping stays what was verified."""
+    return np.memmap(path, np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+
+
 def _sha(data) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
 
@@ -471,7 +478,7 @@ class NodeTier:
             for i, key in wanted:
                 e = index[(layout.names[i], key)]
                 if e["file"] not in files:
-                    files[e["file"]] = np.fromfile(os.path.join(self.step_path(step), f"{e['file']}.bin"), np.uint8)
+                    files[e["file"]] = _mapped(os.path.join(self.step_path(step), f"{e['file']}.bin"))
                 data = files[e["file"]][e["offset"]:e["offset"] + e["nbytes"]]
                 if data.size != layout.nbytes((i, key)) or _sha(data) != e["sha256"]:
                     return DAMAGED, i, None, None
@@ -493,7 +500,9 @@ class NodeTier:
             kind = getattr(sharding, "memory_kind", None)
             pieces = []
             for device, key in sorted(layout.device_keys[i].items(), key=lambda kv: kv[0].id):
-                host = np.frombuffer(shards[(i, key)].tobytes(), dtype).reshape([b - a for a, b in key])
+                # No copy here: device_put makes the one a device needs (none for an aligned CPU shard, which
+                # then stays backed by the read-only mapping; jax never writes into a buffer it does not own).
+                host = np.frombuffer(shards[(i, key)], dtype).reshape([b - a for a, b in key])
                 pieces.append(jax.device_put(host, SingleDeviceSharding(device, memory_kind=kind)))
             out.append(jax.make_array_from_single_device_arrays(shape, sharding, pieces))
         return out
