@@ -74,7 +74,7 @@ def main(argv):
     print(f"{device}: dense {dense_ms:.3f} ms ({tflops / dense_ms:,.2f} TFLOP/s)")
     result = {"device": device, "jax": jax.__version__, "rows": rows, "k": k, "n": n, "groups": groups,
               "dense_ms": dense_ms}
-    reference = outputs(("xla", "xla", "kernel"), x, w, uneven, probe)
+    reference = outputs(moe.DEFAULT_KERNELS, x, w, uneven, probe)
     failed = []
     # (model.moe_kernel, moe_weight_grad, moe_input_grad): gpu_grouped's Triton kernels on GPUs only.
     names = {("xla", "kernel"): "", ("pallas", "kernel"): "+pallas_dw", ("pallas", "pallas"): "+pallas_dw_dx"}
@@ -82,7 +82,7 @@ def main(argv):
                 for grads in names if grads[0] == "xla" or jax.devices()[0].platform == "gpu"]
     for variant in variants:
         kernel = variant[0] + names[variant[1:]]
-        matmul = moe.grouped_matmul(*variant[:1], False, *variant[1:])
+        matmul = moe.grouped_matmul(variant[0], False, *variant[1:])
         forward = jax.jit(lambda x, w, sizes: matmul(x, w, sizes))
         both = jax.jit(jax.grad(lambda x, w, sizes: jnp.sum(matmul(x, w, sizes) * probe), argnums=(0, 1)))
         fwd_ms, fwd_bwd_ms = ms(forward, x, w, sizes), ms(both, x, w, sizes)

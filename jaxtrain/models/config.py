@@ -283,6 +283,11 @@ def resolve_dtypes(dtype: str, param_dtype: str, platform: str) -> tuple[str, st
 NOT_MODEL_FIELDS = ("init_from", "init_adapters", "remat")
 
 
+def _default(field: str):
+    """A ModelConfig field's default, where ModelConfig defines it."""
+    return getattr(ModelConfig, field)
+
+
 def config_defaults() -> dict:
     """The config schema's `model` group: every ModelConfig field, Layout's `remat`, `init_from` and
     `init_adapters`."""
@@ -416,9 +421,10 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         if importlib.util.find_spec(m.moe_kernel) is None:
             raise ConfigError("model.moe_kernel", f"{m.moe_kernel} is not installed "
                               f"(pip install 'jaxtrain[kernels]')")
-    for field, choices, default, what in (("moe_weight_grad", MOE_WEIGHT_GRADS, "xla", "weight gradient"),
-                                          ("moe_input_grad", MOE_INPUT_GRADS, "kernel", "input gradient")):
+    for field, choices, what in (("moe_weight_grad", MOE_WEIGHT_GRADS, "weight gradient"),
+                                 ("moe_input_grad", MOE_INPUT_GRADS, "input gradient")):
         g.choice(field, choices, what=f"grouped {what}")
+        default = _default(field)
         if m[field] != default and not (m.n_experts and m.moe_routing == "dropless"):
             raise ConfigError(f"model.{field}", f"{m[field]} is dropless routing's {what}; this model has "
                               f"{'capacity routing' if m.n_experts else 'no experts'} (use '{default}')")
@@ -427,7 +433,7 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
         # `expert` (and repeat every expert's work there) or the MLP width gathered along `tensor`. The
         # all-to-all dispatch hands it each device's own experts and rows.
         local = ("tensor",) if m.moe_dispatch == "all_to_all" else ("expert", "tensor")
-        default = "kernel" if field == "moe_input_grad" else "xla"
+        default = _default(field)
         if m[field] != default and (split := [a for a in local if mesh_shape[a] > 1]):
             raise ConfigError(f"model.{field}", f"{m[field]}'s kernel runs each device's tokens through whole "
                               f"expert weights; with mesh.{split[0]}={mesh_shape[split[0]]} XLA would gather them "
@@ -542,10 +548,10 @@ def check_backend(model, backend: str) -> None:
         if dtype not in ("bfloat16", "float16"):
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
-    for field, default in (("moe_weight_grad", "xla"), ("moe_input_grad", "kernel")):
+    for field in ("moe_weight_grad", "moe_input_grad"):
         if model[field] == "pallas" and backend != "gpu":  # a Triton kernel; CPUs run cpu_grouped's tiles
             raise ConfigError(f"model.{field}", f"pallas runs on GPUs only; this run compiles for {backend} "
-                              f"(use '{default}')")
+                              f"(use '{_default(field)}')")
     if model.moe_kernel == "tokamax" and backend == "gpu":
         # jax 0.11 renamed an argument of the Mosaic GPU API tokamax's kernels call (out_shape -> out_type), and
         # tokamax 0.0.13 moved to it: an older one fails to trace there (H100, docs/performance.md).

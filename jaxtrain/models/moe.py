@@ -179,7 +179,7 @@ def _flat_batch(op):
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], [])
 
 
-def _kernel_ops(name: str, tiled: bool, weight_grad: str = "xla", input_grad: str = "kernel"):
+def _kernel_ops(name: str, tiled: bool, weight_grad: str, input_grad: str):
     """(ragged_dot, weight gradient, input gradient or None) of the library `model.moe_kernel` names (tokamax
     imported only then), or jaxtrain.models.cpu_grouped's if `tiled`. tokamax's forward and input gradient, and
     XLA's weight gradient: tokamax 0.0.17's ragged-contracting kernel gave weight gradients off by 14-34% of their
@@ -211,7 +211,7 @@ def tiled_here(kernel: str) -> bool:
 
 
 @functools.cache
-def grouped_matmul(kernel: str = "xla", tiled: bool = False, weight_grad: str = "xla", input_grad: str = "kernel"):
+def grouped_matmul(kernel: str, tiled: bool, weight_grad: str, input_grad: str):
     """f(x [m, k], w [E, k, n], sizes [E]) -> [m, n] through `kernel`'s ragged_dot (cpu_grouped's if `tiled`), with
     its backward written out so that every grouped matmul, the gradients' too, goes through `_flat_batch` and the
     same kernels (the choice is made once, when the forward is traced: the backward may be traced elsewhere)."""
@@ -239,8 +239,11 @@ def kernels_of(cfg: ModelConfig) -> tuple[str, str, str]:
     return cfg.moe_kernel, cfg.moe_weight_grad, cfg.moe_input_grad
 
 
+DEFAULT_KERNELS = kernels_of(ModelConfig)  # the fields' defaults, as ModelConfig defines them
+
+
 def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, None),
-                     kernels: tuple[str, str, str] = ("xla", "xla", "kernel")):
+                     kernels: tuple[str, str, str] = DEFAULT_KERNELS):
     """Every token through each of its k experts: x [N, d], experts [N, k] int, gates [N, k], w_gate_up
     [E, d, T, 2f/T] (`MoE.gate_up_weights`), w_down [E, f, d] -> sum_j gates[:, j] * down_e(act(x @ gate_e) *
     (x @ up_e)), e = experts[:, j], [N, d] in x's dtype. The N*k assignments sorted by expert (stable) run through
@@ -260,7 +263,7 @@ def dropless_experts(x, experts, gates, w_gate_up, w_down, act, adapters=(None, 
 
 
 def expert_mlp(rows, sizes, w_gate_up, w_down, act, adapters=(None, None),
-               kernels: tuple[str, str, str] = ("xla", "xla", "kernel")):
+               kernels: tuple[str, str, str] = DEFAULT_KERNELS):
     """rows [M, d] sorted by expert, `sizes` [E] rows per expert -> each row through its expert's gated MLP [M, d],
     one ragged_dot per projection (rows past sum(sizes) give zeros). Weights, adapters and kernels as
     `dropless_experts`."""
