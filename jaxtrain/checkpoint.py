@@ -29,7 +29,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax import lax
-from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint_local, compile_cache, files, storage
 from jaxtrain.errors import CheckpointError, CheckpointMismatch, ConfigError, DataError
@@ -371,20 +370,17 @@ class _Dir:
         only `*.orbax-checkpoint-tmp*`), so the step can be saved again and nobody deletes the evidence."""
         src = self.step_path(step)
         stamp = int(time.time())
-        if jax.process_count() > 1:
-            stamp = int(multihost_utils.broadcast_one_to_all(np.uint32(stamp)))
+        stamp = int(distributed.allgather([stamp])[0, 0])  # process 0's
         dst, n = src.parent / f"{src.name}.corrupt-{stamp}", 1
         while dst.exists():
             dst, n = src.parent / f"{src.name}.corrupt-{stamp}-{n}", n + 1
-        if jax.process_count() > 1:  # everyone has picked the name before it exists
-            multihost_utils.sync_global_devices(f"jaxtrain_checkpoint_move_aside_{step}_{stamp}_pick")
+        distributed.allgather([])  # everyone has picked the name before it exists
         if jax.process_index() == 0:
             if storage.is_url(src):
                 storage.move_dir(str(src), str(dst))
             else:
                 src.rename(dst)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"jaxtrain_checkpoint_move_aside_{step}_{stamp}_done")
+        distributed.allgather([])
         self.manager.reload()
         return str(dst)
 
@@ -415,7 +411,7 @@ def _agreed(fn):
         result, error = None, _Corrupt(f"failed to load: {_describe(e)}")
     rank = 2 if isinstance(error, CheckpointError) else int(error is not None)
     if jax.process_count() > 1:
-        worst = int(np.max(multihost_utils.process_allgather(np.int32(rank))))
+        worst = int(distributed.allgather([rank]).max())
         if worst > rank:
             error = (CheckpointError if worst == 2 else _Corrupt)("failed on another process")
     if error is not None:
@@ -604,7 +600,7 @@ class Checkpointer:
         """Whether `step` is due for a save; the same answer on every process.
 
         Step rules are evaluated locally (every process knows the step). The clock rule is evaluated on
-        process 0 and broadcast (`multihost_utils.broadcast_one_to_all`, a tiny collective), because wall
+        process 0 and sent to the others (`distributed.from_process_0`), because wall
         clocks and step times differ between hosts.
         """
         persistent = bool(self.every_steps and step % self.every_steps == 0)
@@ -774,7 +770,7 @@ class Checkpointer:
         if self._node:
             newest = self._node.latest_step()
             if not reread and jax.process_count() > 1:  # another process's newest may reach this one from a peer
-                newest = int(np.max(multihost_utils.process_allgather(np.int64(-1 if newest is None else newest))))
+                newest = int(distributed.allgather([-1 if newest is None else newest]).max())
             steps += [newest] if newest is not None and newest >= 0 else []
         return max(steps, default=None)
 

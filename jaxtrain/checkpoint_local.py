@@ -32,9 +32,10 @@ import time
 import jax
 import numpy as np
 from jax import lax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxtrain.parallel import distributed
 
 MODES = ("shared", "node")  # `shared`: one Orbax directory every process sees (the local tier before this module)
 REPLICAS = ("peer", "none")
@@ -153,14 +154,6 @@ def transfer(send: np.ndarray, pairs: tuple[tuple[int, int], ...], length: int) 
     return received.reshape(-1).view(np.uint8)
 
 
-def _allgather(values: list[int]) -> np.ndarray:
-    """(processes, len(values)) int64: every process's `values` (the same length everywhere)."""
-    row = np.asarray(values, np.int64)
-    if jax.process_count() == 1:
-        return row[None]
-    return np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), len(values))
-
-
 def _bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
@@ -199,10 +192,10 @@ def check_private(root) -> str | None:
     try:
         if n == 1:
             return problem
-        nonces = _allgather([nonce, -1, 0])[:, 0]
+        nonces = distributed.allgather([nonce, -1, 0])[:, 0]
         seen = [q for q in range(n) if q != p and min(nonce, nonces[q]) >= 0
                 and _reads(marker[q]) == str(nonces[q])]
-        table = _allgather([nonce < 0, len(seen), 0])  # the same shape as above: one compiled program
+        table = distributed.allgather([nonce < 0, len(seen), 0])  # the same shape as above: one compiled program
     finally:
         if nonce >= 0:
             with contextlib.suppress(OSError):
@@ -283,7 +276,7 @@ class NodeTier:
         the background; returns why it could not start, or None."""
         error = self.wait()
         layout = self.layout(flat)
-        if not _allgather([step not in self.all_steps()]).any():
+        if not distributed.allgather([step not in self.all_steps()]).any():
             return error  # committed everywhere already (the step a run resumed from)
         own, problem = [], None
         try:
@@ -401,7 +394,7 @@ class NodeTier:
                 fits = True
             (mine if fits else other).append(step)
         width = self.keep + 8
-        table = _allgather((mine[:width] + [-1] * width)[:width])
+        table = distributed.allgather((mine[:width] + [-1] * width)[:width])
         have = [set(int(s) for s in row if s >= 0) for row in table]
         agreed = {}
         for step in sorted(set().union(*have)):
@@ -429,7 +422,7 @@ class NodeTier:
         shards, header, status, bad = None, None, MISSING, -1
         if sources[p] == "local_dir":
             status, bad, shards, header = self._read_own(step, layout.own[p], layout)
-        table = _allgather([status, bad])
+        table = distributed.allgather([status, bad])
         needy = [q for q in range(n) if table[q, 0] != OK]
         serve, serve_bad, payload = -1, -1, np.zeros(0, np.uint8)
         if buddy and (p - k) % n in needy:  # this process serves its predecessor
@@ -437,7 +430,7 @@ class NodeTier:
             if serve == OK:
                 text = json.dumps(head).encode()
                 payload = np.concatenate([np.frombuffer(len(text).to_bytes(8, "little") + text, np.uint8), *body])
-        table2 = _allgather([serve, serve_bad, payload.size])
+        table2 = distributed.allgather([serve, serve_bad, payload.size])
         server = {q: (q + k) % n for q in needy}
         unserved = [q for q in needy if not buddy or table2[server[q], 0] != OK]
         notes = []

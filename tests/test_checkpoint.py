@@ -8,12 +8,12 @@ import threading
 import jax
 import numpy as np
 import pytest
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 from jaxtrain import checkpoint
+from jaxtrain.parallel import distributed
 from jaxtrain.parallel import pipeline as pipeline_parallel
 
 
@@ -147,10 +147,10 @@ def test_save_policies_every_steps_and_minutes(tmp_path, monkeypatch):
     # On several processes the clock rule is decided by process 0 and broadcast: another process's own clock
     # (here: not due) does not matter.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.int32(1))
+    monkeypatch.setattr(distributed, "allgather", lambda values: np.array([[1], values]))  # process 0's: due
     now[0] = 131
     assert ckpt.should_save(10)
-    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.int32(0))
+    monkeypatch.setattr(distributed, "allgather", lambda values: np.array([[0], values]))
     now[0] = 1000
     assert not ckpt.should_save(11)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""Multi-process start-up: decides how to call `jax.distributed.initialize`, then calls it once.
+"""Multi-process start-up (decides how to call `jax.distributed.initialize`, then calls it once), and agreement.
 
 Each of coordinator ("host:port"), process count and process id comes from the first of these that sets it:
 the config's `distributed` group; JAXTRAIN_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID; then, with auto=True, the
@@ -7,7 +7,8 @@ SLURM_PROCID, SLURM_STEP_NUM_TASKS, the node list's first host as coordinator) o
 Indexed Job; Kubernetes never tells a pod the pod count, so JAXTRAIN_NUM_PROCESSES is required there).
 JAXTRAIN_COORDINATOR_PORT overrides a derived coordinator's port (SLURM 61440 + job id % 4096, Kubernetes
 8476). A count of 1, or nothing set and nothing detected, is a single process. Every variable each path reads
-is listed in BUILD.md (Multi-host).
+is listed in BUILD.md (Multi-host). Afterwards the processes agree on small decisions (`allgather`,
+`any_process`, `from_process_0`) through the coordination service, not the devices.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.fields import Group
@@ -348,19 +348,47 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
 
 
 # --- Agreement between processes ---------------------------------------------------------------------
+# Through the coordination service's key-value store, not a device collective: one of those is a program to
+# trace and compile at its first use in a process, and on CPU a process other than 0 compiles it at every start
+# (jaxtrain.compile_cache), while the others wait for it.
+
+_AGREE = "jaxtrain/agree"
+_AGREE_TIMEOUT_MS = 24 * 3600 * 1000  # a peer that never arrives is the watchdog's (faults.step_timeout_s)
+_rounds = itertools.count()  # every process makes the same agreements, in the same order
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    if jax_distributed.global_state.client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return jax_distributed.global_state.client
+
+
+def allgather(values) -> np.ndarray:
+    """(processes, len(values)) int64: every process's `values` (as many on each), on every process. Three
+    RPCs to the coordination service: a key, a barrier, the directory of the round's keys."""
+    row = np.asarray(values, np.int64).reshape(-1)
+    if jax.process_count() == 1:
+        return row[None]
+    client, n, me = _client(), next(_rounds), jax.process_index()
+    client.key_value_set(f"{_AGREE}/{n}/{me}", ",".join(str(v) for v in row.tolist()))
+    client.wait_at_barrier(f"jaxtrain_agree_{n}", _AGREE_TIMEOUT_MS)
+    rows = dict(client.key_value_dir_get(f"{_AGREE}/{n}/"))
+    if me == 0 and n:  # everyone has read round n - 1 before reaching this round's barrier
+        client.key_value_delete(f"{_AGREE}/{n - 1}/")
+    return np.array([[int(v) for v in rows[f"{_AGREE}/{n}/{p}"].split(",") if v]
+                     for p in range(jax.process_count())], np.int64).reshape(jax.process_count(), row.size)
+
 
 def any_process(flag: bool) -> bool:
     """Whether `flag` is true on any process (every process gets the same answer)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+    return bool(allgather([flag]).max())
 
 
 def from_process_0(flag: bool) -> bool:
     """Process 0's `flag`, on every process."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+    return bool(allgather([flag])[0, 0])
 
 
 class KeyValueStore:
@@ -368,11 +396,7 @@ class KeyValueStore:
     processes without the devices, e.g. step times (hooks.StragglerHook). Every call is one RPC."""
 
     def __init__(self):
-        from jax._src import distributed as jax_distributed
-
-        self._client = jax_distributed.global_state.client
-        if self._client is None:
-            raise RuntimeError("KeyValueStore: jax.distributed is not initialized")
+        self._client = _client()
 
     def set(self, key: str, value: str) -> None:
         self._client.key_value_set(key, value, allow_overwrite=True)
