@@ -74,7 +74,12 @@ def last_step(workdir: Path) -> int:
     path = workdir / "metrics.jsonl"
     if not path.exists():
         return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if '"loss"' in line]
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line).get("step", 0) if '"loss"' in line else 0)
+        except json.JSONDecodeError:  # the record being written
+            pass
     return max(steps, default=0)
 
 
