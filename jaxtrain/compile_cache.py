@@ -7,15 +7,20 @@ turns it off; any other value is the directory. Every program is cached, not onl
 compile (unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise). No size limit is set: with one,
 jax rereads every entry's access time at each write. jax's cache is process-wide and opened at the first
 compile, so `install` belongs to entry points (`jaxtrain train`), before anything compiles; the library never
-calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`). On CPU, a
-process other than 0 keeps entries of its own beside jax's (`compile`): there jax's key names the process.
+calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`). Beside jax's
+entries, each process keeps its own of the programs it compiled (`compile`): on CPU jax's key names the process,
+and under `jaxtrain supervise` they are also found by keys computed without tracing, so that a restart skips
+the trace as well as the compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import pickle
+import shutil
 
 from jaxtrain.errors import ConfigError
 
@@ -23,23 +28,51 @@ FIELD = "train.compile_cache"
 OFF = ("", "off")
 ENV = "JAX_COMPILATION_CACHE_DIR"
 MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # jax's own default: 1 s
-_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+SUPERVISED_ENV = "JAXTRAIN_ATTEMPT"  # set by `jaxtrain supervise` for each attempt
+_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses",
+           "/jax/core/compile/backend_compile_duration": "compiles"}  # a compile or a load from jax's cache
 _counts: dict[str, int] | None = None  # hits and misses since `install` registered its listener
+_listening = False
+_untraced = False  # `install` turns untraced entries on for a supervised attempt
+_code: str | None = None  # `_source_files`, once per process
 _log = logging.getLogger(__name__)  # JAX_DEBUG_LOG_MODULES=jaxtrain.compile_cache shows its hits, as jax's own
 
 
 def _count(event: str, *args, **kwargs) -> None:
     if _counts is not None and event in _EVENTS:
-        _counts[_EVENTS[event]] += 1
+        _counts[_EVENTS[event]] = _counts.get(_EVENTS[event], 0) + 1
+
+
+def listen() -> None:
+    """Registers the listeners behind `counts`, once (`install` does)."""
+    global _listening
+    import jax
+
+    if not _listening:
+        jax.monitoring.register_event_listener(_count)
+        jax.monitoring.register_event_duration_secs_listener(_count)
+        _listening = True
+
+
+def unlisten() -> None:
+    global _listening
+    import jax
+
+    if _listening:
+        jax.monitoring.unregister_event_listener(_count)
+        jax.monitoring.unregister_event_duration_listener(_count)
+        _listening = False
 
 
 def counts() -> dict[str, int] | None:
-    """{"hits", "misses"} of jax's persistent cache in this process so far; None unless `install` ran."""
+    """{"hits", "misses"} of jax's persistent cache in this process so far (and "untraced", the hits that
+    skipped the trace too); None unless `install` ran."""
     return None if _counts is None else dict(_counts)
 
 
 def source(before: dict | None, after: dict | None) -> str | None:
-    """How a compile between two `counts()` got its executable: "cache", "compiled", or None (unknown)."""
+    """How a compile between two `counts()` got its executable: "cache", "untraced" (an untraced entry: no trace
+    either, see `compile`), "compiled", or None (unknown)."""
     import jax
 
     if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
@@ -47,7 +80,7 @@ def source(before: dict | None, after: dict | None) -> str | None:
     if before is None or after is None:
         return None
     if after["hits"] > before["hits"] and after["misses"] == before["misses"]:
-        return "cache"
+        return "untraced" if after.get("untraced", 0) > before.get("untraced", 0) else "cache"
     return "compiled" if after["misses"] > before["misses"] else None
 
 
@@ -84,13 +117,17 @@ def _unwritable(path: str) -> str | None:
 def install(config, environ=os.environ, warn=print) -> str | None:
     """Points jax's persistent cache at the run's directory (or turns it off) and returns the directory. Creates
     nothing: jax does at its first compile. A named directory that can't be written is a ConfigError; under
-    "auto" the run warns and goes on without a cache. Also counts the cache's hits and misses (`counts`)."""
-    global _counts
+    "auto" the run warns and goes on without a cache. Also counts the cache's hits and misses (`counts`).
+
+    Under `jaxtrain supervise` (SUPERVISED_ENV set) it also turns on untraced entries (`compile`): a restart
+    loads the step it ran before without tracing it, keyed by the config, the arguments and the code on disk
+    (`_source_files`). Only there: in a notebook or a test, code redefined in memory would not change the key."""
+    global _counts, _untraced
     import jax
 
-    if _counts is None:  # a process-wide listener, registered once
+    if _counts is None:  # process-wide listeners, registered once
         _counts = {"hits": 0, "misses": 0}
-        jax.monitoring.register_event_listener(_count)
+        listen()
 
     path = directory(config.train.compile_cache, config.workdir, environ)
     if path is not None and "://" not in path and (why := _unwritable(path)):
@@ -98,6 +135,7 @@ def install(config, environ=os.environ, warn=print) -> str | None:
             raise ConfigError(FIELD, f"{path}: {why}")
         warn(f"warning: {FIELD}=auto: {why}; compiling without a persistent cache")
         path = None
+    _untraced = path is not None and SUPERVISED_ENV in environ
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -108,63 +146,186 @@ def install(config, environ=os.environ, warn=print) -> str | None:
     return path
 
 
-def _own_entry(lowered, args) -> tuple[str, list] | None:
-    """(where this process keeps its own entry for `lowered`, the devices it runs on), or None where jax's cache
-    serves it. On CPU jax's key hashes compile options and a topology that name the process, and jax writes
-    entries from process 0 only, so a process other than 0 would compile at every restart. Only a program over
-    one mesh (its arguments' NamedShardings) is kept: the mesh's device order is the executable's. The key
-    hashes the program, that order, the process, jax's versions and XLA_FLAGS."""
+def _mesh_devices(args) -> list | None:
+    """The devices of the one mesh `args` are laid out on (their NamedShardings), in the mesh's order, which is the
+    executable's; None for any other layout, which only jax's cache serves."""
+    import jax
+
+    meshes = {getattr(a, "sharding", None).mesh for a in jax.tree.leaves(args)
+              if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)}
+    return list(meshes.pop().devices.flat) if len(meshes) == 1 else None
+
+
+def _entry_dir() -> str | None:
+    import jax
+
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if not jax.config.jax_enable_compilation_cache or not cache_dir or "://" in cache_dir:
+        return None
+    return cache_dir
+
+
+def _hash(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _program_entry(lowered, devices) -> str | None:
+    """Where this process keeps its own entry for `lowered`, keyed by the program, the mesh's device order, the
+    process, jax's versions, XLA_FLAGS and LIBTPU_INIT_ARGS. On CPU jax's key names the process and jax writes
+    from process 0 only, so another process would compile at every restart; and an untraced entry
+    (`_untraced_entry`) can be linked to one of these, never made from an executable jax loaded (`compile`)."""
     import jax
     import jaxlib
 
-    cache_dir = jax.config.jax_compilation_cache_dir
-    if (not jax.config.jax_enable_compilation_cache or not cache_dir or "://" in cache_dir
-            or jax.process_index() == 0 or jax.devices()[0].platform != "cpu"):
+    cache_dir = _entry_dir()
+    if cache_dir is None:
         return None
-    meshes = {getattr(a, "sharding", None).mesh for a in jax.tree.leaves(args)
-              if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)}
-    if len(meshes) != 1:
-        return None
-    devices = list(meshes.pop().devices.flat)
-    key = hashlib.sha256()
-    for part in (lowered.as_text(), str([d.id for d in devices]), jax.__version__, jaxlib.__version__,
-                 os.environ.get("XLA_FLAGS", ""), f"{jax.process_index()}/{jax.process_count()}"):
-        key.update(part.encode() + b"\0")
-    return os.path.join(cache_dir, f"jaxtrain-cpu-process-{jax.process_index()}", key.hexdigest()), devices
+    key = _hash(lowered.as_text(), str([d.id for d in devices]), jax.__version__, jaxlib.__version__,
+                os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+                f"{jax.process_index()}/{jax.process_count()}")
+    return os.path.join(cache_dir, f"jaxtrain-programs-process-{jax.process_index()}", key)
 
 
-def compile(jitted, *args):
-    """`jitted.lower(*args).compile()` through the persistent cache: jax's, or on CPU in a process other than 0
-    an entry of its own (`_own_entry`), counted as a hit like jax's. An entry that fails to load is compiled
-    again and replaced."""
+def _source_files(environ) -> str:
+    """What decides a traced program besides the caller's key and the arguments, hashed once per process: the
+    content of jaxtrain's files and of every loaded module from outside the Python installation (the user's), the
+    installed distributions and their versions, jax's config, XLA_FLAGS and LIBTPU_INIT_ARGS, the devices."""
+    global _code
+    if _code is None:
+        import sys
+
+        import jax
+
+        installed = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+        installed = tuple({os.path.join(f(p), "") for p in installed for f in (os.path.abspath, os.path.realpath)})
+        package = os.path.dirname(os.path.realpath(__file__))
+        paths = {os.path.join(root, f) for root, _, names in os.walk(package) for f in names if f.endswith(".py")}
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None) or ""
+            if path.endswith(".py") and not path.startswith(installed):
+                if not (path := os.path.realpath(path)).startswith(installed):
+                    paths.add(path)
+        sites = [d for d in sys.path if d.startswith(installed) and os.path.isdir(d)]
+        h = hashlib.sha256()
+        for path in sorted(paths):
+            with contextlib.suppress(OSError):
+                with open(path, "rb") as f:
+                    h.update(path.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+        dists = sorted(name for d in sites for name in os.listdir(d) if name.endswith((".dist-info", ".egg-info")))
+        devices = [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()]
+        _code = _hash(h.hexdigest(), str(dists), repr(sorted(jax.config.values.items())),
+                      environ.get("XLA_FLAGS", ""), environ.get("LIBTPU_INIT_ARGS", ""), str(devices),
+                      f"{jax.process_index()}/{jax.process_count()}")
+    return _code
+
+
+def _untraced_entry(jitted, args, devices, key: tuple[str, ...]) -> str | None:
+    """Where this process keeps `jitted`'s executable for `args` under a key computed without tracing it (see
+    `install`), or None where that is off."""
+    import jax
+
+    cache_dir = _entry_dir()
+    if not _untraced or cache_dir is None:
+        return None
+    leaves, tree = jax.tree.flatten(args)
+    signature = [str(tree), str([d.id for d in devices])]
+    signature += [f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {getattr(x, 'sharding', None)!r}"
+                  for x in leaves]
+    name = getattr(jitted, "__name__", "program")
+    digest = _hash(_source_files(os.environ), name, *key, *signature)
+    return os.path.join(cache_dir, f"jaxtrain-untraced-process-{jax.process_index()}", f"{name}-{digest}")
+
+
+def _load(path: str, devices, jitted, how: str):
+    """The executable kept at `path`, counted as a hit of the cache (of an untraced entry if `how` says so), or
+    None if there is none or it fails to load (damaged, or stale)."""
     import jax
     from jax.experimental import serialize_executable
 
-    lowered = jitted.lower(*args)
-    own = _own_entry(lowered, args)
-    if own is None:
-        return lowered.compile()
-    path, devices = own
-    if os.path.exists(path):
-        try:
-            with open(path, "rb") as f:
-                compiled = serialize_executable.deserialize_and_load(
-                    f.read(), jax.tree.structure(lowered.args_info), lowered.out_tree, execution_devices=devices)
-            _count("/jax/compilation_cache/cache_hits")
-            _log.debug("own-entry cache hit for 'jit_%s' (process %d)", getattr(jitted, "__name__", "?"),
-                       jax.process_index())
-            return compiled
-        except Exception:  # noqa: BLE001 - a damaged or stale entry: compile as if it were absent
-            pass
-    compiled = lowered.compile()  # jax counts its miss
+    if not os.path.exists(path):
+        return None
     try:
-        payload, _, _ = serialize_executable.serialize(compiled)
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    except Exception:  # noqa: BLE001 - a damaged or stale entry: compile as if it were absent
+        return None
+    _count("/jax/compilation_cache/cache_hits")
+    if how == "untraced" and _counts is not None:
+        _counts["untraced"] = _counts.get("untraced", 0) + 1
+    _log.debug("%s cache hit for 'jit_%s' (process %d)", how, getattr(jitted, "__name__", "?"), jax.process_index())
+    return compiled
+
+
+def _write(path: str, write) -> None:
+    """`write(temporary path)`, then the result renamed to `path`; nothing if that fails (not serializable: host
+    callbacks; or no room): the next start compiles."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + f".tmp{os.getpid()}", "wb") as f:
+        write(tmp)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _store(path: str, compiled) -> None:
+    from jax.experimental import serialize_executable
+
+    def write(tmp):
+        payload = pickle.dumps(serialize_executable.serialize(compiled))
+        with open(tmp, "wb") as f:
             f.write(payload)
-        os.replace(path + f".tmp{os.getpid()}", path)
-    except Exception:  # noqa: BLE001 - not serializable (host callbacks), or no room: the next start compiles
-        pass
+
+    _write(path, write)
+
+
+def _link(source: str, path: str) -> None:
+    def write(tmp):
+        try:
+            os.link(source, tmp)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(source, tmp)
+
+    _write(path, write)
+
+
+def compile(jitted, *args, key: tuple[str, ...] | None = None):
+    """`jitted.lower(*args).compile()` through the persistent cache, counted as jax counts its hits.
+
+    With `key` (what decides the traced program besides the code and the arguments) and untraced entries on
+    (`install`), an executable kept under a key computed without tracing is loaded: no trace, lowering or
+    compile. Otherwise this process's own entry for the lowered program (`_program_entry`), else jax's cache.
+    Entries are made only from an executable compiled here: XLA:CPU re-serializes one that jax loaded from its
+    cache (or from process 0, jax_share_binary_between_hosts) without some of its functions, and it then fails
+    when run. An untraced entry is linked to the program's entry where that exists. An entry that fails to load
+    is passed over, and replaced once the program is compiled."""
+    import jax
+
+    devices = _mesh_devices(args)
+    if devices is None or _entry_dir() is None:
+        return jitted.lower(*args).compile()
+    untraced = _untraced_entry(jitted, args, devices, key) if key is not None else None
+    if untraced and (compiled := _load(untraced, devices, jitted, "untraced")) is not None:
+        return compiled
+    lowered = jitted.lower(*args)
+    program = _program_entry(lowered, devices)
+    if (compiled := _load(program, devices, jitted, "own-entry")) is not None:
+        if untraced:
+            _link(program, untraced)
+        return compiled
+    before = counts()
+    compiled = lowered.compile()
+    after = counts()
+    if (before is not None and after.get("compiles", 0) > before.get("compiles", 0)
+            and after["hits"] == before["hits"] and not jax.config.jax_share_binary_between_hosts):
+        _store(program, compiled)
+        if untraced:
+            _link(program, untraced)
     return compiled
 
 
@@ -187,6 +348,6 @@ def per_signature(compile_fn):
 
 def cached(jitted):
     """`jitted`, its executable for each new argument signature from `compile`: for a program that a restart
-    runs before its first step (the restore's checksums), which would otherwise compile afresh in a CPU process
-    other than 0."""
-    return per_signature(lambda *args: compile(jitted, *args))
+    runs before its first step (the restore's checksums), which would otherwise be traced, and compiled afresh
+    in a CPU process other than 0."""
+    return per_signature(lambda *args: compile(jitted, *args, key=()))

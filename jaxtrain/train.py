@@ -277,7 +277,7 @@ def metric_writer(config, workdir, writers, is_main: bool):
 
 def compile_step(config, trainer, ddir: str, objective, say, t_start: float, phases: goodput.Phases | None = None):
     """(the train step compiled ahead of time for the data's batches, so the first step is a step, not a
-    compile; "cache", "compiled" or None: where the executable came from, see compile_cache.source)."""
+    compile; "cache", "untraced", "compiled" or None: where the executable came from, see compile_cache.source)."""
     t = time.perf_counter()
     before = compile_cache.counts()
     keys = pipeline.batch_keys(ddir) if objective.data != "prompts" else (
@@ -286,12 +286,15 @@ def compile_step(config, trainer, ddir: str, objective, say, t_start: float, pha
                                               jnp.float32 if k in objective.float_keys else jnp.int32,
                                               sharding=trainer.batch_sharding)
                       for k in keys}
-    train_step = compile_cache.compile(trainer.train_step, trainer.abstract_state, abstract_batch)
+    # The config and the resolved model decide the traced step besides the code and its arguments.
+    key = (config.to_json_best_effort(sort_keys=True), repr(trainer.model_cfg))
+    train_step = compile_cache.compile(trainer.train_step, trainer.abstract_state, abstract_batch, key=key)
     compiled_from = compile_cache.source(before, compile_cache.counts())
     if phases:
         phases.seconds["compile"] = time.perf_counter() - t
     say(f"compiled train step in {time.perf_counter() - t:.1f}s (startup {time.perf_counter() - t_start:.1f}s"
-        f"{'; from the compile cache' if compiled_from == 'cache' else ''})")
+        f"{'; from the compile cache' if compiled_from in ('cache', 'untraced') else ''}"
+        f"{', untraced' if compiled_from == 'untraced' else ''})")
     return train_step, compiled_from
 
 

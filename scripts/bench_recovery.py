@@ -39,7 +39,8 @@ MODES = ("cold", "cache", "cache+local")
 PHASES = ("restart_wait", "process_start", "distributed_init", "setup", "restore", "data_restore", "compile")
 # jax's compiler log (JAX_DEBUG_LOG_MODULES=jax._src.compiler,jaxtrain.compile_cache): a glog prefix, then the
 # train step's cache outcome (a CPU process other than 0 hits an entry of its own: jaxtrain/compile_cache.py).
-STEP_COMPILE = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*(cache hit|CACHE MISS) for 'jit_train_step'", re.M)
+STEP_COMPILE = re.compile(
+    r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*?((?:untraced )?cache hit|CACHE MISS) for 'jit_train_step'", re.M)
 NOT_WRITTEN = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*Not writing persistent cache entry", re.M)
 
 
@@ -123,8 +124,8 @@ def run_mode(config: str, mode: str, disk: Path, memory: Path, kills: list[int],
 
 
 def step_compiles(log: str) -> list[tuple[float, str, float | None]]:
-    """(unix time it ended, "cache" or "compiled", seconds compiling or None) of each train-step compile in a
-    process's log (not process 0's: a miss there is followed by a cache write, not by "Not writing")."""
+    """(unix time it ended, "cache", "untraced" or "compiled", seconds compiling or None) of each train-step compile
+    in a process's log (not process 0's: a miss there is followed by a cache write, not by "Not writing")."""
     def unix(md: str, hms: str) -> float:  # glog's local time, without the year
         year = datetime.date.today().year
         return datetime.datetime.strptime(f"{year}{md} {hms}", "%Y%m%d %H:%M:%S.%f").timestamp()
@@ -132,8 +133,8 @@ def step_compiles(log: str) -> list[tuple[float, str, float | None]]:
     out = []
     for m in STEP_COMPILE.finditer(log):
         start = unix(m.group(1), m.group(2))
-        if m.group(3) == "cache hit":
-            out.append((start, "cache", None))
+        if m.group(3).endswith("cache hit"):
+            out.append((start, "untraced" if m.group(3).startswith("untraced") else "cache", None))
         elif end := NOT_WRITTEN.search(log, m.end()):
             out.append((unix(end.group(1), end.group(2)), "compiled", unix(end.group(1), end.group(2)) - start))
     return out

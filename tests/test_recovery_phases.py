@@ -18,9 +18,9 @@ def phases_records(workdir):
 def cache_counts(monkeypatch):
     """compile_cache's hit counting, as `jaxtrain train` installs it (the suite's cache dir is conftest's)."""
     monkeypatch.setattr(compile_cache, "_counts", {"hits": 0, "misses": 0})
-    jax.monitoring.register_event_listener(compile_cache._count)
+    compile_cache.listen()
     yield
-    jax.monitoring.unregister_event_listener(compile_cache._count)
+    compile_cache.unlisten()
 
 
 def test_resume_records_its_phases_and_the_restore_tier(tiny_config, tmp_path, monkeypatch, cache_counts):
