@@ -34,7 +34,7 @@ _EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/
 _counts: dict[str, int] | None = None  # hits and misses since `install` registered its listener
 _listening = False
 _untraced = False  # `install` turns untraced entries on for a supervised attempt
-_code: str | None = None  # `_source_files`, once per process
+_code: str | None = None  # `_untraced_context`, once per process
 _log = logging.getLogger(__name__)  # JAX_DEBUG_LOG_MODULES=jaxtrain.compile_cache shows its hits, as jax's own
 
 
@@ -121,7 +121,7 @@ def install(config, environ=os.environ, warn=print) -> str | None:
 
     Under `jaxtrain supervise` (SUPERVISED_ENV set) it also turns on untraced entries (`compile`): a restart
     loads the step it ran before without tracing it, keyed by the config, the arguments and the code on disk
-    (`_source_files`). Only there: in a notebook or a test, code redefined in memory would not change the key."""
+    (`_untraced_context`). Only there: in a notebook or a test, code redefined in memory would not change the key."""
     global _counts, _untraced
     import jax
 
@@ -189,7 +189,7 @@ def _program_entry(lowered, devices) -> str | None:
     return os.path.join(cache_dir, f"jaxtrain-programs-process-{jax.process_index()}", key)
 
 
-def _source_files(environ) -> str:
+def _untraced_context(environ) -> str:
     """What decides a traced program besides the caller's key and the arguments, hashed once per process: the
     content of jaxtrain's files and of every loaded module from outside the Python installation (the user's), the
     installed distributions and their versions, jax's config, XLA_FLAGS and LIBTPU_INIT_ARGS, the devices."""
@@ -235,7 +235,7 @@ def _untraced_entry(jitted, args, devices, key: tuple[str, ...]) -> str | None:
     signature += [f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {getattr(x, 'sharding', None)!r}"
                   for x in leaves]
     name = getattr(jitted, "__name__", "program")
-    digest = _hash(_source_files(os.environ), name, *key, *signature)
+    digest = _hash(_untraced_context(os.environ), name, *key, *signature)
     return os.path.join(cache_dir, f"jaxtrain-untraced-process-{jax.process_index()}", f"{name}-{digest}")
 
 

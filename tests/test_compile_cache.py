@@ -259,7 +259,7 @@ def test_the_untraced_key_follows_the_code_on_disk_and_the_compiler_flags(tmp_pa
 
     def key(environ):
         monkeypatch.setattr(compile_cache, "_code", None)  # computed once per process
-        return compile_cache._source_files(environ)
+        return compile_cache._untraced_context(environ)
 
     base = key({})
     assert key({}) == base
