@@ -100,3 +100,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"over budget: {path} {s:.0f} s (budget {budget or budgets['default_file_s']} s)")
     if out := os.environ.get("JAXTRAIN_TEST_TIMES"):  # each file's seconds, to set budgets.json from a measured run
         Path(out).write_text(json.dumps({p: round(s, 1) for p, s in sorted(_FILE_SECONDS.items())}, indent=1) + "\n")
+
+
+@pytest.fixture
+def cache_counts(monkeypatch):
+    """jaxtrain.compile_cache's counts of hits and compiles, as `jaxtrain train` installs them (the suite's cache
+    dir is this file's)."""
+    from jaxtrain import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_counts", {"hits": 0, "misses": 0})
+    compile_cache.listen()
+    yield
+    compile_cache.unlisten()

@@ -143,15 +143,6 @@ def own_cache_dir(tmp_path):
         jax.config.update(n, v)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """compile_cache's hit counting, as `install` registers it (it tells a compile from jax's cache hit)."""
-    monkeypatch.setattr(compile_cache, "_counts", {"hits": 0, "misses": 0})
-    compile_cache.listen()
-    yield
-    compile_cache.unlisten()
-
-
 class Spy:
     """A jitted function whose lowerings (its traces) are counted."""
 
@@ -172,7 +163,7 @@ def arrays():
     return x, jax.device_put(jnp.full((4, 5), 0.7), jax.sharding.NamedSharding(mesh, P()))
 
 
-def test_each_process_keeps_and_loads_entries_of_the_programs_it_compiled(own_cache_dir, counted, monkeypatch):
+def test_each_process_keeps_and_loads_entries_of_the_programs_it_compiled(own_cache_dir, cache_counts, monkeypatch):
     import jax
     import jax.numpy as jnp
 
@@ -209,7 +200,7 @@ def test_each_process_keeps_and_loads_entries_of_the_programs_it_compiled(own_ca
     assert (own / entry).read_bytes() == b"damaged"
 
 
-def test_untraced_entries_load_without_a_trace_under_the_supervisor(own_cache_dir, counted, monkeypatch):
+def test_untraced_entries_load_without_a_trace_under_the_supervisor(own_cache_dir, cache_counts, monkeypatch):
     import jax
     import jax.numpy as jnp
 

@@ -4,23 +4,13 @@ import json
 
 import jax
 import jax.numpy as jnp
-import pytest
 
-from jaxtrain import checkpoint, compile_cache, train
+from jaxtrain import checkpoint, train
 from jaxtrain.observe import goodput
 
 
 def phases_records(workdir):
     return [r for r in goodput.read_records(f"{workdir}/goodput.jsonl") if r["event"] == "phases"]
-
-
-@pytest.fixture
-def cache_counts(monkeypatch):
-    """compile_cache's hit counting, as `jaxtrain train` installs it (the suite's cache dir is conftest's)."""
-    monkeypatch.setattr(compile_cache, "_counts", {"hits": 0, "misses": 0})
-    compile_cache.listen()
-    yield
-    compile_cache.unlisten()
 
 
 def test_resume_records_its_phases_and_the_restore_tier(tiny_config, tmp_path, monkeypatch, cache_counts):
