@@ -195,7 +195,7 @@ def check_private(root) -> str | None:
         nonces = distributed.allgather([nonce, -1, 0])[:, 0]
         seen = [q for q in range(n) if q != p and min(nonce, nonces[q]) >= 0
                 and _reads(marker[q]) == str(nonces[q])]
-        table = distributed.allgather([nonce < 0, len(seen), 0])  # the same shape as above: one compiled program
+        table = distributed.allgather([nonce < 0, len(seen), 0])
     finally:
         if nonce >= 0:
             with contextlib.suppress(OSError):

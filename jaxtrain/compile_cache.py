@@ -31,7 +31,7 @@ MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # jax's own default
 SUPERVISED_ENV = "JAXTRAIN_ATTEMPT"  # set by `jaxtrain supervise` for each attempt
 _EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses",
            "/jax/core/compile/backend_compile_duration": "compiles"}  # a compile or a load from jax's cache
-_counts: dict[str, int] | None = None  # hits and misses since `install` registered its listener
+_counts: dict[str, int] | None = None  # hits, misses, compiles since `install` registered its listeners
 _listening = False
 _untraced = False  # `install` turns untraced entries on for a supervised attempt
 _code: str | None = None  # `_untraced_context`, once per process
