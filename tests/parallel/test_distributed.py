@@ -236,6 +236,15 @@ WORKER = textwrap.dedent("""
     x = jax.make_array_from_process_local_data(sharding, local, (8,))
     total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
     print("RESULT", jax.process_index(), float(total), flush=True)
+
+    # Agreement through the coordination service: every process gets every row, in process order.
+    p = jax.process_index()
+    for i in range(3):
+        assert distributed.allgather([p, 10 * i]).tolist() == [[0, 10 * i], [1, 10 * i]]
+    assert distributed.allgather([]).shape == (2, 0)
+    assert distributed.any_process(p == 1) and not distributed.from_process_0(p == 1)
+    # Process 0 deletes each round's keys once everyone has read them: only the newest round's are left.
+    print("AGREE", p, sorted(distributed.KeyValueStore().dir("jaxtrain/agree/")), flush=True)
 """)
 
 
@@ -268,3 +277,4 @@ def test_two_processes_sum_a_global_array():
     for i, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{out[-3000:]}"
         assert f"RESULT {i} 140.0" in out, out[-3000:]  # sum of squares of 0..7
+    assert "AGREE 0 ['5/0', '5/1']" in outputs[0], outputs[0][-3000:]  # rounds 0..5
