@@ -8,9 +8,9 @@ compile (unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise). No 
 jax rereads every entry's access time at each write. jax's cache is process-wide and opened at the first
 compile, so `install` belongs to entry points (`jaxtrain train`), before anything compiles; the library never
 calls it. It also counts the cache's hits, for the run's "phases" record (`counts`, `source`). Beside jax's
-entries, each process keeps its own of the programs it compiled (`compile`): on CPU jax's key names the process,
-and under `jaxtrain supervise` they are also found by keys computed without tracing, so that a restart skips
-the trace as well as the compile.
+entries, each CPU process (or a lone GPU or TPU process) keeps its own of the programs it compiled (`compile`):
+on CPU jax's key names the process, and under `jaxtrain supervise` they are also found by keys computed without
+tracing, so that a restart skips the trace as well as the compile.
 """
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ def compile(jitted, *args, key: tuple[str, ...] | None = None):
 
     With `key` (what decides the traced program besides the code and the arguments) and untraced entries on
     (`install`), an executable kept under a key computed without tracing is loaded: no trace, lowering or
-    compile. Otherwise this process's own entry for the lowered program (`_program_entry`), else jax's cache.
+    compile. Otherwise this process's own entry for the lowered program (`_program_entry`), else jax's cache
+    (alone for several GPU or TPU processes).
     Entries are made only from an executable compiled here: XLA:CPU re-serializes one that jax loaded from its
     cache (or from process 0, jax_share_binary_between_hosts) without some of its functions, and it then fails
     when run. An untraced entry is linked to the program's entry where that exists. An entry that fails to load
@@ -307,7 +308,9 @@ def compile(jitted, *args, key: tuple[str, ...] | None = None):
     import jax
 
     devices = _mesh_devices(args)
-    if devices is None or _entry_dir() is None:
+    # Several GPU or TPU processes share jax's entries (its key does not name the process there); entries of
+    # their own would put a copy of each executable on disk per process.
+    if devices is None or _entry_dir() is None or (devices[0].platform != "cpu" and jax.process_count() > 1):
         return jitted.lower(*args).compile()
     untraced = _untraced_entry(jitted, args, devices, key) if key is not None else None
     if untraced and (compiled := _load(untraced, devices, jitted, "untraced")) is not None:
