@@ -125,9 +125,9 @@ def install(config, environ=os.environ, warn=print) -> str | None:
     global _counts, _untraced
     import jax
 
-    if _counts is None:  # process-wide listeners, registered once
+    if _counts is None:
         _counts = {"hits": 0, "misses": 0}
-        listen()
+    listen()
 
     path = directory(config.train.compile_cache, config.workdir, environ)
     if path is not None and "://" not in path and (why := _unwritable(path)):
@@ -172,7 +172,7 @@ def _hash(*parts: str) -> str:
     return h.hexdigest()
 
 
-def _program_entry(lowered, devices) -> str | None:
+def _program_entry(cache_dir: str, lowered, devices) -> str:
     """Where this process keeps its own entry for `lowered`, keyed by the program, the mesh's device order, the
     process, jax's versions, XLA_FLAGS and LIBTPU_INIT_ARGS. On CPU jax's key names the process and jax writes
     from process 0 only, so another process would compile at every restart; and an untraced entry
@@ -180,9 +180,6 @@ def _program_entry(lowered, devices) -> str | None:
     import jax
     import jaxlib
 
-    cache_dir = _entry_dir()
-    if cache_dir is None:
-        return None
     key = _hash(lowered.as_text(), str([d.id for d in devices]), jax.__version__, jaxlib.__version__,
                 os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
                 f"{jax.process_index()}/{jax.process_count()}")
@@ -222,13 +219,12 @@ def _untraced_context(environ) -> str:
     return _code
 
 
-def _untraced_entry(jitted, args, devices, key: tuple[str, ...]) -> str | None:
+def _untraced_entry(cache_dir: str, jitted, args, devices, key: tuple[str, ...]) -> str | None:
     """Where this process keeps `jitted`'s executable for `args` under a key computed without tracing it (see
     `install`), or None where that is off."""
     import jax
 
-    cache_dir = _entry_dir()
-    if not _untraced or cache_dir is None:
+    if not _untraced:
         return None
     leaves, tree = jax.tree.flatten(args)
     signature = [str(tree), str([d.id for d in devices])]
@@ -307,16 +303,16 @@ def compile(jitted, *args, key: tuple[str, ...] | None = None):
     is passed over, and replaced once the program is compiled."""
     import jax
 
-    devices = _mesh_devices(args)
+    devices, cache_dir = _mesh_devices(args), _entry_dir()
     # Several GPU or TPU processes share jax's entries (its key does not name the process there); entries of
     # their own would put a copy of each executable on disk per process.
-    if devices is None or _entry_dir() is None or (devices[0].platform != "cpu" and jax.process_count() > 1):
+    if devices is None or cache_dir is None or (devices[0].platform != "cpu" and jax.process_count() > 1):
         return jitted.lower(*args).compile()
-    untraced = _untraced_entry(jitted, args, devices, key) if key is not None else None
+    untraced = _untraced_entry(cache_dir, jitted, args, devices, key) if key is not None else None
     if untraced and (compiled := _load(untraced, devices, jitted, "untraced")) is not None:
         return compiled
     lowered = jitted.lower(*args)
-    program = _program_entry(lowered, devices)
+    program = _program_entry(cache_dir, lowered, devices)
     if (compiled := _load(program, devices, jitted, "own-entry")) is not None:
         if untraced:
             _link(program, untraced)
