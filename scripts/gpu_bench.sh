@@ -15,8 +15,8 @@
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu's
 # roofline (`jaxtrain plan --compiler gpu`) far below cuDNN's (docs/planning.md, Figures), so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
-# $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log, a + written as -). A variant that would start after
-# BUDGET_S seconds (default 480) is skipped and said so, so the call ends inside its limit with what it measured.
+# $OUT/gpu_bench.jsonl (stderr to $OUT/<variant>.log, a + written as -). A variant after the first that would
+# start after BUDGET_S seconds (default 480) is skipped and said so, so the call ends inside its limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -120,10 +120,14 @@ if (( MOE )); then
 fi
 
 start=$SECONDS
+ran=0
 for v in "${@:-base}"; do
   spec=$(variant_args "$v")
   log="$OUT/${v//+/-}.log"  # a plain file name for cudnn+batch16 too
-  if (( SECONDS - start > BUDGET_S )); then echo "gpu_bench: skipped $v (past BUDGET_S=${BUDGET_S}s)"; continue; fi
+  # The first variant always runs: SECONDS ticks in whole seconds, so even BUDGET_S=0 could read as passed.
+  if (( ran++ && SECONDS - start > BUDGET_S )); then
+    echo "gpu_bench: skipped $v (past BUDGET_S=${BUDGET_S}s)"; continue
+  fi
   flags="${spec%%|*}"; args="${spec#*|}"
   t0=$SECONDS
   # shellcheck disable=SC2086
