@@ -132,7 +132,12 @@ def _array_checksum(x):
         stride = stride * w.shape[d] % 2**32
     f1 = _fmix(pos) | np.uint32(1)
     f2 = _fmix(pos ^ np.uint32(0x5BD1E995)) | np.uint32(1)
-    return jnp.stack([jnp.sum(w * f1, dtype=jnp.uint32), jnp.sum(_fmix(w) * f2, dtype=jnp.uint32)])
+    # Both sums in one variadic reduce: one pass over the words, which XLA:CPU also runs about 10x faster than two
+    # jnp.sum calls (scripts/bench_checksum.py). The same sums: wrapping addition does not care about the order.
+    zero = np.uint32(0)
+    sums = lax.reduce((w * f1, _fmix(w) * f2), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                      tuple(range(w.ndim)))
+    return jnp.stack(sums)
 
 
 @compile_cache.cached

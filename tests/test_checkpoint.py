@@ -6,6 +6,7 @@ import logging
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -124,6 +125,32 @@ def test_checksum_is_sharding_independent_and_sees_every_bit():
     swapped = arrays["i8"].copy()
     swapped[0, 0], swapped[0, 1] = swapped[0, 1], swapped[0, 0]  # same multiset of values, other positions
     assert checkpoint.checksums({"i8": swapped})["i8"] != base["i8"]
+
+
+def _np_fmix(h):
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def test_checksum_equals_its_definition_in_numpy():
+    """The recorded format: checkpoints already on disk verify only while these sums stay the same."""
+    rng = np.random.default_rng(0)
+    arrays = {"f32": rng.standard_normal((6, 7, 5), np.float32), "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16),
+              "i8": rng.integers(-128, 128, (13,), np.int8), "bool": rng.random((4, 3)) < 0.5,
+              "scalar": np.float32(-2.5)}
+    want = {}
+    for name, x in arrays.items():
+        x = np.asarray(x)
+        w = (x.astype(np.uint32) if x.dtype == bool else x.view(f"uint{x.dtype.itemsize * 8}").astype(np.uint32))
+        w = w.reshape(-1)
+        pos = np.arange(w.size, dtype=np.uint32)
+        f1 = _np_fmix(pos) | np.uint32(1)
+        f2 = _np_fmix(pos ^ np.uint32(0x5BD1E995)) | np.uint32(1)
+        want[name] = f"{int(np.sum(w * f1, dtype=np.uint32)):08x}{int(np.sum(_np_fmix(w) * f2, dtype=np.uint32)):08x}"
+    assert checkpoint.checksums(arrays) == want
 
 
 def test_save_policies_every_steps_and_minutes(tmp_path, monkeypatch):
