@@ -138,8 +138,8 @@ def _np_fmix(h):
 def test_checksum_equals_its_definition_in_numpy():
     """The recorded format: checkpoints already on disk verify only while these sums stay the same."""
     rng = np.random.default_rng(0)
-    arrays = {"f32": rng.standard_normal((6, 7, 5), np.float32), "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16),
-              "i8": rng.integers(-128, 128, (13,), np.int8), "bool": rng.random((4, 3)) < 0.5,
+    arrays = {"f32": rng.standard_normal((6, 7, 5), np.float32),
+              "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16), "i8": rng.integers(-128, 128, (13,), np.int8), "bool": rng.random((4, 3)) < 0.5,
               "scalar": np.float32(-2.5)}
     want = {}
     for name, x in arrays.items():
@@ -149,7 +149,8 @@ def test_checksum_equals_its_definition_in_numpy():
         pos = np.arange(w.size, dtype=np.uint32)
         f1 = _np_fmix(pos) | np.uint32(1)
         f2 = _np_fmix(pos ^ np.uint32(0x5BD1E995)) | np.uint32(1)
-        want[name] = f"{int(np.sum(w * f1, dtype=np.uint32)):08x}{int(np.sum(_np_fmix(w) * f2, dtype=np.uint32)):08x}"
+        sums = np.sum(w * f1, dtype=np.uint32), np.sum(_np_fmix(w) * f2, dtype=np.uint32)
+        want[name] = "".join(f"{int(s):08x}" for s in sums)
     assert checkpoint.checksums(arrays) == want
 
 
