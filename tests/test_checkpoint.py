@@ -139,8 +139,8 @@ def test_checksum_equals_its_definition_in_numpy():
     """The recorded format: checkpoints already on disk verify only while these sums stay the same."""
     rng = np.random.default_rng(0)
     arrays = {"f32": rng.standard_normal((6, 7, 5), np.float32),
-              "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16), "i8": rng.integers(-128, 128, (13,), np.int8), "bool": rng.random((4, 3)) < 0.5,
-              "scalar": np.float32(-2.5)}
+              "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16), "i8": rng.integers(-128, 128, (13,), np.int8),
+              "bool": rng.random((4, 3)) < 0.5, "scalar": np.float32(-2.5)}
     want = {}
     for name, x in arrays.items():
         x = np.asarray(x)
