@@ -548,8 +548,9 @@ class Checkpointer:
 
     Policies: the persistent directory is due every `every_steps` steps or after `every_minutes` since its last
     save, and keeps the latest `keep` steps plus every `keep_period`-th step forever. The local directory is due
-    every `local_every_steps` steps when the persistent one is not, and keeps `local_keep` steps. A save that
-    nobody asked `should_save` about (end of run, preemption) goes to the persistent directory.
+    every `local_every_steps` steps, at persistent steps too (a restart then finds the newest step on the fast
+    tier), and keeps `local_keep` steps. A save that nobody asked `should_save` about (end of run, preemption)
+    goes to the persistent directory.
 
     On a multi-host run every method must be called by all processes at the same steps. With `local_mode`
     "shared", `local_directory` must be visible to all of them (Orbax writes each process's shards into one
@@ -613,7 +614,7 @@ class Checkpointer:
             timed = self.clock() - self._last_persistent_save >= 60 * self.every_minutes
             persistent |= distributed.from_process_0(timed)
         local = bool(self.local and self.local_every_steps and step % self.local_every_steps == 0)
-        targets = [self.persistent] if persistent else [self.local] if local else []
+        targets = ([self.local] if local else []) + ([self.persistent] if persistent else [])  # local: read first
         self._plan = (step, targets)
         return bool(targets)
 
@@ -690,14 +691,23 @@ class Checkpointer:
     def _load_node(self, step: int, abstract_state, sources: tuple[str, ...]):
         """(state, data_state, layer order) of `step` from the node-local tier: each process's shards from its
         own copy or its buddy's (raising checkpoint_local.Damaged if some process has neither), verified against
-        the integrity record like any other copy."""
-        arrays, record, data, self._node_sources, notes = self._node.load(step, _flatten(abstract_state), sources)
-        for note in notes:
-            self.log(note)
-        record = _agreed(lambda: _parse_record(record, abstract_state, step, self._node.root, self.run_id))
-        state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), arrays)
-        _verify(state, data, record)
-        return state, data, record["layer_order"]
+        the integrity record like any other copy. The shards' sha256 are read only if that fails: they find the
+        damaged copy, which the second read replaces from the buddy's."""
+        for check_shards in (False, True):
+            arrays, record, data, self._node_sources, notes = self._node.load(
+                step, _flatten(abstract_state), sources, check_shards)
+            for note in notes:
+                self.log(note)
+            record = _agreed(lambda: _parse_record(record, abstract_state, step, self._node.root, self.run_id))
+            state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_state), arrays)
+            try:
+                _verify(state, data, record)
+                return state, data, record["layer_order"]
+            except _Corrupt as e:
+                if check_shards:
+                    raise
+                self.log(f"checkpoint step {step} in {self._node.root} (node-local) does not match its integrity "
+                         f"record ({e}); reading it again with each process's shards checked against their sha256")
 
     def _node_steps(self, abstract_state) -> dict[int, tuple[str, ...]]:
         """{step: each process's source} of the node-local steps every process can read (one collective)."""

@@ -3,16 +3,15 @@ its own, and one peer holds a replica of them. No file is shared; no process rea
 
 Process p's copy of a step is `<local_dir>/process-<p>/<step>/`: its unique shards (own.bin), the shards of its
 predecessor p-k that p does not hold itself (replica.bin) and manifest.json (each shard's place and sha256, the
-integrity record, the data state, the layout's fingerprint). The buddy offset k is the one that leaves the fewest
-bytes to copy: where `data` replicas span processes, the buddy already holds the same shards and nothing is sent.
-The copy travels as a jitted `ppermute` over a (process, local device) mesh on the caller's thread; the files are
-written in a background thread and renamed into place (the commit).
+integrity record, the data state, the layout's fingerprint). The buddy offset k leaves the fewest bytes to copy
+(none where `data` replicas span processes). The copy is a jitted `ppermute` over a (process, local device) mesh;
+the files are written in a background thread and renamed into place (the commit). The Checkpointer verifies a
+restore against the integrity record; only if that fails are the shards read again, each checked against its
+sha256, which finds the damaged copy and takes that process's shards from its buddy.
 
-Orbax's `experimental.emergency` does not fit: its CheckpointManager keeps local copies only on non-primary
-`data` replicas and restores the first replica that lists a step without verifying it (no way to try another
-copy or set a bad one aside), it needs two or more replicas (no copy for fsdp across hosts), and its p2p manager
-moves shards through a socket server of its own. The Checkpointer (jaxtrain.checkpoint) verifies what this
-returns against the integrity record, as for any other tier.
+Orbax's `experimental.emergency` does not fit: it keeps local copies only on non-primary `data` replicas, needs
+two or more (no copy for fsdp across hosts), restores the first copy that lists a step without verifying it, and
+moves shards through a socket server of its own (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -411,22 +410,22 @@ class NodeTier:
     def _buddy(self, layout: Layout) -> bool:
         return self.replica == "peer" and layout.offset > 0
 
-    def load(self, step: int, flat, sources: tuple[str, ...]):
+    def load(self, step: int, flat, sources: tuple[str, ...], check_shards: bool = True):
         """(arrays in `flat`'s order, the integrity record, the data state, the sources used, notes for the log)
-        of `step`, each shard checked against its sha256. A process whose own copy is damaged gets its shards
-        from its buddy too; a damaged copy is moved aside. Raises Damaged (on every process) when some process
-        can get its shards from neither."""
+        of `step`, each shard checked for its size and, with `check_shards`, its sha256. A process whose own copy
+        is damaged gets its shards from its buddy too; a damaged copy is moved aside. Raises Damaged (on every
+        process) when some process can get its shards from neither."""
         layout = self.layout(flat)
         p, n, k = jax.process_index(), layout.n, layout.offset
         buddy = self._buddy(layout)
         shards, header, status, bad = None, None, MISSING, -1
         if sources[p] == "local_dir":
-            status, bad, shards, header = self._read_own(step, layout.own[p], layout)
+            status, bad, shards, header = self._read_own(step, layout.own[p], layout, check_shards)
         table = distributed.allgather([status, bad])
         needy = [q for q in range(n) if table[q, 0] != OK]
         serve, serve_bad, payload = -1, -1, np.zeros(0, np.uint8)
         if buddy and (p - k) % n in needy:  # this process serves its predecessor
-            serve, serve_bad, body, head = self._read_own(step, layout.own[(p - k) % n], layout)
+            serve, serve_bad, body, head = self._read_own(step, layout.own[(p - k) % n], layout, check_shards)
             if serve == OK:
                 text = json.dumps(head).encode()
                 payload = np.concatenate([np.frombuffer(len(text).to_bytes(8, "little") + text, np.uint8), *body])
@@ -457,9 +456,10 @@ class NodeTier:
         arrays = self._arrays(layout, dict(zip(layout.own[p], shards)))
         return arrays, header["record"], header["data"], used, notes
 
-    def _read_own(self, step: int, wanted, layout: Layout):
+    def _read_own(self, step: int, wanted, layout: Layout, check: bool = True):
         """(status, the leaf that failed or -1, the shards `wanted` ([(leaf, key)]) of this process's copy of
-        `step`, {"record", "data"} of its manifest), each shard checked against its sha256."""
+        `step`, {"record", "data"} of its manifest), each shard checked for its size and, with `check`, its
+        sha256."""
         if step not in self.all_steps():
             return MISSING, -1, None, None
         try:
@@ -473,7 +473,7 @@ class NodeTier:
                 if e["file"] not in files:
                     files[e["file"]] = _mapped(os.path.join(self.step_path(step), f"{e['file']}.bin"))
                 data = files[e["file"]][e["offset"]:e["offset"] + e["nbytes"]]
-                if data.size != layout.nbytes((i, key)) or _sha(data) != e["sha256"]:
+                if data.size != layout.nbytes((i, key)) or (check and _sha(data) != e["sha256"]):
                     return DAMAGED, i, None, None
                 out.append(data)
             return OK, -1, out, {"record": manifest["record"], "data": manifest["data"]}

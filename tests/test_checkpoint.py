@@ -226,7 +226,7 @@ def test_local_tier_is_preferred_when_newest_and_verified(tmp_path):
     ckpt.save(11, make_state(11), {"step": 11})  # unplanned (end of run): persistent
     ckpt.close()
     steps = lambda d: sorted(int(p.name) for p in (tmp_path / d).iterdir() if p.name.isdigit())
-    assert steps("persistent") == [8, 11] and steps("local") == [6, 10]
+    assert steps("persistent") == [8, 11] and steps("local") == [8, 10]  # the local tier saves at 8 too
 
     logs = []
     ckpt = checkpoint.Checkpointer(tmp_path / "persistent", log=logs.append, **kw)
@@ -236,8 +236,8 @@ def test_local_tier_is_preferred_when_newest_and_verified(tmp_path):
     step, state, data = ckpt.restore_latest(abstract(make_state()))
     assert step == 10 and data == {"step": 10} and int(state["step"]) == 10  # from the local tier
     assert len(logs) == 1 and "step 11" in logs[0] and "persistent" in logs[0]
-    _, data = ckpt.restore(6, abstract(make_state()))
-    assert data == {"step": 6}
+    _, data = ckpt.restore(8, abstract(make_state()))
+    assert data == {"step": 8} and ckpt.restored_from["tier"] == "local_dir"  # both hold 8: the faster one
     ckpt.close()
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from helpers import cpu_flags, read_jsonl
-from jaxtrain import checkpoint
+from jaxtrain import checkpoint, checkpoint_local
 from jaxtrain.errors import ConfigError
 from test_multihost import finish, free_port, wait_for_step
 
@@ -220,6 +220,8 @@ def test_flipped_bit_in_a_local_shard_is_replaced_from_the_peer_and_kept(tmp_pat
             damaged = [line for line in r["logs"] if "process 1's node-local copy of step 4 is damaged" in line]
             assert len(damaged) == 1 and "checksum mismatch in" in damaged[0], r["logs"]
             assert "its shards came from process 0" in damaged[0]
+            # Found by the integrity record first; the sha256 of the shards are read only then.
+            assert any("step 4" in line and "does not match its integrity record" in line for line in r["logs"])
             aside = [n for n in r["listing"] if n.startswith("4.corrupt-")]
             assert r["listing"] == (["3", "4"] if p == 0 else ["3", *aside]) and len(aside) == p, r
     # The damaged copy is kept as it was: the flipped bit is still there.
@@ -250,8 +252,8 @@ def test_without_a_good_local_copy_the_persistent_tier_is_used(tmp_path):
             ckpt.save(step, make_state(step), {"pos": step})
     ckpt.close()
     mine = tmp_path / "local" / "process-0"
-    assert sorted(os.listdir(mine)) == ["3", "5"] and ckpt.latest_step() == 5
-    for step in ("3", "5"):  # every local copy newer than the persistent step 4 is damaged
+    assert sorted(os.listdir(mine)) == ["4", "5"] and ckpt.latest_step() == 5
+    for step in ("4", "5"):  # every local copy is damaged, step 4's too, which the persistent tier holds
         blob = bytearray((mine / step / "own.bin").read_bytes())
         blob[5] ^= 1
         (mine / step / "own.bin").write_bytes(bytes(blob))
@@ -260,8 +262,30 @@ def test_without_a_good_local_copy_the_persistent_tier_is_used(tmp_path):
     step, state, data = ckpt.restore_latest(abstract(make_state(5)))
     assert (step, data, ckpt.restored_from["tier"]) == (4, {"pos": 4}, "dir")
     assert checkpoint.checksums(state) == checkpoint.checksums(make_state(4))
-    assert sum("step 5" in line and "checksum mismatch in w" in line for line in logs) == 1, logs
-    assert sorted(n.split("-")[0] for n in os.listdir(mine)) == ["3", "5.corrupt"]  # 3 is older than 4: unread
+    # The integrity record finds the damage; the shards' sha256, read only then, name the copy.
+    step5 = [line for line in logs if "step 5" in line]
+    assert len(step5) == 2 and "does not match its integrity record (checksum mismatch in w)" in step5[0], logs
+    assert "process 0's node-local copy of step 5 is damaged (checksum mismatch in w)" in step5[1], logs
+    assert sorted(n.split("-")[0] for n in os.listdir(mine)) == ["4.corrupt", "5.corrupt"]
+
+
+def test_a_clean_local_copy_is_verified_by_its_record_without_hashing_its_shards(tmp_path, monkeypatch):
+    """The integrity record verifies the restored state; the shards' sha256 (a second pass over every byte) are
+    for finding a damaged copy, so a clean restore computes none."""
+    ckpt = checkpoint.Checkpointer(tmp_path / "dir", keep=1, every_steps=10, local_directory=tmp_path / "local",
+                                   local_every_steps=1, local_mode="node")
+    assert ckpt.should_save(1)
+    ckpt.save(1, make_state(1), {"pos": 1})
+    ckpt.close()
+    assert os.listdir(tmp_path / "local" / "process-0") == ["1"]
+    hashed = []
+    sha = checkpoint_local._sha
+    monkeypatch.setattr(checkpoint_local, "_sha", lambda data: hashed.append(data.size) or sha(data))
+    ckpt = checkpoint.Checkpointer(tmp_path / "dir", keep=1, local_directory=tmp_path / "local",
+                                   local_every_steps=1, local_mode="node")
+    step, state, data = ckpt.restore_latest(abstract(make_state(1)))
+    assert (step, data, ckpt.restored_from["tier"]) == (1, {"pos": 1}, "local_dir") and hashed == []
+    assert checkpoint.checksums(state) == checkpoint.checksums(make_state(1))
 
 
 @pytest.mark.parametrize("field, value, message", [
