@@ -57,15 +57,19 @@ def layer_mask(segment_ids, positions, window: int, mode: str):
     return ContextMask(segment_ids, positions, jnp.asarray(window, jnp.int32))
 
 
-def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0, ulysses_ways: int = 0):
+def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0, ulysses_ways: int = 0, kernel=None):
     """A layer's attention of q [B, T, N, D] (split along the sequence) over its k, v under `layer_mask`'s `mask`:
     ring, Ulysses or USP attention (`mode`; USP's Ulysses groups of `ulysses_ways`, model.ulysses_ways) for a
-    ContextMask, the K/V shards exchanged explicitly; else every query needs every earlier key, so K/V are gathered
-    whole along the sequence (None = not split) and attend(q, k, v, mask) runs on each device's queries."""
+    ContextMask, the K/V shards exchanged explicitly, each ring step in `kernel` if given (gpu_flash.RingKernel);
+    else every query needs every earlier key, so K/V are gathered whole along the sequence (None = not split) and
+    attend(q, k, v, mask) runs on each device's queries."""
     if isinstance(mask, ContextMask):
         kv_names = ("batch", "seq", "act_kv_heads", None)
         attention = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,
                      "usp": functools.partial(context.usp_attention, ulysses=ulysses_ways)}[mode]
+        if kernel is not None:  # Ulysses is the ring of one group, so the kernel runs it too
+            ways = {"ring": 1, "ulysses": split_ways("seq"), "usp": ulysses_ways}[mode]
+            attention = functools.partial(context.usp_attention, ulysses=ways, kernel=kernel)
         return attention(q, constrain(k, kv_names), constrain(v, kv_names), mask.segment_ids, mask.positions,
                          window=mask.window, scale=scale)
     k, v = (constrain(x, ("batch", None, "act_kv_heads", None)) for x in (k, v))

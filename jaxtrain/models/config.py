@@ -51,8 +51,9 @@ REMAT_POLICIES = {
 }
 
 
-# jax.nn.dot_product_attention's kernels that model.attention_impl may name (`check_backend` says where each runs).
-ATTENTION_IMPLS = ("xla", "cudnn")
+# model.attention_impl's kernels (`check_backend` says where each runs): jax.nn.dot_product_attention's "xla" and
+# "cudnn" with K/V whole; "pallas" runs each step of ring, Ulysses or USP attention (jaxtrain.models.gpu_flash).
+ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
 # model.context_parallel's modes; "usp": the ring across groups of model.ulysses_ways devices, Ulysses within each.
 CONTEXT_PARALLEL = ("allgather", "ring", "ulysses", "usp")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -105,7 +106,9 @@ class ModelConfig:
     # above the diagonal; 0 = one jax.nn.dot_product_attention call.
     attention_block: int = 0
     # That call's kernel: "xla" (jax's default, on every backend: [B, heads, T, T] logits) or "cudnn" (cuDNN's fused
-    # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). See ATTENTION_IMPLS.
+    # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). Under ring, Ulysses or USP
+    # attention: "xla" (einsums in sub-blocks) or "pallas" (flash kernels per ring step, GPU only). See
+    # ATTENTION_IMPLS.
     attention_impl: str = "xla"
     # How attention crosses the `sequence` mesh axis (jaxtrain.parallel.context; docs/parallelism.md):
     # "allgather" (K/V gathered whole on every device), "ring" (K/V shards passed round it), "ulysses" (an
@@ -351,6 +354,10 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     g.positive_int("attention_block", allow_zero=True)
     g.choice("attention_impl", ATTENTION_IMPLS)
     _check_context_parallel(g, m, seq_len, mesh_shape["sequence"], mesh_shape["pipeline"])
+    if m.attention_impl == "pallas" and (m.context_parallel == "allgather" or mesh_shape["sequence"] == 1):
+        raise ConfigError("model.attention_impl", "pallas runs the steps of ring, Ulysses or USP attention: it needs "
+                          "model.context_parallel ring, ulysses or usp and mesh.sequence > 1; with K/V gathered "
+                          "whole use 'cudnn'")
     if m.attention_impl == "cudnn" and m.attention_block:
         raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
                           f"model.attention_block=0, got {m.attention_block}")
@@ -494,10 +501,9 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
     if stages > 1:
         raise ConfigError("model.context_parallel", f"{mode} does not combine with a pipeline (mesh.pipeline="
                           f"{stages}) yet; use allgather")
-    if n > 1 and m.attention_impl != "xla":
-        raise ConfigError("model.attention_impl", f"{m.attention_impl} applies to model.context_parallel=allgather "
-                          f"only: under {mode} the blocks are XLA einsums (kernels per step are not wired); use "
-                          "'xla', or allgather")
+    if n > 1 and m.attention_impl == "cudnn":
+        raise ConfigError("model.attention_impl", f"cudnn applies to K/V gathered whole (model.context_parallel="
+                          f"allgather); under {mode} use 'pallas', the flash kernels per ring step, or 'xla'")
     if m.ulysses_ways and n % m.ulysses_ways:
         raise ConfigError("model.ulysses_ways", f"{m.ulysses_ways} does not divide mesh.sequence={n}")
     ways = {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[mode]
@@ -508,10 +514,23 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
                               "attention splits the heads over its group (use ring attention, or a size that "
                               "divides them)")
     r = n // ways  # the ring's size
+    if n > 1 and m.attention_impl == "pallas":
+        _check_ring_kernel(m, seq_len, r)
     if ring and m.context_balance and r > 1 and seq_len % (2 * r):
         raise ConfigError("train.seq_len", f"{seq_len} does not split into 2 x {r} equal chunks (the ring's size, "
                           f"mesh.sequence={n} / {ways} Ulysses ways), as the balanced (zigzag) layout needs (or set "
                           "model.context_balance=False)")
+
+
+def _check_ring_kernel(m, seq_len: int, r: int) -> None:
+    """model.attention_impl=pallas: jaxtrain.models.gpu_flash's tiles are powers of two, 16 tokens or more, and a
+    row of head_dim floats per query (its f32 accumulator in registers)."""
+    if m.head_dim not in (16, 32, 64, 128, 256):
+        raise ConfigError("model.attention_impl", f"pallas's flash kernels need model.head_dim a power of two from "
+                          f"16 to 256, got {m.head_dim} (use 'xla')")
+    if seq_len % r or seq_len // r % 16:
+        raise ConfigError("train.seq_len", f"{seq_len} gives ring blocks of {seq_len / r:g} tokens ({r} ring "
+                          "members); pallas's flash kernels need a multiple of 16 (or model.attention_impl=xla)")
 
 
 def _check_latent_attention(g: Group, m) -> None:
@@ -548,6 +567,9 @@ def check_backend(model, backend: str) -> None:
         if dtype not in ("bfloat16", "float16"):
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
+    if model.attention_impl == "pallas" and backend != "gpu":  # Triton kernels; CPUs run the ring's XLA blocks
+        raise ConfigError("model.attention_impl", f"pallas runs on GPUs only; this run compiles for {backend} "
+                          f"(use 'xla')")
     for field in ("moe_weight_grad", "moe_input_grad"):
         if model[field] == "pallas" and backend != "gpu":  # a Triton kernel; CPUs run cpu_grouped's tiles
             raise ConfigError(f"model.{field}", f"pallas runs on GPUs only; this run compiles for {backend} "

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import lora, mla, moe
+from jaxtrain.models import gpu_flash, lora, mla, moe
 from jaxtrain.models.attention import attention_mask, causal_attention, layer_mask, self_attention
 from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
@@ -99,7 +99,8 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, keys)
         q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
         out = self_attention(q, rope(k, rotary_tables), v, mask, self.attend, self.cfg.context_parallel,
-                             self.cfg.attn_scale, self.cfg.ulysses_ways)
+                             self.cfg.attn_scale, self.cfg.ulysses_ways,
+                             gpu_flash.RingKernel() if self.cfg.attention_impl == "pallas" else None)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.grad_dtype), contract=2, keys=keys)

@@ -10,8 +10,9 @@ accumulators go round again, each block's probabilities recomputed from the save
 ring-flash-attention does). `ulysses_attention` (one group): all_to_all trades the sequence split for a head
 split around whole-sequence attention. `usp_attention`: both. Masks come from each token's global position and
 segment id, so packed documents may cross shard borders and any layout works; a (query, key) sub-block the mask
-empties is skipped by lax.cond. `balance_permutation` is the zigzag layout (ring member i holds chunks i and 2r-1-i
-of 2r); `attention_work` counts each device's work under a layout, `ring_work` reads it from the compiled ring.
+empties is skipped by lax.cond (or each step runs in a `kernel`'s flash kernels: models.gpu_flash on GPUs).
+`balance_permutation` is the zigzag layout (ring member i holds chunks i and 2r-1-i of 2r); `attention_work`
+counts each device's work under a layout, `ring_work` reads it from the compiled ring.
 tests/parallel/test_context.py checks each equals the unsharded attention, outputs and gradients.
 """
 
@@ -225,7 +226,7 @@ def _pass(x, axis: str, u: int):
 
 # --- Ring attention (over Ulysses groups) -----------------------------------------------------------------------
 def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str = "sequence", window: int = 0,
-                   scale: float = 0.0, causal: bool = True, chunks: int = 0, batch_axes=None):
+                   scale: float = 0.0, causal: bool = True, chunks: int = 0, batch_axes=None, kernel=None):
     """Attention of q [B, T, N, D] over k, v [B, T, KV, D] (N a multiple of KV: grouped-query), the sequence split
     over mesh `axis` and the batch over `batch_axes` (default: the active rules' "batch" axes, else data and fsdp);
     `mesh` None: the one active while a step traces (mesh_lib.activation_sharding). A query sees the keys of its own
@@ -236,14 +237,16 @@ def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str
     Each block is cut in `chunks` sub-blocks along queries and keys (the logits of one pair, [b, KV, G, c, c] f32,
     are the largest temporary; 0: sub-blocks of at most SUB_BLOCK tokens), and a pair the mask empties is skipped: in the future, outside the window, or in
     other documents. Every ring step waits for the busiest device, so under the contiguous layout that saves no
-    time (the last device sees every key); under zigzag (`balance_permutation`) each device skips the same share."""
+    time (the last device sees every key); under zigzag (`balance_permutation`) each device skips the same share.
+    `kernel`: each step's block in a kernel of its own instead (models.gpu_flash.RingKernel: forward(...) -> the
+    block's softmax state, backward(...) -> its dq, dk, dv; it cuts and skips tiles itself, so `chunks` is unused)."""
     return usp_attention(q, k, v, segment_ids, positions, mesh=mesh, axis=axis, ulysses=1, window=window,
-                         scale=scale, causal=causal, chunks=chunks, batch_axes=batch_axes)
+                         scale=scale, causal=causal, chunks=chunks, batch_axes=batch_axes, kernel=kernel)
 
 
 def usp_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str = "sequence", ulysses: int = 0,
                   window: int = 0, scale: float = 0.0, causal: bool = True, chunks: int = 0, batch_axes=None,
-                  field: str = "model.ulysses_ways"):
+                  field: str = "model.ulysses_ways", kernel=None):
     """Ring attention across groups of `ulysses` consecutive devices of `axis`, Ulysses within each (as USP does:
     the ring's hops across the slow network, the all-to-alls within a node); 0: `ulysses_ways`' pick. An all_to_all
     within each group gives every device its group's sequence block for its share of the heads (query and KV heads
@@ -259,24 +262,24 @@ def usp_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str 
     def local(q, k, v, seg, pos, window):
         seg_all, pos_all = _gather(axis, seg, pos)
         q, k, v = _heads_for_sequence(axis, u, q, k, v)
-        out = _ring(q, k, v, seg_all, pos_all, window, axis, u, scale, bool(causal), chunks)
+        out = _ring(q, k, v, seg_all, pos_all, window, axis, u, scale, bool(causal), chunks, kernel)
         return _sequence_for_heads(axis, u, out)
 
     return _sharded(local, mesh, axis, batch_axes, q, k, v, segment_ids, positions, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _ring(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks):
-    return _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _ring(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks, kernel):
+    return _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks, kernel)[0]
 
 
-def _ring_fwd(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks):
-    out, lse, _ = _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks)
+def _ring_fwd(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks, kernel):
+    out, lse, _ = _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks, kernel)
     return out, (q, k, v, seg_all, pos_all, window, out, lse)
 
 
-def _ring_bwd(axis, u, scale, causal, chunks, res, g):
-    return (*_ring_backward(res, g, axis, u, scale, causal, chunks)[:3], None, None, None)
+def _ring_bwd(axis, u, scale, causal, chunks, kernel, res, g):
+    return (*_ring_backward(res, g, axis, u, scale, causal, chunks, kernel)[:3], None, None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -309,9 +312,10 @@ def _pairs(chunks: int, t: int, fn, carry):
     return jax.lax.fori_loop(0, chunks * chunks, lambda p, carry: fn(carry, p // chunks * c, p % chunks * c), carry)
 
 
-def _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks):
+def _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chunks, kernel=None):
     """(out [b, t, N, D] in q's dtype, log-sum-exp [b, KV, G, t] f32 (+inf where a query sees no key), the
-    sub-block pairs computed: int32). The count is incremented inside the taken branch, so it reads what ran."""
+    sub-block pairs computed: int32). The count is incremented inside the taken branch, so it reads what ran; a
+    `kernel` counts none."""
     r, q5, seg, pos, keys_at = _ring_setup(q, k, seg_all, pos_all, axis, u)
     b, t, kv, g, d = q5.shape
     sl = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=t // chunks)
@@ -341,6 +345,17 @@ def _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chu
 
         return _pairs(chunks, t, pair, state)
 
+    def kernel_step(s, state, k, v):  # the kernel's softmax state over this block, rescaled into the ring's
+        o, m, l, done = state
+        o_s, m_s, l_s = kernel.forward(q4, k, v, seg, pos, *keys_at(s), window, scale, causal)
+        m_s, l_s = m_s.reshape(m.shape), l_s.reshape(l.shape)
+        m_new = jnp.maximum(m, m_s)
+        fix, fix_s = jnp.exp(m - m_new), jnp.exp(m_s - m_new)
+        return o * _q_major(fix) + o_s.reshape(o.shape) * _q_major(fix_s), m_new, l * fix + l_s * fix_s, done
+
+    q4 = q5.reshape(b, t, kv * g, d)
+    step = step if kernel is None else kernel_step
+
     def body(s, carry):
         state, k, v = carry
         # Sent before this step's block is computed, so the transfer can overlap it.
@@ -357,7 +372,7 @@ def _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chu
     return o.reshape(q.shape).astype(q.dtype), lse, done
 
 
-def _ring_backward(res, g, axis, u, scale, causal, chunks):
+def _ring_backward(res, g, axis, u, scale, causal, chunks, kernel=None):
     """dq, dk, dv and the sub-block pairs computed: K/V go round the ring again with f32 dK/dV accumulators beside
     them, each sub-block's probabilities recomputed from the forward's log-sum-exp; a last hop brings each
     accumulator home."""
@@ -393,6 +408,16 @@ def _ring_backward(res, g, axis, u, scale, causal, chunks):
             return put(dq, blk[0], q0, 1), put(dk, blk[1], k0, 1), put(dv, blk[2], k0, 1), blk[3]
 
         return _pairs(chunks, t, pair, acc)
+
+    def kernel_step(s, acc, k, v):
+        dq, dk, dv, done = acc
+        d_q, d_k, d_v = kernel.backward(q4, k, v, g4, lse.reshape(b, -1, t), delta.reshape(b, -1, t), seg, pos,
+                                        *keys_at(s), window, scale, causal)
+        return dq + d_q.reshape(dq.shape), dk + d_k, dv + d_v, done
+
+    b = q5.shape[0]
+    q4, g4 = q5.reshape(b, t, -1, q5.shape[-1]), g5.reshape(b, t, -1, q5.shape[-1])
+    step = step if kernel is None else kernel_step
 
     def body(s, carry):
         (dq, dk, dv, done), k, v = carry

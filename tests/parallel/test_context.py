@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.models import gpu_flash
 from jaxtrain.models.attention import attend, attention_mask
 from jaxtrain.parallel import context
 from jaxtrain.parallel import mesh as mesh_lib
@@ -31,11 +32,11 @@ def packed_segments(docs=DOCS, t=T):
     return seg
 
 
-def inputs(heads=HEADS, kv_heads=KV_HEADS, seed=0):
+def inputs(heads=HEADS, kv_heads=KV_HEADS, seed=0, t=T):
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(B, T, heads, D)).astype(np.float32)
-    k, v = (rng.normal(size=(B, T, kv_heads, D)).astype(np.float32) for _ in range(2))
-    cotangent = rng.normal(size=(B, T, heads, D)).astype(np.float32)
+    q = rng.normal(size=(B, t, heads, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, t, kv_heads, D)).astype(np.float32) for _ in range(2))
+    cotangent = rng.normal(size=(B, t, heads, D)).astype(np.float32)
     return q, k, v, cotangent
 
 
@@ -152,6 +153,37 @@ def test_ring_across_ulysses_groups_equals_unsharded_attention():
     hlo = assert_equal_to_reference(attention, seg, window, heads=8, kv_heads=4)
     assert re.search(r"all-to-all\(.*replica_groups=\{\{0,1,2,3\},\{4,5,6,7\}\}", hlo), "all-to-all groups"
     assert set(collectives(hlo)["collective-permute"]) == {f"f32[{B},{T // 2},1,{D}]"}  # a group's block, 1 KV head
+
+
+KERNEL_CASES = {  # id: (mesh, Ulysses ways, window); packed documents and the zigzag layout of the ring in each
+    "ring_seq8_window": ({"sequence": 8}, 1, 37),
+    "ring_data2_seq4": ({"data": 2, "sequence": 4}, 1, 0),
+    "ulysses_seq4": ({"sequence": 4}, 4, 0),
+    "usp_2x4_window": ({"sequence": 8}, 4, 21),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_the_ring_s_gpu_kernels_equal_unsharded_attention(case):
+    """model.attention_impl=pallas: each ring step's block in models.gpu_flash's Triton kernels (run by Pallas's
+    interpreter), tiles of 16 so a block holds up to 4 and the kernels skip the ones the mask empties. Ulysses is
+    the ring of one group. The kernels take the ring's log-sum-exp into the backward: a step's own would not
+    give these gradients."""
+    shape, ways, window = KERNEL_CASES[case]
+    t, n = 128, shape["sequence"]
+    mesh = mesh_lib.make_mesh(shape)
+    seg = packed_segments(([20, 45, 18, 30], [64, 7, 50]), t)
+    perm, inv = context.balance_permutation(t, n // ways), context.inverse_balance_permutation(t, n // ways)
+    kernel = gpu_flash.RingKernel(interpret=True, block=16)
+
+    def attention(q, k, v):
+        out = context.usp_attention(q[:, perm], k[:, perm], v[:, perm], jnp.asarray(seg[:, perm]),
+                                    jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (B, t)), mesh=mesh,
+                                    ulysses=ways, window=window, kernel=kernel)
+        return out[:, inv]
+
+    hlo = assert_equal_to_reference(attention, seg, window, heads=8, kv_heads=4, t=t)
+    assert all(f"/ring_flash_{name}/" in hlo for name in ("forward", "dq", "dkv"))  # the kernels ran, not XLA's
 
 
 def test_ulysses_needs_kv_heads_that_divide_by_the_axis():

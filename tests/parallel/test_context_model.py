@@ -110,7 +110,7 @@ def test_context_parallel_trains_like_one_device(tiny_config, case):
     ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 3}, "model.ulysses_ways"),
     ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 8}, "model.n_kv_heads"),
     ({"mesh.sequence": 4, "model.context_parallel": "usp", "model.mtp_layers": 1}, "model.context_parallel"),
-    # Each ring step and Ulysses group runs XLA einsum blocks: a kernel named for the gathered path is refused.
+    # cuDNN's kernel is for K/V gathered whole; the ring's steps take pallas's.
     ({"mesh.sequence": 4, "model.context_parallel": "ring", "model.attention_impl": "cudnn"}, "model.attention_impl"),
     ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.attention_impl": "cudnn"}, "model.attention_impl"),
 ])
@@ -118,3 +118,24 @@ def test_bad_context_parallel_settings_name_the_field(tiny_config, overrides, fi
     cfg = tiny_config(**{"mesh.data": -1, "train.seq_len": T, **overrides})
     with pytest.raises(ConfigError, match=re.escape(field) + ":"):
         config_lib.validate(cfg, 8)
+
+
+@pytest.mark.parametrize("overrides, backend, message", [
+    ({}, "gpu", None),
+    ({}, "cpu", "model.attention_impl: pallas runs on GPUs only"),
+    ({"model.head_dim": 8}, "gpu", "model.attention_impl: pallas's flash kernels need model.head_dim a power of two"),
+    ({"mesh.sequence": 8, "train.seq_len": 96}, "gpu", "train.seq_len: 96 gives ring blocks of 12 tokens"),
+    ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 2, "train.seq_len": 96}, "gpu",
+     "train.seq_len: 96 gives ring blocks of 24 tokens"),
+    ({"model.context_parallel": "allgather"}, "gpu", "model.attention_impl: pallas runs the steps of ring"),
+], ids=["ok", "cpu", "head_dim", "ring_block", "usp_block", "allgather"])
+def test_the_ring_kernel_s_settings_are_checked_before_anything_compiles(tiny_config, overrides, backend, message):
+    """model.attention_impl=pallas (jaxtrain.models.gpu_flash): GPUs only, a head_dim its tiles take, ring blocks
+    (seq_len over the ring's members) a multiple of 16, and a ring to run in."""
+    cfg = tiny_config(**{"mesh.data": -1, "mesh.sequence": 4, "train.seq_len": T, "model.context_parallel": "ring",
+                         "model.attention_impl": "pallas", "model.head_dim": 16, **overrides})
+    if message is None:
+        config_lib.validate(cfg, 8, backend=backend)
+        return
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        config_lib.validate(cfg, 8, backend=backend)
