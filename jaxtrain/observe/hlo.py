@@ -190,7 +190,8 @@ def instruction_flops(module, instr) -> float:
     """2 * output elements * contracted elements of one dot / convolution of `parse_hlo`'s module, or of a custom
     call shaped as a grouped matmul (0 otherwise)."""
     if instr["op"] == "custom-call":
-        return _cudnn_attention_flops(module, instr) or _grouped_matmul_flops(module, instr)
+        return (_cudnn_attention_flops(module, instr) or _ring_flash_flops(module, instr)
+                or _grouped_matmul_flops(module, instr))
     if instr["op"] not in ("dot", "convolution"):
         return 0.0
     out = math.prod(dims(instr["shape"]))
@@ -227,6 +228,24 @@ def _cudnn_attention_flops(module, instr) -> float:
         pairs = float(sq) * sk
     per_pair = 3 * d_qk + 2 * d_v if target.group(1).endswith("Backward") else d_qk + d_v
     return 2.0 * b * h * pairs * per_pair
+
+
+# models.gpu_flash's kernels: matmuls per (query, key) pair and head, each 2 * head_dim FLOPs: the forward's q.k
+# and p.v; dq's q.k, dp and ds.k; dk/dv's q.k, dp, ds.q and p.do.
+_RING_FLASH_MATMULS = {"forward": 2, "dq": 3, "dkv": 4}
+
+
+def _ring_flash_flops(module, instr) -> float:
+    """One of models.gpu_flash's Triton kernels, q [b, tq, N, D] and k [b, tk, KV, D] its 6th and 7th operands:
+    every (query, key) pair of the block, as a conditional counts its costliest branch (the kernel skips the
+    tiles the mask empties as it runs)."""
+    kind = re.search(r'op_name="[^"]*/ring_flash_(forward|dq|dkv)/pallas_call"', instr["rest"])
+    names = operands(instr)
+    if not kind or len(names) < 7:
+        return 0.0
+    b, tq, heads, d = dims(module["shapes"].get(names[5], ""))
+    tk = dims(module["shapes"].get(names[6], ""))[1]
+    return 2.0 * d * _RING_FLASH_MATMULS[kind.group(1)] * b * heads * tq * tk
 
 
 def _grouped_matmul_flops(module, instr) -> float:

@@ -199,6 +199,32 @@ def test_tokamax_kernels_compile_for_described_h100s_and_see_one_device_s_rows(t
     assert r["speed"]["roofline"]["matmul_flops"] >= counted and r["flops"]["hlo_dots_total"] >= counted
 
 
+def test_the_ring_s_flash_kernels_compile_for_described_h100s(tmp_path):
+    """model.attention_impl=pallas under ring attention over sequence 8: each ring step's block is
+    jaxtrain.models.gpu_flash's Triton kernels (forward, dq, dk/dv), on a device's 64-token block of each of its 8
+    rows and 4 heads in bf16, with no XLA sub-block left (no conditional in the step). Their FLOPs count, every
+    (query, key) pair: 8 ring steps in 2 layers of 2 x 32 FLOPs per matmul and pair, 2 + 3 + 4 matmuls."""
+    r, hlo, _ = _plan(tmp_path, "--config", "configs/tiny.py", "--devices", "8", "--backend", "gpu", "--compiler",
+                      "gpu", "--config.mesh.data=1", "--config.mesh.sequence=8", "--config.model.context_parallel=ring",
+                      "--config.model.attention_impl=pallas", "--config.model.d_model=128",
+                      "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.head_dim=32",
+                      "--config.train.seq_len=512", "--config.train.batch_size=8")
+    calls = re.findall(r"custom-call\((.*)\n", hlo)
+    kernels = {name: [c for c in calls if f"/ring_flash_{name}/pallas_call" in c] for name in ("forward", "dq", "dkv")}
+    for name, found in kernels.items():
+        assert found and all('custom_call_target="__gpu$xla.gpu.triton"' in c and "bf16[8,64,4,32]" in c
+                             for c in found), name
+    assert " conditional(" not in hlo
+    from jaxtrain.observe import hlo as hlo_lib
+
+    module = hlo_lib.parse_hlo(hlo)
+    runs, _ = hlo_lib.multiplicities(module)
+    counted = sum(hlo_lib.instruction_flops(module, i) * runs.get(c, 0) for c, instrs in module["computations"].items()
+                  for i in instrs if i["op"] == "custom-call")
+    assert counted == 8 * 2 * (2 * 32) * (2 + 3 + 4) * 8 * 4 * 64 * 64
+    assert r["speed"]["roofline"]["matmul_flops"] >= counted
+
+
 def test_expert_dispatch_compiles_to_ragged_all_to_alls_for_described_h100s(tmp_path):
     """model.moe_dispatch=all_to_all on 8 H100s (expert 4 x fsdp 2): XLA:GPU takes the ragged form, which only the
     deviceless compile can check here (XLA:CPU has none). Each device's 8 x 32 / 8 tokens x top-2 = 64 rows go
