@@ -12,6 +12,8 @@
 #   bash scripts/gpu_bench.sh cudnn cudnn+lora16                                        # LoRA against full
 #   bash scripts/gpu_bench.sh moe     # dropless MoE: ragged_dot (XLA's, tokamax's), then bench_moe.py --tokamax
 #                                     # (RAGGED_ARGS, MOE_ARGS: more arguments for each script)
+#   bash scripts/gpu_bench.sh ring    # the ring's flash kernels against its XLA blocks (bench_ring_kernel.py;
+#                                     # RING_ARGS), packed documents with no window and with a 4,096-token one
 # Variants joined by + run together (their XLA flags and arguments combined). XLA's attention caps bench_gpu's
 # roofline (`jaxtrain plan --compiler gpu`) far below cuDNN's (docs/planning.md, Figures), so tune on top of cudnn.
 # Each variant is one `scripts/bench_step.py` run; its JSON line, with the variant and XLA_FLAGS, is appended to
@@ -69,11 +71,12 @@ variant_args() {  # variant, or variants joined by + (e.g. cudnn+batch16): their
   echo "$flags|$args"
 }
 
-MOE=0
-if [[ "${1:-}" == "moe" ]]; then
-  MOE=1; shift
-  # Its two scripts take their own arguments (RAGGED_ARGS, MOE_ARGS), not bench_step's variants.
-  if (( $# )); then echo "gpu_bench: moe takes no variants (got '$*'); use RAGGED_ARGS and MOE_ARGS" >&2; exit 2; fi
+MOE=0 RING=0
+if [[ "${1:-}" == "moe" || "${1:-}" == "ring" ]]; then
+  [[ "$1" == "moe" ]] && MOE=1 || RING=1
+  # Their scripts take their own arguments (RAGGED_ARGS, MOE_ARGS, RING_ARGS), not bench_step's variants.
+  if (( $# > 1 )); then echo "gpu_bench: $1 takes no variants (got '${*:2}'); use its *_ARGS" >&2; exit 2; fi
+  shift
 fi
 for v in "${@:-base}"; do
   bad=$(variant_args "$v") || { echo "gpu_bench: unknown variant '$bad'" >&2; exit 2; }
@@ -117,6 +120,15 @@ if (( MOE )); then
     --steps "$STEPS" ${MOE_ARGS:-} >"$OUT/bench_moe.log" 2>&1
   tail -n 6 "$OUT/bench_moe.log"; tail -n 1 "$OUT/bench_moe.log" >> "$OUT/gpu_moe.jsonl"
   exit
+fi
+if (( RING )); then
+  status=0
+  for window in 0 4096; do
+    # shellcheck disable=SC2086
+    "$PY" scripts/bench_ring_kernel.py --window "$window" ${RING_ARGS:-} >"$OUT/ring_$window.log" 2>&1 || status=1
+    tail -n 2 "$OUT/ring_$window.log"; tail -n 1 "$OUT/ring_$window.log" >> "$OUT/gpu_ring.jsonl"
+  done
+  exit "$status"
 fi
 
 start=$SECONDS
