@@ -3,9 +3,9 @@
 A block of queries attends to a block of keys under a mask made in each tile from the tokens' segment ids and
 positions, so the zigzag layout, packed documents and sliding windows hold; a tile the mask empties is skipped.
 `RingKernel` is the `kernel` jaxtrain.parallel.context's ring takes (model.attention_impl=pallas). Its forward
-returns each query's softmax state over the block (output unnormalised, running max, sum), which the ring rescales
-across steps; its backward takes the whole ring's log-sum-exp and delta (rowsum dO * O), so each step's
-probabilities are the final ones (as ring-flash-attention does), and returns this step's dq, dk, dv in f32.
+carries each query's softmax state (output unnormalised, running max, sum) on through the block, in place; its
+backward takes the whole ring's log-sum-exp and delta (rowsum dO * O), so each step's probabilities are the final
+ones (as ring-flash-attention does), and adds this step's dq, dk, dv to the ring's f32 accumulators in place.
 cuDNN's fused attention returns its log-sum-exp, but its backward takes no outside one and a positional mask
 needs a dense bias; hence kernels of our own. Pallas's interpreter checks them on CPU against the ring's XLA
 blocks and the unsharded attention (tests/parallel/test_context.py).
@@ -52,8 +52,8 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                    *, scale: float, causal: bool, groups: int, bq: int, bk: int, tk: int):
+def _forward_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_ref, v_ref, o_in, m_in, l_in,
+                    o_ref, m_ref, l_ref, *, scale: float, causal: bool, groups: int, bq: int, bk: int, tk: int):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(i * bq, bq)
     q, seg_q, pos_q, window = q_ref[b, rows, h, :], seg_q_ref[b, rows], pos_q_ref[b, rows], window_ref[0]
@@ -73,10 +73,8 @@ def _forward_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_re
 
         return jax.lax.cond(_any(mask), update, lambda carry: carry, carry)
 
-    o, m, l = jax.lax.fori_loop(0, tk // bk, body, (jnp.zeros((bq, q.shape[-1]), jnp.float32),
-                                                   jnp.full((bq,), _MASKED, jnp.float32),
-                                                   jnp.zeros((bq,), jnp.float32)))
-    o_ref[...], m_ref[...], l_ref[...] = o, m, l
+    state = (o_in[b, rows, h, :], m_in[b, h, rows], l_in[b, h, rows])
+    o_ref[...], m_ref[...], l_ref[...] = jax.lax.fori_loop(0, tk // bk, body, state)
 
 
 def _probabilities(q, k, lse, mask, scale: float):
@@ -84,7 +82,7 @@ def _probabilities(q, k, lse, mask, scale: float):
 
 
 def _dq_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_ref, v_ref, g_ref, lse_ref, delta_ref,
-               dq_ref, *, scale: float, causal: bool, groups: int, bq: int, bk: int, tk: int):
+               dq_in, dq_ref, *, scale: float, causal: bool, groups: int, bq: int, bk: int, tk: int):
     i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(i * bq, bq)
     q, do, lse, delta = q_ref[b, rows, h, :], g_ref[b, rows, h, :], lse_ref[b, h, rows], delta_ref[b, h, rows]
@@ -102,11 +100,12 @@ def _dq_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_
 
         return jax.lax.cond(_any(mask), grad, lambda dq: dq, dq)
 
-    dq_ref[...] = jax.lax.fori_loop(0, tk // bk, body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    dq_ref[...] = jax.lax.fori_loop(0, tk // bk, body, dq_in[b, rows, h, :])
 
 
 def _dkv_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_ref, v_ref, g_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *, scale: float, causal: bool, groups: int, bq: int, bk: int, tq: int):
+                delta_ref, dk_in, dv_in, dk_ref, dv_ref, *, scale: float, causal: bool, groups: int, bq: int,
+                bk: int, tq: int):
     j, b, kv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * bk, bk)
     k, v, seg_k, pos_k, window = k_ref[b, cols, kv, :], v_ref[b, cols, kv, :], seg_k_ref[b, cols], \
@@ -126,8 +125,8 @@ def _dkv_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k
 
         return jax.lax.cond(_any(mask), grad, lambda carry: carry, carry)
 
-    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk_ref[...], dv_ref[...] = jax.lax.fori_loop(0, groups * tiles, body, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = jax.lax.fori_loop(0, groups * tiles, body,
+                                                 (dk_in[b, cols, kv, :], dv_in[b, cols, kv, :]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,41 +137,46 @@ class RingKernel:
     interpret: bool = False
     block: int = BLOCK
 
-    def _call(self, kernel, grid, out_shape, out_specs, name, *args, **params):
+    def _call(self, kernel, grid, out_specs, name, args, carried, **params):
+        """kernel over grid, its outputs the `carried` arrays (its last inputs) updated in place."""
         window, *rest = args
+        args = (jnp.reshape(window, (1,)).astype(jnp.int32), *rest, *carried)
         return pl.pallas_call(
-            functools.partial(kernel, **params), grid=grid, out_shape=out_shape, out_specs=out_specs,
+            functools.partial(kernel, **params), grid=grid, out_specs=out_specs,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in carried],
             in_specs=[pl.no_block_spec] * len(args),  # whole arrays in global memory: the kernels load their tiles
+            input_output_aliases={len(args) - len(carried) + i: i for i in range(len(carried))},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=self.interpret, name=name,
-        )(jnp.reshape(window, (1,)).astype(jnp.int32), *rest)
+        )(*args)
 
-    def forward(self, q, k, v, seg_q, pos_q, seg_k, pos_k, window, scale: float, causal: bool):
-        """(o [b, tq, N, D] unnormalised, m [b, N, tq], l [b, N, tq]), all f32: each query's running max of its
-        visible logits over this block (_MASKED where it sees none) and the sum of exp(logit - m), o the
+    def forward(self, q, k, v, seg_q, pos_q, seg_k, pos_k, window, scale: float, causal: bool, state):
+        """`state` (o [b, tq, N, D], m [b, N, tq], l [b, N, tq], f32) carried on over this block: each query's
+        running max of its visible logits (_MASKED where it has seen none), the sum of exp(logit - m) and the
         exp-weighted sum of values."""
         b, tq, heads, d = q.shape
         tk = k.shape[1]
         bq, bk = tile(tq, self.block), tile(tk, self.block)
-        stats = jax.ShapeDtypeStruct((b, heads, tq), jnp.float32)
-        return self._call(
-            _forward_kernel, (tq // bq, b, heads), (jax.ShapeDtypeStruct(q.shape, jnp.float32), stats, stats),
-            (pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0)),
-             *[pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 2), "ring_flash_forward",
-            window, seg_q, pos_q, seg_k, pos_k, q, k, v,
-            scale=scale, causal=causal, groups=heads // k.shape[2], bq=bq, bk=bk, tk=tk)
+        stats = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+        return tuple(self._call(
+            _forward_kernel, (tq // bq, b, heads), [pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0)),
+                                                    stats, stats], "ring_flash_forward",
+            (window, seg_q, pos_q, seg_k, pos_k, q, k, v), state,
+            scale=scale, causal=causal, groups=heads // k.shape[2], bq=bq, bk=bk, tk=tk))
 
-    def backward(self, q, k, v, g, lse, delta, seg_q, pos_q, seg_k, pos_k, window, scale: float, causal: bool):
-        """(dq, dk, dv) f32 of this block: g the output's gradient (as q), lse and delta [b, N, tq] f32 the whole
-        ring's log-sum-exp (+inf where a query sees no key) and rowsum(g * output)."""
+    def backward(self, q, k, v, g, lse, delta, seg_q, pos_q, seg_k, pos_k, window, scale: float, causal: bool,
+                 acc):
+        """`acc` (dq, dk, dv, f32, as q, k, v) plus this block's gradients: g the output's gradient (as q), lse and
+        delta [b, N, tq] f32 the whole ring's log-sum-exp (+inf where a query sees no key) and rowsum(g * output)."""
         b, tq, heads, d = q.shape
         tk, kv_heads = k.shape[1], k.shape[2]
         bq, bk = tile(tq, self.block), tile(tk, self.block)
         params = dict(scale=scale, causal=causal, groups=heads // kv_heads, bq=bq, bk=bk)
         args = (window, seg_q, pos_q, seg_k, pos_k, q, k, v, g, lse, delta)
-        dq = self._call(_dq_kernel, (tq // bq, b, heads), jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                        pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0)), "ring_flash_dq", *args,
-                        tk=tk, **params)
+        dq, dk, dv = acc
+        dq, = self._call(_dq_kernel, (tq // bq, b, heads), [pl.BlockSpec((None, bq, None, d),
+                                                                         lambda i, b, h: (b, i, h, 0))],
+                         "ring_flash_dq", args, (dq,), tk=tk, **params)
         kv_spec = pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))
-        dk, dv = self._call(_dkv_kernel, (tk // bk, b, kv_heads), (jax.ShapeDtypeStruct(k.shape, jnp.float32),) * 2,
-                            (kv_spec, kv_spec), "ring_flash_dkv", *args, tq=tq, **params)
+        dk, dv = self._call(_dkv_kernel, (tk // bk, b, kv_heads), [kv_spec, kv_spec], "ring_flash_dkv", args,
+                            (dk, dv), tq=tq, **params)
         return dq, dk, dv

@@ -238,8 +238,8 @@ def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str
     are the largest temporary; 0: sub-blocks of at most SUB_BLOCK tokens), and a pair the mask empties is skipped: in the future, outside the window, or in
     other documents. Every ring step waits for the busiest device, so under the contiguous layout that saves no
     time (the last device sees every key); under zigzag (`balance_permutation`) each device skips the same share.
-    `kernel`: each step's block in a kernel of its own instead (models.gpu_flash.RingKernel: forward(...) -> the
-    block's softmax state, backward(...) -> its dq, dk, dv; it cuts and skips tiles itself, so `chunks` is unused)."""
+    `kernel`: each step's block in kernels of its own instead (models.gpu_flash.RingKernel: forward carries the
+    softmax state through a block, backward adds its dq, dk, dv; they cut and skip tiles, so `chunks` is unused)."""
     return usp_attention(q, k, v, segment_ids, positions, mesh=mesh, axis=axis, ulysses=1, window=window,
                          scale=scale, causal=causal, chunks=chunks, batch_axes=batch_axes, kernel=kernel)
 
@@ -345,13 +345,11 @@ def _ring_forward(q, k, v, seg_all, pos_all, window, axis, u, scale, causal, chu
 
         return _pairs(chunks, t, pair, state)
 
-    def kernel_step(s, state, k, v):  # the kernel's softmax state over this block, rescaled into the ring's
+    def kernel_step(s, state, k, v):  # the kernel carries the softmax state on through this block
         o, m, l, done = state
-        o_s, m_s, l_s = kernel.forward(q4, k, v, seg, pos, *keys_at(s), window, scale, causal)
-        m_s, l_s = m_s.reshape(m.shape), l_s.reshape(l.shape)
-        m_new = jnp.maximum(m, m_s)
-        fix, fix_s = jnp.exp(m - m_new), jnp.exp(m_s - m_new)
-        return o * _q_major(fix) + o_s.reshape(o.shape) * _q_major(fix_s), m_new, l * fix + l_s * fix_s, done
+        o, m, l = kernel.forward(q4, k, v, seg, pos, *keys_at(s), window, scale, causal,
+                                 (o.reshape(q4.shape), m.reshape(b, -1, t), l.reshape(b, -1, t)))
+        return o.reshape(q5.shape), m.reshape(b, kv, g, t), l.reshape(b, kv, g, t), done
 
     q4 = q5.reshape(b, t, kv * g, d)
     step = step if kernel is None else kernel_step
@@ -409,11 +407,11 @@ def _ring_backward(res, g, axis, u, scale, causal, chunks, kernel=None):
 
         return _pairs(chunks, t, pair, acc)
 
-    def kernel_step(s, acc, k, v):
+    def kernel_step(s, acc, k, v):  # the kernels add this block's gradients to the accumulators
         dq, dk, dv, done = acc
-        d_q, d_k, d_v = kernel.backward(q4, k, v, g4, lse.reshape(b, -1, t), delta.reshape(b, -1, t), seg, pos,
-                                        *keys_at(s), window, scale, causal)
-        return dq + d_q.reshape(dq.shape), dk + d_k, dv + d_v, done
+        dq, dk, dv = kernel.backward(q4, k, v, g4, lse.reshape(b, -1, t), delta.reshape(b, -1, t), seg, pos,
+                                     *keys_at(s), window, scale, causal, (dq.reshape(q4.shape), dk, dv))
+        return dq.reshape(q5.shape), dk, dv, done
 
     b = q5.shape[0]
     q4, g4 = q5.reshape(b, t, -1, q5.shape[-1]), g5.reshape(b, t, -1, q5.shape[-1])
