@@ -27,11 +27,13 @@ BLOCK = 64  # query and key tile, tokens; Triton's dot needs >= 16
 
 
 def tile(t: int, block: int = BLOCK) -> int:
-    """The tile for a block of t tokens: the largest power of two up to `block` that divides it; 0 if under 16."""
+    """The tile for a block of t tokens: the largest power of two up to `block` that divides it."""
     size = block
     while size >= 16 and t % size:
         size //= 2
-    return size if size >= 16 else 0
+    if size < 16:  # config validation says so first, naming train.seq_len
+        raise ValueError(f"a ring block of {t} tokens: the flash kernels' tiles need a multiple of 16")
+    return size
 
 
 def _visible(seg_q, pos_q, seg_k, pos_k, window, causal: bool):
