@@ -126,6 +126,35 @@ def test_bench_ragged_dot_exits_1_when_the_kernel_jaxtrain_runs_differs_from_xla
     assert result["vs_xla"] == {"fwd": 0, "dx": 0, "dw": 0} and 0.15 < result["own_dw_vs_xla"] < 0.25
 
 
+RING_ARGS = "--interpret --dtype float32 --seq_len 256 --heads 4 --kv_heads 2 --head_dim 16 --iters 1"
+
+
+def test_gpu_bench_ring_checks_the_flash_kernels_against_the_xla_blocks(tmp_path):
+    """`gpu_bench.sh ring` (the ring kernels' check for a GPU session), shrunk for the CPU, the kernels in Pallas's
+    interpreter: one JSON line per window (none, then 4,096 tokens: wider than this sequence) with both paths
+    timed and the kernels equal to the f32 blocks. With the kernels' probabilities made 1.2x too large, the
+    script exits 1."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RING_ARGS", RING_ARGS)
+        proc = gpu_bench(tmp_path, "ring", budget_s=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = [json.loads(line) for line in (tmp_path / "gpu_ring.jsonl").read_text().splitlines()]
+    assert [r["window"] for r in runs] == [0, 4096]
+    for r in runs:
+        assert r["shape"] == [1, 256, 4, 16] and r["xla_ms"] > 0 and r["pallas_ms"] > 0
+        assert r["xla_error"] == 0 and r["pallas_error"] < 1e-5
+    wrong = ("import runpy, sys; from jaxtrain.models import gpu_flash; p = gpu_flash._probabilities; "
+             "gpu_flash._probabilities = lambda *a: p(*a) * 1.2; "
+             f"sys.argv = ['bench_ring_kernel.py', *{RING_ARGS.split()!r}]; "
+             "runpy.run_path('scripts/bench_ring_kernel.py', run_name='__main__')")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", wrong], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["pallas_error"] > 0.1
+
+
 def test_bench_revs_times_other_commits_and_this_checkout_in_turn(tmp_path):
     """scripts/bench_revs.sh against HEAD~1 and HEAD, one round: one JSON line per tree, the same synthetic batch,
     a ratio to each baseline, and the other commits' worktrees removed afterwards; a revision git does not know
