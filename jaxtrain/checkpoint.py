@@ -268,7 +268,7 @@ class _Dir:
             temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if self.path.startswith(
                 "s3://") else None)  # S3 has no rename: the commit marker, written last, commits a step
         self.saving: int | None = None  # step of the save in flight
-        self.abandoned: set[int] = set()  # steps whose failed save left a tmp dir behind
+        self.abandoned: set[int] = set()  # steps whose failed save may leave a tmp dir behind (remove_abandoned)
         self.manager = self._open(self.options)
         self.closed = False  # a rebuild could not reopen the directory (its endpoint down): reopened by the next save
 
@@ -298,14 +298,19 @@ class _Dir:
 
     def remove_abandoned(self):
         """Removes the tmp dirs of earlier failed saves (primary process, best effort): on a full disk partial
-        writes must not pile up. A dir still being written is retried at the next save."""
+        writes must not pile up. Their steps are kept: a writer of a failed save may still be running (Orbax
+        reports the first error without waiting for the rest) and write its dir again after a removal, so each
+        save and the close remove what they find."""
         if jax.process_index() != 0:
             self.abandoned.clear()
-        for step in sorted(self.abandoned):
-            with contextlib.suppress(OSError):
-                for tmp in epath.Path(self.path).glob(f"{step}.orbax-checkpoint-tmp*"):
-                    tmp.rmtree()
-                self.abandoned.discard(step)
+        if not self.abandoned:
+            return
+        steps = {str(step) for step in self.abandoned}
+        with contextlib.suppress(OSError):
+            for tmp in epath.Path(self.path).glob("*.orbax-checkpoint-tmp*"):
+                if tmp.name.split(".")[0] in steps:
+                    with contextlib.suppress(OSError):  # a dir still being written: the next call retries
+                        tmp.rmtree()
 
     def wait(self) -> str | None:
         """Waits for the save in flight; returns its error or None."""
@@ -331,6 +336,7 @@ class _Dir:
     def close(self) -> None:
         if not self.closed:
             self.manager.close()
+            self.remove_abandoned()
 
     def start_save(self, step: int, state, record: dict, canonical: str) -> str | None:
         if self.closed and (problem := self._reopen()):

@@ -375,9 +375,13 @@ def test_full_disk_surfaces_by_the_next_save_and_keeps_the_last_checkpoint(tmp_p
     assert ckpt.restore_latest(abstract(make_state(1)))[0] == 1 and logs == []
     assert "3.orbax-checkpoint-tmp" in os.listdir(root)
     ckpt.save(4, make_state(4), {"pos": 4})  # the same Checkpointer works again once the disk does
+    # A writer of failed save 2 that was still running (Orbax reports the first error without waiting for the
+    # rest) writes again after save 4 removed its directory: the close removes it once more.
+    (root / "2.orbax-checkpoint-tmp" / "state").mkdir(parents=True, exist_ok=True)
+    (root / "2.orbax-checkpoint-tmp" / "state" / "late").write_text("x")
     ckpt.close()
-    # 1 goes once 4 has committed; the partial writes of failed saves are removed by later saves, not left to
-    # pile up on a full disk.
+    # 1 goes once 4 has committed; the partial writes of failed saves are removed by later saves and the close,
+    # not left to pile up on a full disk.
     assert sorted(p.name for p in root.iterdir() if p.name[0].isdigit()) == ["4"]
 
 
