@@ -18,11 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_MASKED = -0.7 * float(np.finfo(np.float32).max)  # as the ring's: finite, so exp(m - m_new) never makes a NaN
+from jaxtrain.parallel.context import _MASKED, _mask  # the ring's: its masked logit, and its mask from positions
+
 BLOCK = 64  # query and key tile, tokens; Triton's dot needs >= 16
 
 
@@ -34,16 +34,6 @@ def tile(t: int, block: int = BLOCK) -> int:
     if size < 16:  # config validation says so first, naming train.seq_len
         raise ValueError(f"a ring block of {t} tokens: the flash kernels' tiles need a multiple of 16")
     return size
-
-
-def _visible(seg_q, pos_q, seg_k, pos_k, window, causal: bool):
-    """[tq, tk] bool, as context._mask: same document, key not padding, causal by position, within the window."""
-    keep = (seg_q[:, None] == seg_k[None, :]) & (seg_k != 0)[None, :]
-    d = pos_q[:, None] - pos_k[None, :]
-    if causal:
-        keep = keep & (d >= 0)
-    near = (d < window) if causal else (jnp.abs(d) < window)
-    return keep & (near | (window <= 0))
 
 
 def _any(mask):
@@ -62,7 +52,7 @@ def _forward_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_re
 
     def body(j, carry):
         cols = pl.ds(j * bk, bk)
-        mask = _visible(seg_q, pos_q, seg_k_ref[b, cols], pos_k_ref[b, cols], window, causal)
+        mask = _mask(seg_q, pos_q, seg_k_ref[b, cols], pos_k_ref[b, cols], window, causal)
 
         def update(carry):
             o, m, l = carry
@@ -92,7 +82,7 @@ def _dq_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k_
 
     def body(j, dq):
         cols = pl.ds(j * bk, bk)
-        mask = _visible(seg_q, pos_q, seg_k_ref[b, cols], pos_k_ref[b, cols], window, causal)
+        mask = _mask(seg_q, pos_q, seg_k_ref[b, cols], pos_k_ref[b, cols], window, causal)
 
         def grad(dq):
             k, v = k_ref[b, cols, h // groups, :], v_ref[b, cols, h // groups, :]
@@ -116,7 +106,7 @@ def _dkv_kernel(window_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, q_ref, k
 
     def body(n, carry):  # over (query head of this KV head's group, query tile)
         h, rows = kv * groups + jax.lax.div(n, tiles), pl.ds(jax.lax.rem(n, tiles) * bq, bq)  # n >= 0: no floor
-        mask = _visible(seg_q_ref[b, rows], pos_q_ref[b, rows], seg_k, pos_k, window, causal)
+        mask = _mask(seg_q_ref[b, rows], pos_q_ref[b, rows], seg_k, pos_k, window, causal)
 
         def grad(carry):
             dk, dv = carry

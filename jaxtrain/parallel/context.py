@@ -63,10 +63,11 @@ def ulysses_ways(ways: int, n: int, heads: int, kv_heads: int) -> int:
 
 # --- Masks and the work they leave -----------------------------------------------------------------------------
 def _mask(seg_q, pos_q, seg_k, pos_k, window: int, causal: bool):
-    """[b, tq, tk] bool from [b, tq] and [b, tk]: same document, key not padding (segment 0), causal by position,
-    and within `window` positions. Operators only, so numpy arrays give numpy (attention_work)."""
-    keep = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
-    d = pos_q[:, :, None] - pos_k[:, None, :]
+    """[..., tq, tk] bool from [..., tq] and [..., tk]: same document, key not padding (segment 0), causal by
+    position, and within `window` positions. Operators only, so numpy arrays give numpy (attention_work), and a
+    flash kernel's tiles (models.gpu_flash) their mask."""
+    keep = (seg_q[..., :, None] == seg_k[..., None, :]) & (seg_k != 0)[..., None, :]
+    d = pos_q[..., :, None] - pos_k[..., None, :]
     if causal:
         keep = keep & (d >= 0)
     if isinstance(window, (int, np.integer)):
