@@ -60,9 +60,9 @@ def layer_mask(segment_ids, positions, window: int, mode: str):
 def self_attention(q, k, v, mask, attend, mode: str, scale: float = 0.0, ulysses_ways: int = 0, kernel=None):
     """A layer's attention of q [B, T, N, D] (split along the sequence) over its k, v under `layer_mask`'s `mask`:
     ring, Ulysses or USP attention (`mode`; USP's Ulysses groups of `ulysses_ways`, model.ulysses_ways) for a
-    ContextMask, the K/V shards exchanged explicitly, each ring step in `kernel` if given (gpu_flash.RingKernel);
-    else every query needs every earlier key, so K/V are gathered whole along the sequence (None = not split) and
-    attend(q, k, v, mask) runs on each device's queries."""
+    ContextMask, the K/V shards exchanged explicitly, each ring step in `kernel` if given (gpu_flash's or
+    tpu_flash's RingKernel); else every query needs every earlier key, so K/V are gathered whole along the
+    sequence (None = not split) and attend(q, k, v, mask) runs on each device's queries."""
     if isinstance(mask, ContextMask):
         kv_names = ("batch", "seq", "act_kv_heads", None)
         attention = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,

@@ -10,7 +10,7 @@ accumulators go round again, each block's probabilities recomputed from the save
 ring-flash-attention does). `ulysses_attention` (one group): all_to_all trades the sequence split for a head
 split around whole-sequence attention. `usp_attention`: both. Masks come from each token's global position and
 segment id, so packed documents may cross shard borders and any layout works; a (query, key) sub-block the mask
-empties is skipped by lax.cond (or each step runs in a `kernel`'s flash kernels: models.gpu_flash on GPUs).
+empties is skipped by lax.cond (or each step runs in a `kernel`'s flash kernels: models.gpu_flash, tpu_flash).
 `balance_permutation` is the zigzag layout (ring member i holds chunks i and 2r-1-i of 2r); `attention_work`
 counts each device's work under a layout, `ring_work` reads it from the compiled ring.
 tests/parallel/test_context.py checks each equals the unsharded attention, outputs and gradients.
@@ -63,18 +63,24 @@ def ulysses_ways(ways: int, n: int, heads: int, kv_heads: int) -> int:
 
 # --- Masks and the work they leave -----------------------------------------------------------------------------
 def _mask(seg_q, pos_q, seg_k, pos_k, window: int, causal: bool):
-    """[..., tq, tk] bool from [..., tq] and [..., tk]: same document, key not padding (segment 0), causal by
-    position, and within `window` positions. Operators only, so numpy arrays give numpy (attention_work), and a
-    flash kernel's tiles (models.gpu_flash) their mask."""
-    keep = (seg_q[..., :, None] == seg_k[..., None, :]) & (seg_k != 0)[..., None, :]
-    d = pos_q[..., :, None] - pos_k[..., None, :]
+    """[..., tq, tk] bool from [..., tq] and [..., tk]: `_keep` of every (query, key) pair."""
+    return _keep(seg_q[..., :, None], pos_q[..., :, None], seg_k[..., None, :], pos_k[..., None, :], window, causal)
+
+
+def _keep(seg_q, pos_q, seg_k, pos_k, window: int, causal: bool):
+    """Which (query, key) pairs attend, from arrays that broadcast together: same document, key not padding
+    (segment 0), causal by position, and within `window` positions. Operators only, so numpy arrays give numpy
+    (attention_work), and a flash kernel's tiles (models.gpu_flash, models.tpu_flash) their mask."""
+    keep = (seg_q == seg_k) & (seg_k != 0)
+    d = pos_q - pos_k
     if causal:
         keep = keep & (d >= 0)
     if isinstance(window, (int, np.integer)):
         if window:
             keep = keep & ((d < window) if causal else (abs(d) < window))
     else:  # traced (a model whose layers alternate windows picks one per layer): 0 = no window
-        keep = keep & (((d < window) if causal else (abs(d) < window)) | (window <= 0))
+        reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)
+        keep = keep & ((d < reach) if causal else (abs(d) < reach))
     return keep
 
 
@@ -155,16 +161,21 @@ def _check(q, k, segment_ids, n: int, axis: str, u: int, field: str) -> None:
                               "heads over its group (use ring attention, or a size that divides them)")
 
 
-def _sharded(local, mesh, axis: str, batch_axes, q, k, v, segment_ids, positions, window):
+def _sharded(local, mesh, axis: str, batch_axes, q, k, v, segment_ids, positions, window, whole: bool = False,
+             ulysses: int = 1):
     """local(q, k, v, seg, pos, window) on each device's shard of the batch and of the sequence (split over
     `axis`), `window` whole on each. Inside, active rules (if any) no longer map the manual axes, so an
-    attention_fn's constraints name only the others."""
+    attention_fn's constraints name only the others. `whole`: every mesh axis manual (Mosaic kernels run only
+    there), the heads split as the active rules split them (`_head_axes`; `ulysses` ways inside)."""
     b, t = segment_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     batch_axes = _batch_axes(mesh, b, batch_axes, axis)
     manual = (axis, *batch_axes)
-    spec = P(batch_axes or None, axis)
+    spec = heads = P(batch_axes or None, axis)
+    if whole:
+        heads = P(batch_axes or None, axis, _head_axes(mesh, q.shape[2], k.shape[2], manual, ulysses) or None)
+        manual = tuple(mesh.axis_names)
     active = mesh_lib.active_sharding()
 
     def inner(*args):
@@ -173,8 +184,21 @@ def _sharded(local, mesh, axis: str, batch_axes, q, k, v, segment_ids, positions
         with mesh_lib.activation_sharding(mesh, mesh_lib._without(active[1], manual)):
             return local(*args)
 
-    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * 5 + (P(),), out_specs=spec, axis_names=set(manual),
-                         check_vma=False)(q, k, v, segment_ids, positions, _window(window))
+    return jax.shard_map(inner, mesh=mesh, in_specs=(heads,) * 3 + (spec,) * 2 + (P(),), out_specs=heads,
+                         axis_names=set(manual), check_vma=False)(q, k, v, segment_ids, positions, _window(window))
+
+
+def _head_axes(mesh, heads: int, kv_heads: int, manual, ulysses: int = 1) -> tuple[str, ...]:
+    """The mesh axes outside `manual` that the active rules split both query and KV heads over ("act_heads",
+    "act_kv_heads"), if alike and each device keeps whole Ulysses groups of both; else none: the heads whole on
+    every device of those axes."""
+    active = mesh_lib.active_sharding()
+    if active is None:
+        return ()
+    axes, kv_axes = (tuple(a for a in active[1].get(name, ()) if a not in manual and mesh.shape[a] > 1)
+                     for name in ("act_heads", "act_kv_heads"))
+    n = math.prod(mesh.shape[a] for a in axes) * ulysses
+    return axes if axes == kv_axes and heads % n == 0 and kv_heads % n == 0 else ()
 
 
 def _window(window):
@@ -236,11 +260,13 @@ def ring_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str
     traced: an int32 scalar). Positions restarting at 0 in each document give the same mask, if a segment id names
     one document per row. `scale`: 0 for D^-0.5. A query that sees no key gets 0. Other mesh axes stay XLA's (auto).
     Each block is cut in `chunks` sub-blocks along queries and keys (the logits of one pair, [b, KV, G, c, c] f32,
-    are the largest temporary; 0: sub-blocks of at most SUB_BLOCK tokens), and a pair the mask empties is skipped: in the future, outside the window, or in
-    other documents. Every ring step waits for the busiest device, so under the contiguous layout that saves no
-    time (the last device sees every key); under zigzag (`balance_permutation`) each device skips the same share.
-    `kernel`: each step's block in kernels of its own instead (models.gpu_flash.RingKernel: forward carries the
-    softmax state through a block, backward adds its dq, dk, dv; they cut and skip tiles, so `chunks` is unused)."""
+    are the largest temporary; 0: sub-blocks of at most SUB_BLOCK tokens), and a pair the mask empties is skipped:
+    in the future, outside the window, or in other documents. Every ring step waits for the busiest device, so
+    under the contiguous layout that saves no time (the last device sees every key); under zigzag
+    (`balance_permutation`) each device skips the same share. `kernel`: each step's block in kernels of its own
+    instead (models.gpu_flash's or tpu_flash's RingKernel: forward carries the softmax state through a block,
+    backward adds its dq, dk, dv; they cut and skip tiles, so `chunks` is unused), in a shard_map over every mesh
+    axis, the heads split as the rules split them."""
     return usp_attention(q, k, v, segment_ids, positions, mesh=mesh, axis=axis, ulysses=1, window=window,
                          scale=scale, causal=causal, chunks=chunks, batch_axes=batch_axes, kernel=kernel)
 
@@ -266,7 +292,7 @@ def usp_attention(q, k, v, segment_ids, positions=None, *, mesh=None, axis: str 
         out = _ring(q, k, v, seg_all, pos_all, window, axis, u, scale, bool(causal), chunks, kernel)
         return _sequence_for_heads(axis, u, out)
 
-    return _sharded(local, mesh, axis, batch_axes, q, k, v, segment_ids, positions, window)
+    return _sharded(local, mesh, axis, batch_axes, q, k, v, segment_ids, positions, window, kernel is not None, u)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
