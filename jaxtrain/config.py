@@ -137,7 +137,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     metrics.check_log_config(cfg.log)
     sampling.check_config(cfg.sample)
     backend = backend or jax.default_backend()
-    model_lib.check_backend(cfg.model, backend)
+    model_lib.check_backend(cfg.model, backend, cfg.train.seq_len, shape["sequence"])
     return resolve(cfg, shape, rules, backend, dcn)
 
 

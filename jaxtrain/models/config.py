@@ -52,8 +52,11 @@ REMAT_POLICIES = {
 
 
 # model.attention_impl's kernels (`check_backend` says where each runs): jax.nn.dot_product_attention's "xla" and
-# "cudnn" with K/V whole; "pallas" runs each step of ring, Ulysses or USP attention (jaxtrain.models.gpu_flash).
+# "cudnn" with K/V whole; "pallas" runs each step of ring, Ulysses or USP attention in flash kernels.
 ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+# pallas's kernels by backend (jaxtrain.models.gpu_flash, Triton; jaxtrain.models.tpu_flash, Mosaic): the head_dims
+# they take, and their smallest tile, which a ring block (train.seq_len over the ring's members) is a multiple of.
+RING_KERNEL_LIMITS = {"gpu": ((16, 32, 64, 128, 256), 16), "tpu": ((64, 128, 256), 128)}
 # model.context_parallel's modes; "usp": the ring across groups of model.ulysses_ways devices, Ulysses within each.
 CONTEXT_PARALLEL = ("allgather", "ring", "ulysses", "usp")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -107,7 +110,7 @@ class ModelConfig:
     attention_block: int = 0
     # That call's kernel: "xla" (jax's default, on every backend: [B, heads, T, T] logits) or "cudnn" (cuDNN's fused
     # flash attention, GPU only, bf16/fp16; the packed-document mask goes in as a bias). Under ring, Ulysses or USP
-    # attention: "xla" (einsums in sub-blocks) or "pallas" (flash kernels per ring step, GPU only). See
+    # attention: "xla" (einsums in sub-blocks) or "pallas" (flash kernels per ring step, GPUs and TPUs). See
     # ATTENTION_IMPLS.
     attention_impl: str = "xla"
     # How attention crosses the `sequence` mesh axis (jaxtrain.parallel.context; docs/parallelism.md):
@@ -514,23 +517,30 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
                               "attention splits the heads over its group (use ring attention, or a size that "
                               "divides them)")
     r = n // ways  # the ring's size
-    if n > 1 and m.attention_impl == "pallas":
-        _check_ring_kernel(m, seq_len, r)
     if ring and m.context_balance and r > 1 and seq_len % (2 * r):
         raise ConfigError("train.seq_len", f"{seq_len} does not split into 2 x {r} equal chunks (the ring's size, "
                           f"mesh.sequence={n} / {ways} Ulysses ways), as the balanced (zigzag) layout needs (or set "
                           "model.context_balance=False)")
 
 
-def _check_ring_kernel(m, seq_len: int, r: int) -> None:
-    """model.attention_impl=pallas: jaxtrain.models.gpu_flash's tiles are powers of two, 16 tokens or more, and a
-    row of head_dim floats per query (its f32 accumulator in registers)."""
-    if m.head_dim not in (16, 32, 64, 128, 256):
-        raise ConfigError("model.attention_impl", f"pallas's flash kernels need model.head_dim a power of two from "
-                          f"16 to 256, got {m.head_dim} (use 'xla')")
-    if seq_len % r or seq_len // r % 16:
+def _check_ring_kernel(m, seq_len: int, n: int, backend: str) -> None:
+    """model.attention_impl=pallas, over mesh.sequence=n: its kernels for `backend` take model.head_dim, and the
+    ring's blocks are a multiple of their smallest tile."""
+    if backend not in RING_KERNEL_LIMITS:  # CPUs run the ring's XLA blocks
+        raise ConfigError("model.attention_impl", f"pallas runs on GPUs and TPUs only; this run compiles for "
+                          f"{backend} (use 'xla')")
+    head_dims, multiple = RING_KERNEL_LIMITS[backend]
+    if m.head_dim not in head_dims:
+        raise ConfigError("model.attention_impl", f"pallas's {backend.upper()} flash kernels need model.head_dim in "
+                          f"{', '.join(map(str, head_dims))}, got {m.head_dim} (use 'xla')")
+    if n <= 1 or m.context_parallel == "allgather":  # config's check: pallas needs a ring
+        return
+    r = n // {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[
+        m.context_parallel]
+    if seq_len % r or seq_len // r % multiple:
         raise ConfigError("train.seq_len", f"{seq_len} gives ring blocks of {seq_len / r:g} tokens ({r} ring "
-                          "members); pallas's flash kernels need a multiple of 16 (or model.attention_impl=xla)")
+                          f"members); pallas's {backend.upper()} flash kernels need a multiple of {multiple} (or "
+                          "model.attention_impl=xla)")
 
 
 def _check_latent_attention(g: Group, m) -> None:
@@ -557,8 +567,9 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
 
-def check_backend(model, backend: str) -> None:
-    """ConfigError for settings the backend the step compiles for ("cpu", "gpu", "tpu") cannot run."""
+def check_backend(model, backend: str, seq_len: int = 0, sequence: int = 1) -> None:
+    """ConfigError for settings the backend the step compiles for ("cpu", "gpu", "tpu") cannot run, with
+    train.seq_len and mesh.sequence's size."""
     if model.attention_impl == "cudnn":
         if backend != "gpu":
             raise ConfigError("model.attention_impl", f"cudnn runs on GPUs only; this run compiles for {backend} "
@@ -567,9 +578,8 @@ def check_backend(model, backend: str) -> None:
         if dtype not in ("bfloat16", "float16"):
             raise ConfigError("model.attention_impl", f"cudnn needs bfloat16 or float16 compute; "
                               f"model.dtype is {dtype}")
-    if model.attention_impl == "pallas" and backend != "gpu":  # Triton kernels; CPUs run the ring's XLA blocks
-        raise ConfigError("model.attention_impl", f"pallas runs on GPUs only; this run compiles for {backend} "
-                          f"(use 'xla')")
+    if model.attention_impl == "pallas":
+        _check_ring_kernel(model, seq_len, sequence, backend)
     for field in ("moe_weight_grad", "moe_input_grad"):
         if model[field] == "pallas" and backend != "gpu":  # a Triton kernel; CPUs run cpu_grouped's tiles
             raise ConfigError(f"model.{field}", f"pallas runs on GPUs only; this run compiles for {backend} "

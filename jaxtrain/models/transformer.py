@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import gpu_flash, lora, mla, moe
+from jaxtrain.models import gpu_flash, lora, mla, moe, tpu_flash
 from jaxtrain.models.attention import attention_mask, causal_attention, layer_mask, self_attention
 from jaxtrain.models.config import REMAT_POLICIES, Layout, ModelConfig
 from jaxtrain.models.layers import (
@@ -100,7 +100,7 @@ class Attention(nnx.Module):
         q = constrain(rope(q, rotary_tables), ("batch", "seq", "act_heads", None))
         out = self_attention(q, rope(k, rotary_tables), v, mask, self.attend, self.cfg.context_parallel,
                              self.cfg.attn_scale, self.cfg.ulysses_ways,
-                             gpu_flash.RingKernel() if self.cfg.attention_impl == "pallas" else None)
+                             _ring_kernel() if self.cfg.attention_impl == "pallas" else None)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return adapted(self, "wo", out, project(out, weight(self.wo, dt), contract=2, quant=self.cfg.quant,
                                                 grad_dtype=self.grad_dtype), contract=2, keys=keys)
@@ -556,6 +556,11 @@ class Transformer(nnx.Module):
     def _logits(self, x, last_index):
         x = self.final_norm(x[:, x.shape[1] - 1 if last_index is None else last_index])
         return self.cap(project(x, self.head().astype(jnp.dtype(self.cfg.dtype))))
+
+
+def _ring_kernel():
+    """model.attention_impl=pallas: the flash kernels per ring step of the platform the step compiles for."""
+    return {"gpu": gpu_flash.RingKernel, "tpu": tpu_flash.RingKernel}[mesh_lib.compile_platform()]()
 
 
 def hide_left_pad(mask, query, key, left_pad):

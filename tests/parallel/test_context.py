@@ -3,6 +3,7 @@ equal the unsharded attention (models/attention.py's mask and math), outputs and
 in f32, with packed documents crossing the shard borders, a sliding window, and the zigzag layout; and the zigzag
 layout balances the causal work that the contiguous one does not, modelled and read from the compiled ring."""
 
+import contextlib
 import re
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.models import gpu_flash
+from jaxtrain.models import gpu_flash, tpu_flash
 from jaxtrain.models.attention import attend, attention_mask
 from jaxtrain.parallel import context
 from jaxtrain.parallel import mesh as mesh_lib
@@ -163,27 +164,80 @@ KERNEL_CASES = {  # id: (mesh, Ulysses ways, window); packed documents and the z
 }
 
 
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_the_ring_s_gpu_kernels_equal_unsharded_attention(case):
-    """model.attention_impl=pallas: each ring step's block in models.gpu_flash's Triton kernels (run by Pallas's
-    interpreter), tiles of 16 so a block holds up to 4 and the kernels skip the ones the mask empties. Ulysses is
-    the ring of one group. The kernels take the ring's log-sum-exp into the backward: a step's own would not
-    give these gradients."""
-    shape, ways, window = KERNEL_CASES[case]
-    t, n = 128, shape["sequence"]
+def assert_kernel_equals_unsharded_attention(kernel, shape: dict, ways: int, window: int, t: int, docs,
+                                             rules=None):
+    """usp_attention with `kernel` in each ring step, the zigzag layout and packed `docs`, equals the reference;
+    `rules`: active while it traces (heads split over the tensor axis)."""
+    n = shape["sequence"]
     mesh = mesh_lib.make_mesh(shape)
-    seg = packed_segments(([20, 45, 18, 30], [64, 7, 50]), t)
+    seg = packed_segments(docs, t)
     perm, inv = context.balance_permutation(t, n // ways), context.inverse_balance_permutation(t, n // ways)
-    kernel = gpu_flash.RingKernel(interpret=True, block=16)
 
     def attention(q, k, v):
-        out = context.usp_attention(q[:, perm], k[:, perm], v[:, perm], jnp.asarray(seg[:, perm]),
-                                    jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (B, t)), mesh=mesh,
-                                    ulysses=ways, window=window, kernel=kernel)
+        with mesh_lib.activation_sharding(mesh, rules) if rules else contextlib.nullcontext():
+            out = context.usp_attention(q[:, perm], k[:, perm], v[:, perm], jnp.asarray(seg[:, perm]),
+                                        jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (B, t)), mesh=mesh,
+                                        ulysses=ways, window=window, kernel=kernel)
         return out[:, inv]
 
     hlo = assert_equal_to_reference(attention, seg, window, heads=8, kv_heads=4, t=t)
     assert all(f"/ring_flash_{name}/" in hlo for name in ("forward", "dq", "dkv"))  # the kernels ran, not XLA's
+    return hlo
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_the_ring_s_gpu_kernels_equal_unsharded_attention(case):
+    """model.attention_impl=pallas on GPUs: each ring step's block in models.gpu_flash's Triton kernels (run by
+    Pallas's interpreter), tiles of 16 so a block holds up to 4 and the kernels skip the ones the mask empties.
+    Ulysses is the ring of one group. The kernels take the ring's log-sum-exp into the backward: a step's own
+    would not give these gradients."""
+    shape, ways, window = KERNEL_CASES[case]
+    assert_kernel_equals_unsharded_attention(gpu_flash.RingKernel(interpret=True, block=16), shape, ways, window,
+                                             128, ([20, 45, 18, 30], [64, 7, 50]))
+
+
+TPU_DOCS = ([160, 360, 144, 240], [512, 56, 400])  # 1,024 tokens
+TPU_KERNEL_CASES = {  # id: (mesh, Ulysses ways, window, heads over tensor)
+    "ring_data2_seq4_window": ({"data": 2, "sequence": 4}, 1, 150, False),
+    "usp_tensor2_2x2": ({"tensor": 2, "sequence": 4}, 2, 0, True),
+}
+
+
+@pytest.mark.parametrize("case", list(TPU_KERNEL_CASES))
+def test_the_ring_s_tpu_kernels_equal_unsharded_attention(case):
+    """model.attention_impl=pallas on TPUs: models.tpu_flash's Mosaic kernels (run by Pallas's interpreter),
+    tiles of 128 (a vreg's lanes), so the ring's blocks of 256 or 512 tokens hold 4 or 16. Mosaic kernels run
+    only where every mesh axis is manual: with the heads split over `tensor` by the rules, each device's
+    shard_map holds its heads (the ring passes 2 of the 4 KV heads), not all of them gathered."""
+    shape, ways, window, over_tensor = TPU_KERNEL_CASES[case]
+    rules = {"batch": (), "act_heads": ("tensor",), "act_kv_heads": ("tensor",)} if over_tensor else None
+    hlo = assert_kernel_equals_unsharded_attention(tpu_flash.RingKernel(interpret=True, block=128), shape, ways,
+                                                   window, 1024, TPU_DOCS, rules)
+    if over_tensor:
+        kv_local = 4 // 2 // ways
+        assert set(collectives(hlo)["collective-permute"]) == {f"f32[{B},{1024 * ways // 4},{kv_local},{D}]"}
+
+
+def test_the_ring_s_tpu_kernels_lower_to_mosaic():
+    """The whole ring's forward and backward, bf16 at 8K tokens over 8 devices (USP 2 x 4, head_dim 128, GQA), lower
+    for TPUs: two forward and four backward Mosaic calls in a shard_map that holds every mesh axis. (Lowering is
+    jax's; Mosaic's compile needs a TPU's libtpu, which CI lacks.)"""
+    mesh = mesh_lib.make_mesh({"sequence": 8})
+    b, t, heads, kv_heads, d = 1, 8192, 8, 4, 128
+
+    def loss(q, k, v, seg, pos):
+        out = context.usp_attention(q, k, v, seg, pos, mesh=mesh, ulysses=2, window=jnp.int32(4096),
+                                    kernel=tpu_flash.RingKernel())
+        return out.astype(jnp.float32).sum()
+
+    shapes = [jax.ShapeDtypeStruct(s, x) for s, x in (((b, t, heads, d), jnp.bfloat16),
+                                                     ((b, t, kv_heads, d), jnp.bfloat16),
+                                                     ((b, t, kv_heads, d), jnp.bfloat16),
+                                                     ((b, t), jnp.int32), ((b, t), jnp.int32))]
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*shapes).lower(lowering_platforms=("tpu",))
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") == 6
+    assert set(re.findall(r"ring_flash_(\w+)", text)) == {"forward", "dq", "dkv"}
 
 
 def test_ulysses_needs_kv_heads_that_divide_by_the_axis():

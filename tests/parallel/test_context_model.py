@@ -122,16 +122,24 @@ def test_bad_context_parallel_settings_name_the_field(tiny_config, overrides, fi
 
 @pytest.mark.parametrize("overrides, backend, message", [
     ({}, "gpu", None),
-    ({}, "cpu", "model.attention_impl: pallas runs on GPUs only"),
-    ({"model.head_dim": 8}, "gpu", "model.attention_impl: pallas's flash kernels need model.head_dim a power of two"),
+    ({}, "cpu", "model.attention_impl: pallas runs on GPUs and TPUs only"),
+    ({"model.head_dim": 8}, "gpu", "model.attention_impl: pallas's GPU flash kernels need model.head_dim in 16, 32,"),
+    ({"model.head_dim": 64, "train.seq_len": 512}, "tpu", None),
+    ({"model.head_dim": 32, "train.seq_len": 512}, "tpu",
+     "model.attention_impl: pallas's TPU flash kernels need model.head_dim in 64, 128, 256, got 32"),
+    ({"model.head_dim": 64, "train.seq_len": 256}, "tpu",
+     "train.seq_len: 256 gives ring blocks of 64 tokens (4 ring members); pallas's TPU flash kernels need a "
+     "multiple of 128"),
     ({"mesh.sequence": 8, "train.seq_len": 96}, "gpu", "train.seq_len: 96 gives ring blocks of 12 tokens"),
     ({"mesh.sequence": 8, "model.context_parallel": "usp", "model.ulysses_ways": 2, "train.seq_len": 96}, "gpu",
      "train.seq_len: 96 gives ring blocks of 24 tokens"),
     ({"model.context_parallel": "allgather"}, "gpu", "model.attention_impl: pallas runs the steps of ring"),
-], ids=["ok", "cpu", "head_dim", "ring_block", "usp_block", "allgather"])
+], ids=["ok", "cpu", "head_dim", "tpu_ok", "tpu_head_dim", "tpu_ring_block", "ring_block", "usp_block",
+        "allgather"])
 def test_the_ring_kernel_s_settings_are_checked_before_anything_compiles(tiny_config, overrides, backend, message):
-    """model.attention_impl=pallas (jaxtrain.models.gpu_flash): GPUs only, a head_dim its tiles take, ring blocks
-    (seq_len over the ring's members) a multiple of 16, and a ring to run in."""
+    """model.attention_impl=pallas (jaxtrain.models.gpu_flash, tpu_flash): GPUs and TPUs only, a head_dim their
+    tiles take, ring blocks (seq_len over the ring's members) a multiple of the smallest tile (16 on GPUs, 128 on
+    TPUs), and a ring to run in."""
     cfg = tiny_config(**{"mesh.data": -1, "mesh.sequence": 4, "train.seq_len": T, "model.context_parallel": "ring",
                          "model.attention_impl": "pallas", "model.head_dim": 16, **overrides})
     if message is None:
