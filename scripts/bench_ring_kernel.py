@@ -1,13 +1,13 @@
-"""The ring's per-step flash kernels (model.attention_impl=pallas: jaxtrain.models.gpu_flash) against its XLA
-blocks, on one device: ring attention over a mesh of 1, so the one ring step's block is the whole sequence, forward
+"""The ring's per-step flash kernels (model.attention_impl=pallas: jaxtrain.models.gpu_flash, or tpu_flash on a
+TPU or with --kernel tpu) against its XLA blocks, on one device: ring attention over a mesh of 1, so the one ring step's block is the whole sequence, forward
 and backward, on packed documents. Each path runs in --dtype; the reference is the XLA blocks in f32. Prints each
 path's median time per forward + backward and a JSON line with them, their ratio and each path's largest
 difference from the reference (output and gradients, over the reference's largest magnitude); exits 1 when the
 kernels' difference passes --tolerance.
 
-    python scripts/bench_ring_kernel.py                     # a GPU (bash scripts/gpu_bench.sh ring)
+    python scripts/bench_ring_kernel.py                     # a GPU (bash scripts/gpu_bench.sh ring) or a TPU
     python scripts/bench_ring_kernel.py --interpret --dtype float32 --seq_len 256 --heads 4 --kv_heads 2 \\
-        --head_dim 16 --window 40                       # a check on CPU (whose dots take no bf16 -> f32)
+        --head_dim 16 --window 40 [--kernel tpu]        # a check on CPU (whose dots take no bf16 -> f32)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain.models import gpu_flash  # noqa: E402
+from jaxtrain.models import gpu_flash, tpu_flash  # noqa: E402
 from jaxtrain.parallel import context  # noqa: E402
 from jaxtrain.parallel import mesh as mesh_lib  # noqa: E402
 
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tolerance", type=float, default=2e-2)
     p.add_argument("--interpret", action="store_true", help="Pallas's interpreter (CPU)")
+    p.add_argument("--kernel", choices=("gpu", "tpu"), default="tpu" if jax.default_backend() == "tpu" else "gpu")
     a = p.parse_args(argv)
     mesh = mesh_lib.make_mesh({"sequence": 1}, devices=jax.devices()[:1])
     seg, pos = packed(a.batch, a.seq_len, a.mean_doc or a.seq_len // 4, 0)
@@ -87,8 +88,9 @@ def main(argv=None) -> int:
                    for i, (g, w) in enumerate(zip(got, want)))
 
     xla, xla_s = step(None, a.dtype)
-    kern, kern_s = step(gpu_flash.RingKernel(interpret=a.interpret), a.dtype)
-    result = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "dtype": a.dtype,
+    module = {"gpu": gpu_flash, "tpu": tpu_flash}[a.kernel]
+    kern, kern_s = step(module.RingKernel(interpret=a.interpret), a.dtype)
+    result = {"backend": jax.default_backend(), "kernel": a.kernel, "device": str(jax.devices()[0].device_kind), "dtype": a.dtype,
               "shape": shapes[0], "kv_heads": a.kv_heads, "window": a.window, "xla_ms": round(xla_s * 1e3, 2),
               "pallas_ms": round(kern_s * 1e3, 2), "speedup": round(xla_s / kern_s, 3),
               "xla_error": error(xla), "pallas_error": error(kern)}
