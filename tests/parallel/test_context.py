@@ -218,6 +218,35 @@ def test_the_ring_s_tpu_kernels_equal_unsharded_attention(case):
         assert set(collectives(hlo)["collective-permute"]) == {f"f32[{B},{1024 * ways // 4},{kv_local},{D}]"}
 
 
+def test_the_tpu_kernels_give_the_same_under_the_tpu_interpreter_on_two_cores():
+    """One ring step, forward and backward, under Pallas's TPU interpreter (pltpu.InterpretParams): it keeps a
+    TPU's memory spaces, fills uninitialised memory with NaN and splits the "parallel" grid axes over 2 cores, as
+    a megacore chip does. The kernels give exactly what the plain interpreter gives (that one is checked against
+    the unsharded attention above)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, t, heads, kv_heads, d = 1, 256, 2, 1, 128
+    rng = np.random.default_rng(0)
+    q, g = (jnp.asarray(rng.normal(size=(b, t, heads, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv_heads, d)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(packed_segments(([100, 120],), t))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    state = (jnp.zeros((b, t, heads, d)), jnp.full((b, heads, t), context._MASKED), jnp.zeros((b, heads, t)))
+    window = jnp.int32(60)
+
+    def step(interpret):
+        kernel = tpu_flash.RingKernel(interpret=interpret, block=128)
+        o, m, l = kernel.forward(q, k, v, seg, pos, seg, pos, window, 0.1, True, state)
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
+        acc = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+        return o, m, l, *kernel.backward(q, k, v, g, lse, l, seg, pos, seg, pos, window, 0.1, True, acc)
+
+    want, got = step(True), step(pltpu.InterpretParams(num_cores_or_threads=2))
+    assert np.isfinite(np.asarray(want[0])).all()
+    for name, w, x in zip(("o", "m", "l", "dq", "dk", "dv"), want, got):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(w), err_msg=name)
+
+
 def test_the_ring_s_tpu_kernels_lower_to_mosaic():
     """The whole ring's forward and backward, bf16 at 8K tokens over 8 devices (USP 2 x 4, head_dim 128, GQA), lower
     for TPUs: two forward and four backward Mosaic calls in a shard_map that holds every mesh axis. (Lowering is
