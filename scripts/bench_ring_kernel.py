@@ -1,9 +1,9 @@
 """The ring's per-step flash kernels (model.attention_impl=pallas: jaxtrain.models.gpu_flash, or tpu_flash on a
-TPU or with --kernel tpu) against its XLA blocks, on one device: ring attention over a mesh of 1, so the one ring step's block is the whole sequence, forward
-and backward, on packed documents. Each path runs in --dtype; the reference is the XLA blocks in f32. Prints each
-path's median time per forward + backward and a JSON line with them, their ratio and each path's largest
-difference from the reference (output and gradients, over the reference's largest magnitude); exits 1 when the
-kernels' difference passes --tolerance.
+TPU or with --kernel tpu) against its XLA blocks, on one device: ring attention over a mesh of 1, so the one ring
+step's block is the whole sequence, forward and backward, on packed documents. Each path runs in --dtype; the
+reference is the XLA blocks in f32. Prints each path's median time per forward + backward and a JSON line with
+them, their ratio and each path's largest difference from the reference (output and gradients, over the
+reference's largest magnitude); exits 1 when the kernels' difference passes --tolerance.
 
     python scripts/bench_ring_kernel.py                     # a GPU (bash scripts/gpu_bench.sh ring) or a TPU
     python scripts/bench_ring_kernel.py --interpret --dtype float32 --seq_len 256 --heads 4 --kv_heads 2 \\
@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     xla, xla_s = step(None, a.dtype)
     module = {"gpu": gpu_flash, "tpu": tpu_flash}[a.kernel]
     kern, kern_s = step(module.RingKernel(interpret=a.interpret), a.dtype)
-    result = {"backend": jax.default_backend(), "kernel": a.kernel, "device": str(jax.devices()[0].device_kind), "dtype": a.dtype,
-              "shape": shapes[0], "kv_heads": a.kv_heads, "window": a.window, "xla_ms": round(xla_s * 1e3, 2),
-              "pallas_ms": round(kern_s * 1e3, 2), "speedup": round(xla_s / kern_s, 3),
+    result = {"backend": jax.default_backend(), "kernel": a.kernel, "device": str(jax.devices()[0].device_kind),
+              "dtype": a.dtype, "shape": shapes[0], "kv_heads": a.kv_heads, "window": a.window,
+              "xla_ms": round(xla_s * 1e3, 2), "pallas_ms": round(kern_s * 1e3, 2), "speedup": round(xla_s / kern_s, 3),
               "xla_error": error(xla), "pallas_error": error(kern)}
     print(f"ring step, forward + backward: XLA blocks {xla_s * 1e3:.2f} ms, pallas kernels {kern_s * 1e3:.2f} ms "
           f"({result['speedup']}x); largest difference from f32: XLA {result['xla_error']:.2e}, pallas "
