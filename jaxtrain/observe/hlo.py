@@ -238,10 +238,11 @@ _RING_FLASH_MATMULS = {"forward": 2, "dq": 3, "dkv": 4}
 def _ring_flash_flops(module, instr) -> float:
     """One of models.gpu_flash's Triton kernels, q [b, tq, N, D] and k [b, tk, KV, D] its 6th and 7th operands:
     every (query, key) pair of the block, as a conditional counts its costliest branch (the kernel skips the
-    tiles the mask empties as it runs)."""
+    tiles the mask empties as it runs). models.tpu_flash's Mosaic kernels bear the same names over other
+    operands: they count by their bytes only."""
     kind = re.search(r'op_name="[^"]*/ring_flash_(forward|dq|dkv)/pallas_call"', instr["rest"])
     names = operands(instr)
-    if not kind or len(names) < 7:
+    if not kind or 'custom_call_target="__gpu$xla.gpu.triton"' not in instr["rest"] or len(names) < 7:
         return 0.0
     b, tq, heads, d = dims(module["shapes"].get(names[5], ""))
     tk = dims(module["shapes"].get(names[6], ""))[1]
