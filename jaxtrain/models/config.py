@@ -357,10 +357,6 @@ def check_config(model, *, seq_len: int, mesh_shape: dict) -> None:
     g.positive_int("attention_block", allow_zero=True)
     g.choice("attention_impl", ATTENTION_IMPLS)
     _check_context_parallel(g, m, seq_len, mesh_shape["sequence"], mesh_shape["pipeline"])
-    if m.attention_impl == "pallas" and (m.context_parallel == "allgather" or mesh_shape["sequence"] == 1):
-        raise ConfigError("model.attention_impl", "pallas runs the steps of ring, Ulysses or USP attention: it needs "
-                          "model.context_parallel ring, ulysses or usp and mesh.sequence > 1; with K/V gathered "
-                          "whole use 'cudnn'")
     if m.attention_impl == "cudnn" and m.attention_block:
         raise ConfigError("model.attention_impl", f"cudnn is the library call's kernel; it needs "
                           f"model.attention_block=0, got {m.attention_block}")
@@ -509,7 +505,7 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
                           f"allgather); under {mode} use 'pallas', the flash kernels per ring step, or 'xla'")
     if m.ulysses_ways and n % m.ulysses_ways:
         raise ConfigError("model.ulysses_ways", f"{m.ulysses_ways} does not divide mesh.sequence={n}")
-    ways = {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[mode]
+    ways = _ulysses_group(m, n)
     where = "mesh.sequence" if mode == "ulysses" else "model.ulysses_ways"
     for field in ("n_heads", "n_kv_heads"):
         if m[field] % ways:
@@ -523,20 +519,28 @@ def _check_context_parallel(g: Group, m, seq_len: int, n: int, stages: int) -> N
                           "model.context_balance=False)")
 
 
+def _ulysses_group(m, n: int) -> int:
+    """How many devices of mesh.sequence=n trade heads for the sequence under model.context_parallel (its ring
+    runs over n / that many)."""
+    return {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[
+        m.context_parallel]
+
+
 def _check_ring_kernel(m, seq_len: int, n: int, backend: str) -> None:
-    """model.attention_impl=pallas, over mesh.sequence=n: its kernels for `backend` take model.head_dim, and the
-    ring's blocks are a multiple of their smallest tile."""
+    """model.attention_impl=pallas, over mesh.sequence=n: a ring to run in, kernels for `backend` that take
+    model.head_dim, and ring blocks a multiple of their smallest tile."""
     if backend not in RING_KERNEL_LIMITS:  # CPUs run the ring's XLA blocks
         raise ConfigError("model.attention_impl", f"pallas runs on GPUs and TPUs only; this run compiles for "
                           f"{backend} (use 'xla')")
+    if m.context_parallel == "allgather" or n == 1:
+        raise ConfigError("model.attention_impl", "pallas runs the steps of ring, Ulysses or USP attention: it needs "
+                          "model.context_parallel ring, ulysses or usp and mesh.sequence > 1; with K/V gathered "
+                          "whole use 'cudnn'")
     head_dims, multiple = RING_KERNEL_LIMITS[backend]
     if m.head_dim not in head_dims:
         raise ConfigError("model.attention_impl", f"pallas's {backend.upper()} flash kernels need model.head_dim in "
                           f"{', '.join(map(str, head_dims))}, got {m.head_dim} (use 'xla')")
-    if n <= 1 or m.context_parallel == "allgather":  # config's check: pallas needs a ring
-        return
-    r = n // {"ring": 1, "ulysses": n, "usp": context.ulysses_ways(m.ulysses_ways, n, m.n_heads, m.n_kv_heads)}[
-        m.context_parallel]
+    r = n // _ulysses_group(m, n)
     if seq_len % r or seq_len // r % multiple:
         raise ConfigError("train.seq_len", f"{seq_len} gives ring blocks of {seq_len / r:g} tokens ({r} ring "
                           f"members); pallas's {backend.upper()} flash kernels need a multiple of {multiple} (or "

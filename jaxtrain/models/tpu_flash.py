@@ -149,27 +149,19 @@ def _lanes(x):
     return jnp.broadcast_to(x[..., None], (*x.shape, LANES))
 
 
-def _id_specs(bq: int, bk: int, at):
-    """BlockSpecs of the queries' segment ids and positions [b, t, LANES] and the keys' [b, SUBLANES, t], given
-    at(grid indices) = (batch, query tile, key tile)."""
-    def q_at(*g):
-        b, i, _ = at(*g[:4])
-        return b, i, 0
+def _specs(bq: int, bk: int, d: int, at):
+    """BlockSpecs over a grid whose indices at() maps to (batch, query head, query tile, KV head, key tile): the
+    ids (queries' [bq, LANES], keys' [SUBLANES, bk]), a query's row block [bq, d], a key's block [bk, d] and
+    per-query statistics [bq, LANES]."""
+    def spec(shape, pick):
+        return pl.BlockSpec(shape, lambda *g: pick(*at(*g[:4])))  # g[4:]: the scalar prefetch refs
 
-    def k_at(*g):
-        b, _, j = at(*g[:4])
-        return b, 0, j
-
-    return [pl.BlockSpec((None, bq, LANES), q_at)] * 2 + [pl.BlockSpec((None, SUBLANES, bk), k_at)] * 2
-
-
-def _row_specs(bq: int, bk: int, d: int, groups: int):
-    """Over grid (b, query head, query tile, key tile): BlockSpecs of the ids, a query's [bq, d] row block, a key's
-    [bk, d] (its KV head the query head's group), and per-query statistics [bq, LANES]."""
-    rows = pl.BlockSpec((None, None, bq, d), lambda b, h, i, j, *_: (b, h, i, 0))
-    keys = pl.BlockSpec((None, None, bk, d), lambda b, h, i, j, *_: (b, jax.lax.div(h, groups), j, 0))
-    stats = pl.BlockSpec((None, None, bq, LANES), lambda b, h, i, j, *_: (b, h, i, 0))
-    return _id_specs(bq, bk, lambda b, h, i, j: (b, i, j)), rows, keys, stats
+    ids_q = spec((None, bq, LANES), lambda b, h, i, kv, j: (b, i, 0))
+    ids_k = spec((None, SUBLANES, bk), lambda b, h, i, kv, j: (b, 0, j))
+    rows = spec((None, None, bq, d), lambda b, h, i, kv, j: (b, h, i, 0))
+    keys = spec((None, None, bk, d), lambda b, h, i, kv, j: (b, kv, j, 0))
+    stats = spec((None, None, bq, LANES), lambda b, h, i, kv, j: (b, h, i, 0))
+    return [ids_q, ids_q, ids_k, ids_k], rows, keys, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +201,8 @@ class RingKernel:
         b, tq, heads, d = q.shape
         (bq, bk), prefetch, ids = self._setup(q, k, seg_q, pos_q, seg_k, pos_k, window, causal)
         nq, nk = tq // bq, k.shape[1] // bk
-        id_specs, rows, keys, stats = _row_specs(bq, bk, d, heads // k.shape[2])
+        groups = heads // k.shape[2]
+        id_specs, rows, keys, stats = _specs(bq, bk, d, lambda b, h, i, j: (b, h, i, jax.lax.div(h, groups), j))
         o, m, l = state
         o, m, l = self._call(_forward_kernel, (b, heads, nq, nk), id_specs + [rows, keys, keys, rows, stats, stats],
                              [rows, stats, stats], "ring_flash_forward", prefetch,
@@ -230,17 +223,13 @@ class RingKernel:
         dq, dk, dv = map(_heads_major, acc)
         params = dict(scale=scale, causal=causal, nq=nq, nk=nk)
 
-        id_specs, rows, keys, stats = _row_specs(bq, bk, d, groups)
+        id_specs, rows, keys, stats = _specs(bq, bk, d, lambda b, h, i, j: (b, h, i, jax.lax.div(h, groups), j))
         dq, = self._call(_dq_kernel, (b, heads, nq, nk), id_specs + [rows, keys, keys, rows, stats, stats, rows],
                          [rows], "ring_flash_dq", prefetch, args, (dq,), **params)
 
-        def at(b, kv, j, n):  # grid (b, KV head, key tile, (query head of its group, query tile))
-            return b, kv * groups + jax.lax.div(n, nq), jax.lax.rem(n, nq), j
-
-        rows = pl.BlockSpec((None, None, bq, d), lambda *g: (*at(*g[:4])[:3], 0))
-        keys = pl.BlockSpec((None, None, bk, d), lambda b, kv, j, n, *_: (b, kv, j, 0))
-        stats = pl.BlockSpec((None, None, bq, LANES), lambda *g: (*at(*g[:4])[:3], 0))
-        id_specs = _id_specs(bq, bk, lambda *g: (at(*g)[0], *at(*g)[2:]))
+        # grid (b, KV head, key tile, (query head of its group, query tile))
+        id_specs, rows, keys, stats = _specs(bq, bk, d, lambda b, kv, j, n: (
+            b, kv * groups + jax.lax.div(n, nq), jax.lax.rem(n, nq), kv, j))
         dk, dv = self._call(_dkv_kernel, (b, kv_heads, nk, groups * nq),
                             id_specs + [rows, keys, keys, rows, stats, stats, keys, keys], [keys, keys],
                             "ring_flash_dkv", prefetch, args, (dk, dv), **params)

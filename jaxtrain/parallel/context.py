@@ -172,11 +172,12 @@ def _sharded(local, mesh, axis: str, batch_axes, q, k, v, segment_ids, positions
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     batch_axes = _batch_axes(mesh, b, batch_axes, axis)
     manual = (axis, *batch_axes)
+    active = mesh_lib.active_sharding()
     spec = heads = P(batch_axes or None, axis)
     if whole:
-        heads = P(batch_axes or None, axis, _head_axes(mesh, q.shape[2], k.shape[2], manual, ulysses) or None)
+        split = _head_axes(mesh, active and active[1], q.shape[2], k.shape[2], manual, ulysses)
+        heads = P(batch_axes or None, axis, split or None)
         manual = tuple(mesh.axis_names)
-    active = mesh_lib.active_sharding()
 
     def inner(*args):
         if active is None:
@@ -188,14 +189,13 @@ def _sharded(local, mesh, axis: str, batch_axes, q, k, v, segment_ids, positions
                          axis_names=set(manual), check_vma=False)(q, k, v, segment_ids, positions, _window(window))
 
 
-def _head_axes(mesh, heads: int, kv_heads: int, manual, ulysses: int = 1) -> tuple[str, ...]:
-    """The mesh axes outside `manual` that the active rules split both query and KV heads over ("act_heads",
-    "act_kv_heads"), if alike and each device keeps whole Ulysses groups of both; else none: the heads whole on
-    every device of those axes."""
-    active = mesh_lib.active_sharding()
-    if active is None:
+def _head_axes(mesh, rules, heads: int, kv_heads: int, manual, ulysses: int = 1) -> tuple[str, ...]:
+    """The mesh axes outside `manual` that the active `rules` (None: none) split both query and KV heads over
+    ("act_heads", "act_kv_heads"), if alike and each device keeps whole Ulysses groups of both; else none: the
+    heads whole on every device of those axes."""
+    if not rules:
         return ()
-    axes, kv_axes = (tuple(a for a in active[1].get(name, ()) if a not in manual and mesh.shape[a] > 1)
+    axes, kv_axes = (tuple(a for a in rules.get(name, ()) if a not in manual and mesh.shape[a] > 1)
                      for name in ("act_heads", "act_kv_heads"))
     n = math.prod(mesh.shape[a] for a in axes) * ulysses
     return axes if axes == kv_axes and heads % n == 0 and kv_heads % n == 0 else ()
