@@ -221,8 +221,9 @@ def test_the_ring_s_tpu_kernels_equal_unsharded_attention(case):
 def test_the_tpu_kernels_give_the_same_under_the_tpu_interpreter_on_two_cores():
     """One ring step, forward and backward, under Pallas's TPU interpreter (pltpu.InterpretParams): it keeps a
     TPU's memory spaces, fills uninitialised memory with NaN and splits the "parallel" grid axes over 2 cores, as
-    a megacore chip does. The kernels give exactly what the plain interpreter gives (that one is checked against
-    the unsharded attention above)."""
+    a megacore chip does. The kernels give what the plain interpreter gives (that one is checked against the
+    unsharded attention above), up to float rounding: one runs the kernel op by op, the other as one XLA program
+    whose fusions may order a row's sums differently on another CPU."""
     from jax.experimental.pallas import tpu as pltpu
 
     b, t, heads, kv_heads, d = 1, 256, 2, 1, 128
@@ -244,7 +245,7 @@ def test_the_tpu_kernels_give_the_same_under_the_tpu_interpreter_on_two_cores():
     want, got = step(True), step(pltpu.InterpretParams(num_cores_or_threads=2))
     assert np.isfinite(np.asarray(want[0])).all()
     for name, w, x in zip(("o", "m", "l", "dq", "dk", "dv"), want, got):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(w), err_msg=name)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(w), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_the_ring_s_tpu_kernels_lower_to_mosaic():
